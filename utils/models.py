@@ -1,0 +1,128 @@
+"""Loading the course's models: the embedded tiny model (no network, seconds) or GPT-2 small (a GPU, Colab).
+
+Both come back as a TransformerLens 4 `TransformerBridge` wrapping a Hugging Face GPT-2, so every hook name,
+weight name and code path is the same for both; only the size differs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import torch
+
+TINY_DIR = Path(__file__).resolve().parent / "tiny_model"  # tokenizer + safetensors weights, committed
+HUB_HOST = "huggingface.co"
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model that cannot be loaded here (offline, not cached, or never pretrained)."""
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def set_cpu_threads(n: int | None = None) -> int:
+    """Pick the torch thread count on purpose: tiny matmuls with too many threads are slow and noisy.
+
+    Defaults to the number of cores this process may use, at most 8 (more threads do not help models this
+    small). Returns the count that was set.
+    """
+    if n is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = max(1, min(cores, 8))
+    torch.set_num_threads(n)
+    return n
+
+
+def tiny_hf_config(vocab_size: int, eos_id: int, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
+                   n_ctx: int = 64):
+    """The tiny model's architecture: a GPT-2 with every dimension shrunk (~0.85M parameters)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=vocab_size, n_positions=n_ctx, n_embd=d_model, n_layer=n_layers,
+                      n_head=n_heads, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: RL wants determinism
+
+
+def bridge_from_hf(hf_model, tokenizer, device: torch.device | str | None = None):
+    """Wrap a Hugging Face causal LM in a TransformerBridge. The bridge *shares* hf_model's parameters."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    device = torch.device(device) if device is not None else default_device()
+    hf_model = hf_model.to(device).eval()
+    name = getattr(hf_model.config, "_name_or_path", "") or "gpt2"
+    return TransformerBridge.boot_transformers(name, hf_model=hf_model, tokenizer=tokenizer, device=device)
+
+
+def load_tiny_hf(path: str | Path = TINY_DIR):
+    """The embedded model as a plain Hugging Face GPT2LMHeadModel, with its tokenizer."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    path = Path(path)
+    if not (path / "model.safetensors").exists():
+        raise ModelUnavailableError(
+            f"No embedded model at {path}. It is committed with the repository; if you deleted it, "
+            "rebuild it with `python -m utils.pretrain_tiny` (about 3 minutes on a laptop CPU).")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    hf_model = GPT2LMHeadModel.from_pretrained(str(path), use_safetensors=True)
+    return hf_model, tokenizer
+
+
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    """True if a TCP connection to the Hub opens within `timeout` seconds (DNS included)."""
+    result = []
+
+    def probe():
+        try:
+            socket.create_connection((HUB_HOST, 443), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)  # a thread, because DNS lookups ignore timeouts
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
+
+
+def _is_cached(name: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    hit = try_to_load_from_cache(name, "config.json")
+    return isinstance(hit, str) and os.path.exists(hit)
+
+
+def load_model(name: str = "tiny", device: torch.device | str | None = None):
+    """Load a course model as a TransformerLens `TransformerBridge`; its tokenizer is `model.tokenizer`.
+
+    name: "tiny" for the embedded model (works offline, loads in about a second), or "gpt2" (or another
+    Hugging Face GPT-2-family name) for GPT-2 small, which needs the Hub or a cached copy.
+    device: defaults to CUDA when there is one, else the CPU (with a deliberate thread count).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cpu":
+        set_cpu_threads()
+    if name == "tiny":
+        hf_model, tokenizer = load_tiny_hf()
+        return bridge_from_hf(hf_model, tokenizer, device)
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if not _is_cached(name) and (offline or not _hub_reachable()):
+        why = "HF_HUB_OFFLINE is set" if offline else f"{HUB_HOST} cannot be reached"
+        raise ModelUnavailableError(
+            f"Cannot load {name!r}: it is not in the local Hugging Face cache and {why}. "
+            "Use load_model('tiny'), the embedded model that needs no network, or run once with network "
+            f"access (e.g. on Colab) so that {name!r} gets cached.")
+    from transformer_lens.model_bridge import TransformerBridge
+
+    return TransformerBridge.boot_transformers(name, device=device)
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
