@@ -1,0 +1,57 @@
+"""What a run shows while it trains: tables of samples, a history of metrics, and (only if asked) wandb."""
+
+from __future__ import annotations
+
+import os
+
+from tabulate import tabulate
+
+
+def samples_table(rows: list[dict], max_chars: int = 60, floatfmt: str = ".3f") -> str:
+    """A plain-text table of samples, one row each; long strings are cut to `max_chars` (with an ellipsis)."""
+    if not rows:
+        return "(no samples)"
+
+    def cell(value):
+        if isinstance(value, str):
+            value = value.replace("\n", "\\n")
+            return value if len(value) <= max_chars else value[:max_chars - 1] + "…"
+        return value
+
+    return tabulate([{k: cell(v) for k, v in row.items()} for row in rows], headers="keys", floatfmt=floatfmt,
+                    tablefmt="simple_outline")
+
+
+class RunLogger:
+    """Collects metrics step by step; mirrors them to wandb only when `use_wandb` is True.
+
+    wandb needs no account with WANDB_MODE=offline (runs are written under ./wandb, to sync later if you like).
+    """
+
+    def __init__(self, use_wandb: bool = False, project: str = "rlhf-from-first-principles",
+                 config: dict | None = None, run_name: str | None = None):
+        self.history: list[dict] = []
+        self.run = None
+        if use_wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("use_wandb=True needs the wandb package: pip install wandb") from e
+            if os.environ.get("WANDB_MODE") is None and not os.environ.get("WANDB_API_KEY"):
+                os.environ["WANDB_MODE"] = "offline"  # no account configured: never prompt for one
+            self.run = wandb.init(project=project, config=config or {}, name=run_name, reinit="finish_previous")
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.history.append({"step": step, **metrics})
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def curve(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of one metric, skipping the steps that did not log it."""
+        points = [(h["step"], h[key]) for h in self.history if key in h]
+        return [s for s, _ in points], [v for _, v in points]
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

@@ -1,0 +1,35 @@
+"""Training curves, one small panel per metric."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_curves(history: list[dict], keys: list[str], title: str | None = None, path: str | Path | None = None):
+    """Plot each metric of `keys` against "step" from a RunLogger history; save to `path` if given.
+
+    Returns the matplotlib Figure (a notebook shows it; a script can save or close it).
+    """
+    import matplotlib
+
+    if path is not None and matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    missing = [k for k in keys if not any(k in h for h in history)]
+    if missing:
+        raise KeyError(f"no logged values for {missing}; logged keys are "
+                       f"{sorted({k for h in history for k in h} - {'step'})}")
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        points = [(h["step"], h[key]) for h in history if key in h]
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 40 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig

@@ -1,0 +1,90 @@
+"""Batched sampling with the KV cache, returning everything RL needs to score and train on the samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+
+@dataclass
+class Samples:
+    """A batch of prompts and their sampled completions, left-padded into one tensor.
+
+    Row i is `prompts[i]` (left-padded to `prompt_len` columns) followed by its completion. Everything after
+    a completion's first EOS is padding: `completion_mask` is False there, and log-probs, KL, entropy and
+    value losses must ignore those positions.
+    """
+
+    ids: Int[Tensor, "batch seq"]                 # prompt + completion token ids
+    attention_mask: Int[Tensor, "batch seq"]      # 1 on real tokens: prompt (not its padding) + completion
+    completion_mask: Bool[Tensor, "batch gen"]    # True up to and including the first EOS of each completion
+    prompt_len: int                               # ids[:, prompt_len:] is the completion
+    prompts: list[str]
+    texts: list[str]                              # completions decoded, cut at the first EOS
+    eos_id: int                                   # the tokenizer's EOS (= BOS = PAD) id
+
+    @property
+    def completion_ids(self) -> Int[Tensor, "batch gen"]:
+        return self.ids[:, self.prompt_len:]
+
+    @property
+    def truncated(self) -> Bool[Tensor, "batch"]:
+        """Rows whose completion hit max_new_tokens without an EOS."""
+        eos = self.completion_ids == self.eos_id
+        return ~(eos & self.completion_mask).any(dim=1)
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """BOS + prompt tokens, left-padded with the pad token. Returns (ids, attention_mask), both [batch, pos]."""
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a list of strings; wrap a single prompt as [prompt]")
+    bos = tokenizer.bos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = [[bos] + tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def completion_mask_from_ids(completion_ids: Int[Tensor, "batch gen"], eos_id: int) -> Bool[Tensor, "batch gen"]:
+    """True on every completion token up to and including the first EOS; False after it."""
+    is_eos = completion_ids == eos_id
+    eos_before = is_eos.int().cumsum(dim=1) - is_eos.int()  # how many EOS came strictly before each position
+    return eos_before == 0
+
+
+@torch.no_grad()
+def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: float = 1.0,
+           top_k: int | None = None) -> Samples:
+    """Sample one completion per prompt with the KV cache; hooks added with `model.hooks(...)` stay active.
+
+    temperature=0 means greedy decoding. To sample G completions of a prompt, repeat it G times in `prompts`.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    tokenizer = model.tokenizer
+    eos = tokenizer.eos_token_id
+    ids, attn = tokenize_prompts(tokenizer, prompts, model.cfg.device)
+    n_ctx = model.cfg.n_ctx
+    if ids.shape[1] + max_new_tokens > n_ctx:
+        raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's context of {n_ctx} tokens: shorten the prompt or lower max_new_tokens")
+    out = model.generate(ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                         temperature=temperature if temperature > 0 else 1.0, top_k=top_k, stop_at_eos=True,
+                         eos_token_id=eos, return_type="tokens", verbose=False)
+    prompt_len = ids.shape[1]
+    completion = out[:, prompt_len:]
+    cmask = completion_mask_from_ids(completion, eos)
+    completion = torch.where(cmask, completion, torch.full_like(completion, eos))  # tidy: pad with EOS
+    full = torch.cat([ids, completion], dim=1)
+    attention_mask = torch.cat([attn, cmask.long()], dim=1)
+    texts = [tokenizer.decode(row[m & (row != eos)].tolist()) for row, m in zip(completion, cmask)]
+    return Samples(ids=full, attention_mask=attention_mask, completion_mask=cmask, prompt_len=prompt_len,
+                   prompts=list(prompts), texts=texts, eos_id=eos)
