@@ -1,0 +1,174 @@
+"""Part 0, warm-up: log-probs, sampling and hooks on a TransformerLens 4 model.
+
+The reference solutions of `chapters/part0_warmup.ipynb`, in the notebook's order. Run it as a script to
+sample from the embedded model:
+
+    python -m solutions.part0_warmup            # a table of samples and a few figures
+    python -m solutions.part0_warmup --json     # ... and a last line that is a JSON object of the figures
+"""
+
+import argparse
+import json
+import time
+from typing import Callable
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from utils.data import addition_accuracy, addition_pairs
+from utils.logger import samples_table
+from utils.models import load_model
+from utils.sampling import Samples, sample
+
+
+# --- 1. Log-probs of given tokens --------------------------------------------------------------------------
+
+def get_logprobs(
+    logits: Float[Tensor, "batch seq vocab"],
+    tokens: Int[Tensor, "batch seq"],
+    prefix_len: int = 1,
+) -> Float[Tensor, "batch gen"]:
+    """Log-probability that the model gives each token of `tokens` from position `prefix_len` on.
+
+    `logits[:, t]` is the prediction made after reading `tokens[:, :t+1]`, so it scores `tokens[:, t+1]`.
+    Returns a [batch, seq - prefix_len] tensor whose column j is log P(tokens[:, prefix_len + j] | all before).
+    """
+    if not 1 <= prefix_len < tokens.shape[1]:
+        raise ValueError(f"prefix_len must be in [1, seq), got {prefix_len} for seq = {tokens.shape[1]}")
+    logprobs = logits[:, prefix_len - 1:-1].log_softmax(dim=-1)  # the predictions for positions prefix_len..
+    return logprobs.gather(dim=-1, index=tokens[:, prefix_len:, None]).squeeze(-1)
+
+
+# --- 2. Sampling one token: temperature and top-k ----------------------------------------------------------
+
+def sample_next_token(
+    logits: Float[Tensor, "batch vocab"],
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> Int[Tensor, "batch"]:
+    """Draw one token per row from softmax(logits / temperature), restricted to the top_k most likely tokens.
+
+    temperature == 0 means greedy: the most likely token. top_k=None keeps the whole vocabulary.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth_best = logits.topk(top_k, dim=-1).values[:, -1:]  # [batch, 1]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(-1)
+
+
+# --- 3. A sampling loop, without a KV cache ----------------------------------------------------------------
+
+@torch.no_grad()
+def generate_no_cache(
+    model,
+    tokens: Int[Tensor, "batch pos"],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> Int[Tensor, "batch total"]:
+    """Append `max_new_tokens` sampled tokens to each row, re-running the whole sequence at every step.
+
+    Returns the [batch, pos + max_new_tokens] tokens (prompt included). No EOS handling: it keeps going.
+    """
+    for _ in range(max_new_tokens):
+        next_logits = model(tokens)[:, -1]  # only the last position predicts the next token
+        next_token = sample_next_token(next_logits, temperature, top_k)
+        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+    return tokens
+
+
+# --- 4. Log-probs of sampled completions -------------------------------------------------------------------
+
+def completion_logprobs(model, samples: Samples) -> Float[Tensor, "batch gen"]:
+    """Log-prob of each completion token of `samples` under `model`, and 0 after each completion's first EOS.
+
+    Prompts are left-padded, so the forward pass needs the attention mask (it also fixes the positions).
+    """
+    logits = model(samples.ids, attention_mask=samples.attention_mask)
+    logprobs = get_logprobs(logits, samples.ids, prefix_len=samples.prompt_len)
+    return logprobs * samples.completion_mask
+
+
+# --- 5. A forward hook that changes an activation ----------------------------------------------------------
+
+def make_steering_hook(direction: Float[Tensor, "d_model"], scale: float) -> Callable:
+    """A TransformerLens hook function that adds `scale * direction` to the residual stream at every position."""
+
+    def hook(resid: Float[Tensor, "batch pos d_model"], hook) -> Float[Tensor, "batch pos d_model"]:
+        return resid + scale * direction
+
+    return hook
+
+
+def steered_logprobs(
+    model,
+    tokens: Int[Tensor, "batch seq"],
+    layer: int,
+    direction: Float[Tensor, "d_model"],
+    scale: float,
+) -> Float[Tensor, "batch gen"]:
+    """Log-probs of `tokens` (as get_logprobs with prefix_len=1) while `scale * direction` is added to the
+    residual stream after block `layer`. The hook is active for this call only."""
+    hook = make_steering_hook(direction, scale)
+    logits = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.hook_resid_post", hook)])
+    return get_logprobs(logits, tokens)
+
+
+# --- The script: sample from the model, and measure what the notebook shows --------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="Sample from a course model and print a table of samples.")
+    parser.add_argument("--model", default="tiny", help="'tiny' (embedded, offline) or 'gpt2'")
+    parser.add_argument("--prompts", nargs="+", default=["This is", "The", "My friend", "12+34="])
+    parser.add_argument("--samples-per-prompt", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=20)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    model = load_model(args.model)
+    prompts = [p for p in args.prompts for _ in range(args.samples_per_prompt)]
+    samples = sample(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    with torch.no_grad():
+        logprobs = completion_logprobs(model, samples)
+    lengths = samples.completion_mask.sum(dim=1)
+    rows = [{"prompt": p, "completion": t, "tokens": int(n), "log-prob": float(lp)}
+            for p, t, n, lp in zip(samples.prompts, samples.texts, lengths, logprobs.sum(dim=1))]
+    print(samples_table(rows))
+
+    # The KV cache, measured: the same number of new tokens, with and without it.
+    batch = samples.ids[:, :samples.prompt_len]
+    n_new = min(args.max_new_tokens, model.cfg.n_ctx - batch.shape[1])
+    t0 = time.perf_counter()
+    generate_no_cache(model, batch[:8], n_new)
+    t_loop = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    sample(model, prompts[:8], max_new_tokens=n_new)
+    t_cache = time.perf_counter() - t0
+
+    figures = {
+        "model": args.model,
+        "mean_completion_logprob": round(float(logprobs.sum() / lengths.sum()), 4),
+        "mean_completion_tokens": round(float(lengths.float().mean()), 2),
+        "truncated_fraction": round(float(samples.truncated.float().mean()), 3),
+        "kv_cache_speedup": round(t_loop / t_cache, 2),
+        "seconds": 0.0,
+    }
+    if args.model == "tiny":
+        figures["held_out_addition_accuracy"] = round(addition_accuracy(model, addition_pairs("held_out")), 4)
+    figures["seconds"] = round(time.perf_counter() - start, 2)
+    print("\n".join(f"{k:>28}: {v}" for k, v in figures.items()))
+    if args.json:
+        print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
