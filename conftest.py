@@ -45,16 +45,10 @@ def impl(request):
     return found
 
 
-_models: dict = {}
-
-
 @pytest.fixture
 def tiny_model():
-    """The embedded model, loaded once per process; hooks are cleared after each test."""
-    from utils.models import load_model
-
-    if "tiny" not in _models:
-        _models["tiny"] = load_model("tiny", device="cpu")
-    model = _models["tiny"]
+    """The embedded model, loaded once per process (check() reuses it too); hooks are cleared after each test."""
+    model = harness.shared_tiny_model()
+    model.reset_hooks()
     yield model
     model.reset_hooks()

@@ -136,6 +136,22 @@ def resolve(spec: str, part: str) -> Implementation | None:
     return impl
 
 
+_tiny_model = None
+
+
+def shared_tiny_model():
+    """The embedded model on CPU, loaded once per process and shared by every test session in it.
+
+    check() starts a fresh pytest session each time; keeping the model here spares it a reload.
+    """
+    global _tiny_model
+    if _tiny_model is None:
+        from utils.models import load_model
+
+        _tiny_model = load_model("tiny", device="cpu")
+    return _tiny_model
+
+
 # --- running one exercise's tests in-process --------------------------------------------------------------
 
 @dataclass
@@ -183,7 +199,8 @@ def run_exercise_tests(part: str, name: str, obj: object) -> Outcome:
     outcome = Outcome(name)
     try:
         pytest.main([str(TESTS / f"test_{part}.py"), "--impl", "memory", "--exercise", name, "-p", "no:terminal",
-                     "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"],
+                     "-p", "no:cacheprovider", "-p", "no:unraisableexception",
+                     "-W", "ignore::pytest.PytestAssertRewriteWarning"],
                     plugins=[_Collector(outcome)])
     finally:
         OVERRIDES.pop(part, None)

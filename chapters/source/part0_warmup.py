@@ -1,0 +1,221 @@
+# %% [markdown]
+# # Part 0 — Warm-up: log-probs, sampling and hooks on a TransformerLens model
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/rlhf-first-principles/rlhf-transformerlens/blob/main/chapters/part0_warmup.ipynb)
+#
+# Every RL method in this course — PPO, GRPO, DPO, RLOO — is built from three moves on a language model:
+#
+# 1. **Score** text: the log-probability the model gives to each token of a sequence it (or someone) wrote.
+# 2. **Sample** text: draw completions token by token, with a temperature and a top-k.
+# 3. **Change** the model without copying it: a *forward hook* edits an activation on its way through.
+#
+# This warm-up makes you write each of them once, on the course's **embedded tiny model** (a ~0.85M-parameter GPT-2
+# that ships with the repository and runs on a laptop CPU), through **TransformerLens 4**. Later parts import what
+# you write here: `get_logprobs` becomes the heart of every loss, and the hook you write in section 5 is the same
+# mechanism that will carry a value head (Part 1) and a LoRA adapter (Part 2).
+#
+# **How to work.** Each exercise is a function whose body raises `NotImplementedError`. Replace the body, run the cell,
+# then run the `check(...)` line under it: it runs that exercise's tests against the reference solution in a few
+# seconds and, if something is off, tells you what the test expected and (usually) which mistake it looks like.
+
+# %% [colab]
+# On Colab: fetch the course and install what Colab lacks (torch is already there). Elsewhere: nothing.
+import os, sys
+if "google.colab" in sys.modules and not os.path.exists("/content/rlhf-course"):
+    !git clone --depth 1 https://github.com/rlhf-first-principles/rlhf-transformerlens /content/rlhf-course
+    %pip install -q -r /content/rlhf-course/requirements.txt
+    %cd /content/rlhf-course/chapters
+
+# %% [setup]
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from utils.harness import check
+from utils.sampling import Samples, sample
+
+# %%
+from utils.logger import samples_table
+from utils.models import load_model
+
+torch.manual_seed(0)
+model = load_model("tiny")  # "gpt2" on a GPU with network (e.g. Colab); the tests always use "tiny"
+print(model.cfg.n_layers, "layers, d_model =", model.cfg.d_model, ", vocabulary of", model.cfg.d_vocab, "tokens")
+
+# %% [markdown]
+# ## 0. Meet the model
+#
+# `load_model` returns a TransformerLens `TransformerBridge` — the class that replaced `HookedTransformer` in
+# TransformerLens 4 — wrapping a Hugging Face GPT-2. Calling it on a `[batch, pos]` tensor of token ids returns logits
+# `[batch, pos, vocab]`. The tokenizer is `model.tokenizer`; its `<|endoftext|>` token (the last id) serves as
+# beginning-of-sequence (BOS), end-of-sequence (EOS) and padding, as in GPT-2.
+#
+# The tiny model was pretrained (by `python -m utils.pretrain_tiny`) on a synthetic corpus: simple sentences, and
+# 2-digit additions such as `23+45=68`. We stopped it early, on purpose: it writes plausible sentences but gets only
+# some additions right, which leaves RL something to improve. Let us look at what it writes. `sample` (from `utils`)
+# batches prompts, uses the KV cache, and stops each row at its first EOS:
+
+# %%
+samples = sample(model, ["This is", "This is", "The", "My friend", "12+34=", "71+18="], max_new_tokens=20)
+print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prompts, samples.texts)]))
+
+# %% [markdown]
+# ## 1. Log-probs of given tokens
+#
+# RL for language models needs, again and again, the number $\log \pi_\theta(x_t \mid x_{<t})$ for each token $x_t$
+# of a sequence. The model's output at position $t$ is its prediction *for the next token*: `logits[:, t]` is computed
+# from `tokens[:, :t+1]` and scores `tokens[:, t+1]`. Getting this offset wrong by one is the most common bug in RLHF
+# code, and it fails silently: the numbers look like log-probs, just of the wrong tokens.
+#
+# ```
+# tokens:   BOS   This   is    a    good
+# logits:   →This →is    →a    →good →(next)
+# ```
+#
+# Usually we only care about the tokens after a prompt: `prefix_len` is the number of leading tokens that are not
+# scored (at least 1: nothing predicts the first token). Write `get_logprobs`; it returns
+# `[batch, seq - prefix_len]`. Use `log_softmax` (stable) and `gather`.
+
+# %% [exercise] get_logprobs
+
+# %% [markdown]
+# ## 2. Sampling one token: temperature and top-k
+#
+# To sample, we turn the logits of the last position into a distribution and draw from it. Two knobs:
+#
+# - **temperature** $T$: sample from $\mathrm{softmax}(\ell / T)$. $T < 1$ sharpens the distribution, $T > 1$ flattens
+#   it, and $T = 0$ is the limit where all the mass sits on the most likely token: greedy decoding (handle it apart,
+#   or you will divide by zero).
+# - **top-k**: keep only the $k$ most likely tokens (set the others' logits to $-\infty$) before the softmax.
+#
+# In RL we usually sample at $T = 1$ with no top-k, because the log-probs we train on must be those of the
+# distribution we actually sampled from. Greedy decoding is for evaluation.
+
+# %% [exercise] sample_next_token
+
+# %% [markdown]
+# ## 3. A sampling loop, and why the KV cache matters
+#
+# The simplest generator runs the model on the whole sequence, takes the logits of the **last** position, samples a
+# token, appends it, and repeats. Write it (no EOS handling: it just keeps going).
+
+# %% [exercise] generate_no_cache
+
+# %% [markdown]
+# Each step re-reads the whole sequence, so $n$ new tokens cost $O(n^2)$ token-passes. A **KV cache** keeps every
+# layer's keys and values from earlier steps, so each step only processes the one new token. `model.generate` (which
+# `utils.sampling.sample` calls) does this. Compare:
+
+# %%
+import time
+
+prompt = sample(model, ["This is"] * 32, max_new_tokens=1).ids[:, :-1]
+n_new = model.cfg.n_ctx - prompt.shape[1]
+t0 = time.perf_counter(); generate_no_cache(model, prompt, n_new); t_loop = time.perf_counter() - t0
+t0 = time.perf_counter(); sample(model, ["This is"] * 32, max_new_tokens=n_new); t_cache = time.perf_counter() - t0
+print(f"{n_new} new tokens for 32 prompts: {t_loop:.2f} s without a cache, {t_cache:.2f} s with it "
+      f"({t_loop / t_cache:.1f}x faster)")
+
+# %% [markdown]
+# ## 4. Log-probs of sampled completions
+#
+# `sample` returns a `Samples` object: `ids` holds each prompt (left-padded to a common length) followed by its
+# completion, `attention_mask` is 1 on real tokens, `prompt_len` is where completions start, and `completion_mask`
+# is True on each completion's tokens **up to and including its first EOS**. Everything after that first EOS is
+# padding: it must not count in log-probs, in the KL, the entropy, or the loss.
+#
+# Two details decide whether the numbers are right:
+#
+# - **Left padding.** Prompts of different lengths are padded on the left so that all completions start in the same
+#   column. Pass `attention_mask` to the model, or the padding is read as text (and GPT-2's positions shift).
+# - **The EOS token counts.** Choosing to stop is a decision of the policy, so its log-prob is part of the completion.
+#
+# Write `completion_logprobs`: the log-prob of every completion token, 0 after the first EOS. Reuse `get_logprobs`.
+
+# %% [exercise] completion_logprobs
+
+# %%
+samples = sample(model, ["This is", "The", "My friend", "12+34="] * 2, max_new_tokens=16)
+with torch.no_grad():
+    logprobs = completion_logprobs(model, samples)
+rows = [{"prompt": p, "completion": t, "tokens": int(m.sum()), "log-prob": float(lp.sum())}
+        for p, t, m, lp in zip(samples.prompts, samples.texts, samples.completion_mask, logprobs)]
+print(samples_table(rows))
+
+# %% [markdown]
+# ## 5. Hooks: change an activation, watch the log-probs move
+#
+# TransformerLens gives every intermediate activation a name — `blocks.1.hook_resid_post` is the residual stream
+# after block 1, `blocks.0.attn.hook_v` the attention values of layer 0 (`[batch, pos, head, d_head]`) — and lets you
+# attach a **hook**: a function `hook_fn(activation, hook)` whose return value replaces the activation.
+#
+# This is how the whole course changes a model without copying it: a value head reads the last residual stream
+# through a hook (Part 1), a LoRA adapter adds its low-rank update through hooks (Part 2), and *removing* the hooks
+# gives back the original model — the reference model, for free.
+#
+# First write a hook factory: `make_steering_hook(direction, scale)` returns a hook that adds `scale * direction`
+# to the residual stream at every position.
+
+# %% [exercise] make_steering_hook
+
+# %% [markdown]
+# Now use it. There are three ways to attach hooks, and the difference matters:
+#
+# - `model.run_with_hooks(tokens, fwd_hooks=[(name, fn)])` — the hooks are active for this one forward pass;
+# - `with model.hooks(fwd_hooks=[(name, fn)]): ...` — active inside the block, including in `model.generate`;
+# - `model.add_hook(name, fn)` — stays until `model.reset_hooks()`. Easy to leave behind by accident, and a hook left
+#   behind silently changes every later forward pass.
+#
+# Write `steered_logprobs`, which returns the log-probs of `tokens` (as `get_logprobs` with `prefix_len=1`) while
+# the residual stream after block `layer` is steered. It must leave no hook behind.
+
+# %% [exercise] steered_logprobs
+
+# %% [markdown]
+# The unembedding matrix `model.W_U` maps the final residual stream to logits, so its column for a token is a
+# direction that makes that token likelier. Scale it to unit length (so that `scale` is a distance in the
+# residual stream, whose vectors here have a norm of a few tens), steer towards `" happy"` and watch its
+# log-prob, then sample from the steered model with the context manager:
+
+# %%
+import matplotlib.pyplot as plt
+
+word = model.tokenizer(" happy", add_special_tokens=False).input_ids[0]
+tokens = torch.cat([sample(model, ["I am"], max_new_tokens=1).ids[:, :-1], torch.tensor([[word]])], dim=1)
+direction = model.W_U[:, word].detach()
+direction = direction / direction.norm()
+scales = [0, 10, 20, 40, 60]
+with torch.no_grad():
+    lp = [steered_logprobs(model, tokens, model.cfg.n_layers - 1, direction, s)[0, -1].item() for s in scales]
+plt.figure(figsize=(4, 3)); plt.plot(scales, lp, marker="o")
+plt.xlabel("scale"); plt.ylabel("log P(' happy' | 'I am')"); plt.title("Steering the last block"); plt.show()
+
+hook = make_steering_hook(direction, 30.0)
+with model.hooks(fwd_hooks=[(f"blocks.{model.cfg.n_layers - 1}.hook_resid_post", hook)]):
+    steered = sample(model, ["I am", "This is", "We feel"], max_new_tokens=12)
+plain = sample(model, ["I am", "This is", "We feel"], max_new_tokens=12)
+print(samples_table([{"prompt": p, "plain": a, "steered": b}
+                     for p, a, b in zip(plain.prompts, plain.texts, steered.texts)]))
+
+# %% [markdown]
+# ## Summary, and testing your whole notebook
+#
+# You wrote the three moves RL needs: `get_logprobs` and `completion_logprobs` (score), `sample_next_token` and
+# `generate_no_cache` (sample), `make_steering_hook` and `steered_logprobs` (change the model through a hook, and
+# leave nothing behind). Part 1 builds PPO from them.
+#
+# To test every exercise of this notebook at once, save it and run, from the repository's root:
+#
+# ```bash
+# pytest tests/test_part0_warmup.py --impl chapters/part0_warmup.ipynb
+# ```
+#
+# (The harness executes this notebook's cells tagged `setup` and `exercise`; keep your code in those cells.)

@@ -1,0 +1,120 @@
+"""Tests of the tests: every exercise's tests pass on the reference, fail on its stub and on each mutant, and the
+notebook, the solutions module and the test file of each part name the same exercises with the same signatures.
+
+These run each exercise's tests in-process through `harness.run_exercise_tests`, the same path `check()` takes.
+"""
+
+import importlib
+import inspect
+
+import pytest
+
+from utils import harness
+
+PARTS = harness.parts()
+EXERCISES = [(part, name) for part in PARTS for name in harness.exercise_names(part)]
+
+
+def test_there_are_parts_and_exercises():
+    assert PARTS, "no solutions/partN_<topic>.py found"
+    for part in PARTS:
+        assert harness.exercise_names(part), f"chapters/{part}.ipynb has no cell tagged 'exercise'"
+
+
+def part_tests(part):
+    return importlib.import_module(f"tests.test_{part}")
+
+
+def marked_exercises(part) -> set[str]:
+    module = part_tests(part)
+    names = set()
+    for obj in vars(module).values():
+        for mark in getattr(obj, "pytestmark", []):
+            if mark.name == "exercise":
+                names.add(mark.args[0])
+    return names
+
+
+# --- consistency: notebook, solutions and tests agree ------------------------------------------------------
+
+@pytest.mark.parametrize("part", PARTS)
+def test_every_notebook_exercise_has_a_solution_with_the_same_signature(part):
+    stubs = harness.resolve("stubs", part)
+    solutions = harness.solutions_module(part)
+    for name in harness.exercise_names(part):
+        assert hasattr(solutions, name), f"{name} has a stub in chapters/{part}.ipynb but no solutions/{part}.py"
+        stub_sig, ref_sig = inspect.signature(getattr(stubs, name)), inspect.signature(getattr(solutions, name))
+        stub_params = [(p.name, p.kind, p.default) for p in stub_sig.parameters.values()]
+        ref_params = [(p.name, p.kind, p.default) for p in ref_sig.parameters.values()]
+        assert stub_params == ref_params, f"{part}.{name}: stub {stub_sig} differs from solution {ref_sig}"
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_every_solution_is_an_exercise_or_declared_as_provided(part):
+    solutions = harness.solutions_module(part)
+    exercises = set(harness.exercise_names(part))
+    provided = set(getattr(solutions, "PROVIDED", ()))
+    own = {name for name, obj in vars(solutions).items()
+           if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+           and getattr(obj, "__module__", None) == solutions.__name__}
+    stray = own - exercises - provided - {"main"}
+    assert not stray, (f"solutions/{part}.py defines {sorted(stray)}, which are neither exercises in "
+                       f"chapters/{part}.ipynb nor listed in its PROVIDED tuple")
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_every_exercise_has_tests_and_mutants(part):
+    exercises = set(harness.exercise_names(part))
+    marked = marked_exercises(part)
+    mutants = getattr(part_tests(part), "MUTANTS", {})
+    assert exercises - marked == set(), f"exercises with no @exercise test in tests/test_{part}.py: " \
+                                        f"{sorted(exercises - marked)}"
+    assert marked - exercises == set(), f"tests marked for exercises the notebook lacks: {sorted(marked - exercises)}"
+    for name in exercises:
+        assert mutants.get(name), f"{part}.{name} has no registered mutant in tests/test_{part}.py MUTANTS"
+    assert set(mutants) <= exercises, f"MUTANTS names unknown exercises: {sorted(set(mutants) - exercises)}"
+
+
+# --- the meta-test: the tests can fail, and fail for the right reasons -------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part, name", EXERCISES, ids=[f"{p}.{n}" for p, n in EXERCISES])
+def test_exercise_tests_pass_on_solution_and_fail_on_stub_and_mutants(part, name):
+    solution = getattr(harness.solutions_module(part), name)
+    outcome = harness.run_exercise_tests(part, name, solution)
+    assert outcome.ok, f"{part}.{name}: the reference fails its own tests: {outcome.failed}"
+
+    stub = getattr(harness.resolve("stubs", part), name)
+    outcome = harness.run_exercise_tests(part, name, stub)
+    assert not outcome.passed, f"{part}.{name}: these tests pass on the stub: {outcome.passed}"
+    assert outcome.failed, f"{part}.{name}: no test ran against the stub"
+
+    for mutant in part_tests(part).MUTANTS[name]:
+        outcome = harness.run_exercise_tests(part, name, mutant)
+        assert outcome.failed, (f"{part}.{name}: the mutant {mutant.__name__} ({inspect.getdoc(mutant)}) "
+                                "passes every test")
+
+
+def test_check_prints_pass_and_names_the_mistake(capsys):
+    from solutions import part0_warmup as ref
+    from tests.test_part0_warmup import MUTANTS
+
+    harness.check(ref.get_logprobs)
+    assert "✅ get_logprobs" in capsys.readouterr().out
+
+    wrong = MUTANTS["get_logprobs"][0]
+    wrong.__name__ = "get_logprobs"  # what a learner's function is called
+    try:
+        harness.check(wrong)
+    finally:
+        wrong.__name__ = "_get_logprobs_unshifted"
+    out = capsys.readouterr().out
+    assert "❌ get_logprobs" in out and "logits[:, t] predicts token t+1" in out, out
+
+
+def test_check_rejects_an_unknown_name():
+    def not_an_exercise():
+        pass
+
+    with pytest.raises(ValueError, match="not an exercise"):
+        harness.check(not_an_exercise)

@@ -1,0 +1,202 @@
+"""Tests of the shared helpers in utils/: models, data, sampling, logging, plotting, the pretraining script."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from utils import data
+from utils.harness import ROOT
+from utils.logger import RunLogger, samples_table
+from utils.models import ModelUnavailableError, load_model, load_tiny_hf
+from utils.plotting import plot_curves
+from utils.sampling import completion_mask_from_ids, sample, tokenize_prompts
+
+
+# --- models ------------------------------------------------------------------------------------------------
+
+def test_tiny_model_loads_offline_in_seconds(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    model = load_model("tiny", device="cpu")
+    seconds = time.perf_counter() - start
+    assert seconds < 30, f"loading the embedded model took {seconds:.1f} s"
+    assert model.cfg.n_layers == 4 and model.cfg.d_model == 128
+    assert model.tokenizer.eos_token_id == model.cfg.d_vocab - 1, "EOS should be the last token id"
+
+
+def test_bridge_logits_match_the_hugging_face_model(tiny_model):
+    hf_model, tokenizer = load_tiny_hf()
+    ids = torch.tensor([tokenizer("This is a happy day .").input_ids])
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+        actual = tiny_model(ids)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gpt2_offline_fails_fast_naming_tiny(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("utils.models._is_cached", lambda name: False)
+    start = time.perf_counter()
+    with pytest.raises(ModelUnavailableError, match="tiny"):
+        load_model("gpt2", device="cpu")
+    assert time.perf_counter() - start < 5
+
+
+def test_gpt2_unreachable_hub_fails_fast_naming_tiny(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("utils.models._is_cached", lambda name: False)
+    monkeypatch.setattr("utils.models.HUB_HOST", "hub.invalid")  # a name that never resolves
+    start = time.perf_counter()
+    with pytest.raises(ModelUnavailableError, match="tiny"):
+        load_model("gpt2", device="cpu")
+    assert time.perf_counter() - start < 5
+
+
+# --- data --------------------------------------------------------------------------------------------------
+
+def test_addition_splits_are_disjoint_and_deterministic():
+    train, held_out = data.addition_pairs("train"), data.addition_pairs("held_out")
+    assert not set(train) & set(held_out)
+    assert len(train) + len(held_out) == 90 * 90
+    assert data.addition_pairs("held_out") == held_out
+    with pytest.raises(ValueError):
+        data.addition_pairs("test")
+
+
+def test_parse_answer():
+    assert data.parse_answer("68") == 68
+    assert data.parse_answer(" 68 ") == 68
+    assert data.parse_answer("68 and more") is None, "exact match: anything after the number is wrong"
+    assert data.parse_answer("sixty") is None
+
+
+def test_tiny_model_adds_sometimes_but_not_always(tiny_model):
+    pairs = data.addition_pairs("held_out")[:200]
+    accuracy = data.addition_accuracy(tiny_model, pairs)
+    assert 0.2 <= accuracy <= 0.7, f"held-out accuracy {accuracy:.0%}: the shipped checkpoint should leave room for RL"
+
+
+# --- sampling ----------------------------------------------------------------------------------------------
+
+def test_completion_mask_stops_after_first_eos():
+    eos = 9
+    ids = torch.tensor([[1, 2, 9, 3, 9], [1, 1, 1, 1, 1], [9, 2, 2, 2, 2]])
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(completion_mask_from_ids(ids, eos), expected)
+
+
+def test_tokenize_prompts_left_pads():
+    _, tokenizer = load_tiny_hf()
+    ids, mask = tokenize_prompts(tokenizer, ["This is", "The"], "cpu")
+    assert ids[:, -1].tolist() == [tokenizer(" is", add_special_tokens=False).input_ids[-1],
+                                    tokenizer("The", add_special_tokens=False).input_ids[0]]
+    assert mask.tolist()[1][0] == 0 and mask[0].all()
+    with pytest.raises(TypeError, match="list"):
+        tokenize_prompts(tokenizer, "This is", "cpu")
+
+
+def test_sample_masks_after_eos_and_decodes(tiny_model):
+    torch.manual_seed(0)
+    samples = sample(tiny_model, ["This is", "12+34="] * 8, max_new_tokens=20)
+    eos = samples.eos_id
+    assert samples.ids.shape == (16, samples.prompt_len + 20)
+    assert torch.equal(samples.completion_mask, completion_mask_from_ids(samples.completion_ids, eos))
+    assert (samples.completion_ids[~samples.completion_mask] == eos).all()
+    assert samples.attention_mask[:, samples.prompt_len:].bool().equal(samples.completion_mask)
+    assert any(not t for t in samples.truncated.tolist()), "some samples should end with EOS within 20 tokens"
+    assert all(isinstance(t, str) and "<|endoftext|>" not in t for t in samples.texts)
+
+
+def test_sample_greedy_is_deterministic_and_honours_hooks(tiny_model):
+    a = sample(tiny_model, ["This is"], max_new_tokens=8, temperature=0)
+    b = sample(tiny_model, ["This is"], max_new_tokens=8, temperature=0)
+    assert torch.equal(a.ids, b.ids)
+    word = tiny_model.tokenizer(" day", add_special_tokens=False).input_ids[0]
+    push = tiny_model.W_U[:, word].detach()
+
+    def hook(resid, hook):
+        return resid + 100 * push / push.norm()
+
+    with tiny_model.hooks(fwd_hooks=[("blocks.3.hook_resid_post", hook)]):
+        c = sample(tiny_model, ["This is"], max_new_tokens=4, temperature=0)
+    assert (c.completion_ids == word).all(), "hooks added with model.hooks() must act during sampling"
+
+
+def test_sample_rejects_prompts_longer_than_the_context(tiny_model):
+    with pytest.raises(ValueError, match="context"):
+        sample(tiny_model, ["This is"], max_new_tokens=tiny_model.cfg.n_ctx)
+
+
+# --- logging and plotting -----------------------------------------------------------------------------------
+
+def test_samples_table_cuts_long_text():
+    table = samples_table([{"reward": 1.23456, "text": "x" * 100}, {"reward": 0.5, "text": "a\nb"}], max_chars=20)
+    assert "1.235" in table and "x" * 19 + "…" in table and "a\\nb" in table
+    assert samples_table([]) == "(no samples)"
+
+
+def test_run_logger_keeps_history_without_wandb():
+    logger = RunLogger()
+    logger.log({"reward": 1.0}, step=0)
+    logger.log({"reward": 2.0, "kl": 0.1}, step=1)
+    assert logger.curve("reward") == ([0, 1], [1.0, 2.0])
+    assert logger.curve("kl") == ([1], [0.1])
+    assert logger.run is None
+
+
+def test_run_logger_wandb_offline_needs_no_account(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    logger = RunLogger(use_wandb=True, config={"lr": 1e-3}, run_name="test")
+    logger.log({"reward": 1.0}, step=0)
+    logger.finish()
+    assert list(tmp_path.rglob("*.wandb")), "an offline run should leave its log under WANDB_DIR"
+
+
+def test_plot_curves_writes_a_figure(tmp_path):
+    history = [{"step": i, "reward": i * 0.1, "kl": 0.01 * i} for i in range(5)]
+    fig = plot_curves(history, ["reward", "kl"], title="demo", path=tmp_path / "curves.png")
+    assert len(fig.axes) >= 2
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+# --- scripts -----------------------------------------------------------------------------------------------
+
+def run_module(*args, timeout=300):
+    result = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=timeout, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_pretraining_script_runs_a_few_steps(tmp_path):
+    out = run_module("utils.pretrain_tiny", "--out", str(tmp_path), "--max-steps", "3", "--eval-every", "3",
+                     "--corpus-tokens", "20000", "--eval-pairs", "16")
+    assert "saved to" in out
+    report = json.loads((tmp_path / "training.json").read_text())
+    assert report["steps"] == 3 and report["final_loss"] > 0
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
+
+
+def test_pretraining_is_deterministic_for_a_seed(tmp_path):
+    from utils.pretrain_tiny import PretrainConfig, pretrain
+
+    reports = [pretrain(PretrainConfig(out=str(tmp_path / name), max_steps=2, eval_every=2, corpus_tokens=5000,
+                                       eval_pairs=4, d_model=32, n_layers=1))
+               for name in ("a", "b")]
+    assert reports[0]["final_loss"] == reports[1]["final_loss"]
+
+
+@pytest.mark.slow
+def test_part0_script_prints_a_table_and_json():
+    out = run_module("solutions.part0_warmup", "--json", "--samples-per-prompt", "1", "--max-new-tokens", "8")
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert {"mean_completion_logprob", "held_out_addition_accuracy", "kv_cache_speedup", "seconds"} <= set(figures)
+    assert "┌" in out or "+" in out

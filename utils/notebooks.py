@@ -1,0 +1,155 @@
+"""Chapter notebooks are built from a plain-text source, so that their stubs can never drift from the solutions.
+
+    python -m utils.notebooks                 # rebuild every chapters/partN_<topic>.ipynb from chapters/source/
+    python -m utils.notebooks --check         # fail if a notebook differs from what its source builds
+
+A source file (`chapters/source/partN_<topic>.py`) is a list of cells, each opened by a marker line:
+
+    # %% [markdown]          prose; each line starts with "# " (or is "#")
+    # %% [colab]             the Colab install cell
+    # %% [setup]             imports the exercises need (the harness runs these when testing a notebook)
+    # %% [exercise] name     the stub of `name`, made from solutions/partN_<topic>.py, then a `check(name)` cell
+    # %%                     an ordinary code cell (demos, training)
+
+A stub keeps the solution's decorators, signature and docstring and replaces the body with
+`raise NotImplementedError`; a class keeps its class-level statements and has each method stubbed the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS, SOURCES, SOLUTIONS = ROOT / "chapters", ROOT / "chapters" / "source", ROOT / "solutions"
+MARKER = re.compile(r"^# %%(?: \[(?P<kind>\w+)\](?: (?P<arg>\w+))?)?\s*$")
+
+
+def _definitions(part: str) -> tuple[list[str], dict[str, ast.AST]]:
+    source = (SOLUTIONS / f"{part}.py").read_text()
+    tree = ast.parse(source)
+    return source.splitlines(), {n.name: n for n in tree.body
+                                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def _first_line(node) -> int:
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+
+
+def solution_source(part: str, name: str) -> str:
+    """The source of `name` in solutions/<part>.py, decorators included."""
+    lines, defs = _definitions(part)
+    if name not in defs:
+        raise KeyError(f"solutions/{part}.py defines no function or class {name!r}")
+    node = defs[name]
+    return "\n".join(lines[_first_line(node) - 1:node.end_lineno])
+
+
+def _stub_lines(lines: list[str], node, message: str) -> list[str]:
+    """Source lines of a function or class with every function body replaced by `raise NotImplementedError`."""
+    body = node.body
+    has_doc = (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+               and isinstance(body[0].value.value, str))
+    if isinstance(node, ast.ClassDef):
+        out = lines[_first_line(node) - 1:body[0].lineno - 1]  # decorators and the class line
+        for i, child in enumerate(body):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out += ([""] if i else []) + _stub_lines(lines, child, message)
+            else:
+                out += lines[_first_line(child) - 1:child.end_lineno]
+        return out
+    end_of_header = body[0].end_lineno if has_doc else body[0].lineno - 1
+    indent = re.match(r"\s*", lines[body[0].lineno - 1]).group(0)
+    return lines[_first_line(node) - 1:end_of_header] + [f'{indent}raise NotImplementedError("{message}")']
+
+
+def stub_source(part: str, name: str) -> str:
+    """The learner's starting point for exercise `name`: signature and docstring, no body."""
+    lines, defs = _definitions(part)
+    if name not in defs:
+        raise KeyError(f"solutions/{part}.py defines no function or class {name!r}")
+    return "\n".join(_stub_lines(lines, defs[name], f"write {name}"))
+
+
+def parse_source(path: Path) -> list[tuple[str, str | None, str]]:
+    """(kind, argument, text) of each cell of a source file; kind is markdown/colab/setup/exercise/code."""
+    cells: list[tuple[str, str | None, list[str]]] = []
+    for line in path.read_text().splitlines():
+        match = MARKER.match(line)
+        if match:
+            cells.append((match["kind"] or "code", match["arg"], []))
+        elif cells:
+            cells[-1][2].append(line)
+        elif line.strip():
+            raise ValueError(f"{path}: text before the first '# %%' marker: {line!r}")
+    out = []
+    for kind, arg, body in cells:
+        while body and not body[-1].strip():
+            body.pop()
+        while body and not body[0].strip():
+            body.pop(0)
+        if kind == "markdown":
+            body = [re.sub(r"^# ?", "", ln) for ln in body]
+        out.append((kind, arg, "\n".join(body)))
+    return out
+
+
+def _cell(index: int, kind: str, text: str, tags: list[str]) -> dict:
+    cell = {"cell_type": "markdown" if kind == "markdown" else "code", "id": f"{index:03d}",
+            "metadata": {"tags": tags} if tags else {}, "source": text.splitlines(keepends=True)}
+    if cell["cell_type"] == "code":
+        cell.update(execution_count=None, outputs=[])
+    return cell
+
+
+def build(part: str) -> dict:
+    """The notebook of `part`, as a JSON-ready dict."""
+    cells = []
+    for kind, arg, text in parse_source(SOURCES / f"{part}.py"):
+        if kind == "exercise":
+            if text:
+                raise ValueError(f"{part}: an '[exercise] {arg}' cell takes its code from solutions/, not the source")
+            cells.append(("exercise", stub_source(part, arg), ["exercise"]))
+            cells.append(("code", f"check({arg})", ["check"]))
+        elif kind in ("colab", "setup"):
+            cells.append((kind, text, [kind]))
+        elif kind in ("markdown", "code"):
+            cells.append((kind, text, []))
+        else:
+            raise ValueError(f"{part}: unknown cell kind [{kind}]")
+    return {"cells": [_cell(i, k, t, tags) for i, (k, t, tags) in enumerate(cells)],
+            "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                         "language_info": {"name": "python"}},
+            "nbformat": 4, "nbformat_minor": 5}
+
+
+def dumps(notebook: dict) -> str:
+    return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", help="e.g. part0_warmup (default: every source)")
+    parser.add_argument("--check", action="store_true", help="report stale notebooks instead of writing them")
+    args = parser.parse_args(argv)
+    stale = []
+    for part in args.parts or sorted(p.stem for p in SOURCES.glob("part*_*.py")):
+        text, path = dumps(build(part)), CHAPTERS / f"{part}.ipynb"
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(part)
+        else:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    if stale:
+        print(f"out of date: {', '.join(stale)}; run python -m utils.notebooks", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
