@@ -118,3 +118,12 @@ def test_check_rejects_an_unknown_name():
 
     with pytest.raises(ValueError, match="not an exercise"):
         harness.check(not_an_exercise)
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_provided_code_is_shown_in_the_notebook(part):
+    provided = getattr(harness.solutions_module(part), "PROVIDED", ())
+    shown = [name for tags, src in harness.notebook_cells(harness.CHAPTERS / f"{part}.ipynb") if "provided" in tags
+             for name in harness.defined_names(src)]
+    assert sorted(provided) == sorted(shown), (f"solutions/{part}.py PROVIDED {sorted(provided)} but the notebook "
+                                               f"shows {sorted(shown)}")

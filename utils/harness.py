@@ -10,7 +10,8 @@ The tests of part N (`tests/test_partN_<topic>.py`) never import an implementati
     memory               `solutions/`, with the objects that `check()` (or the meta-tests) put in OVERRIDES
 
 Notebook cells carry tags: "setup" (imports the exercises need), "exercise" (one exercise, a stub raising
-NotImplementedError), "check" (the one-line check after it). Everything else is prose, demos and training.
+NotImplementedError), "provided" (reference code the learner reads and runs), "check" (the one-line check after
+an exercise). Everything else is prose, demos and training.
 """
 
 from __future__ import annotations
@@ -84,13 +85,15 @@ class Implementation(types.SimpleNamespace):
                              "before testing it")
 
 
-def _exec_notebook(path: Path, tags_to_run: tuple[str, ...] = ("setup", "exercise")) -> dict:
-    namespace: dict = {"__name__": f"notebook_{path.stem}"}
+def _exec_notebook(path: Path, tags_to_run: tuple[str, ...] = ("setup", "provided", "exercise")) -> dict:
+    # A real module in sys.modules, so that dataclasses and pickling defined in the notebook work as in Jupyter.
+    module = types.ModuleType(f"notebook_{path.stem}")
+    sys.modules[module.__name__] = module
     for tags, source in notebook_cells(path):
         if tags & set(tags_to_run):
-            code = compile(source, f"{path.name} [{'/'.join(sorted(tags))} cell]", "exec")
-            exec(code, namespace)
-    return namespace
+            code = compile(source, f"{path.name} [{'/'.join(sorted(tags))} cell]", "exec", dont_inherit=True)
+            exec(code, module.__dict__)
+    return module.__dict__
 
 
 def _import_file(path: Path) -> dict:

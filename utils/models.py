@@ -98,6 +98,17 @@ def _is_cached(name: str) -> bool:
     return isinstance(hit, str) and os.path.exists(hit)
 
 
+def require_hub_model(name: str, offline_choice: str = "load_model('tiny'), the embedded model that needs no network,") -> None:
+    """Fail within seconds, with a message that says what to do, if `name` can be neither found in the local
+    Hugging Face cache nor downloaded (instead of minutes of retries)."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if not _is_cached(name) and (offline or not _hub_reachable()):
+        why = "HF_HUB_OFFLINE is set" if offline else f"{HUB_HOST} cannot be reached"
+        raise ModelUnavailableError(
+            f"Cannot load {name!r}: it is not in the local Hugging Face cache and {why}. Use {offline_choice} "
+            f"or run once with network access (e.g. on Colab) so that {name!r} gets cached.")
+
+
 def load_model(name: str = "tiny", device: torch.device | str | None = None):
     """Load a course model as a TransformerLens `TransformerBridge`; its tokenizer is `model.tokenizer`.
 
@@ -112,13 +123,7 @@ def load_model(name: str = "tiny", device: torch.device | str | None = None):
         hf_model, tokenizer = load_tiny_hf()
         return bridge_from_hf(hf_model, tokenizer, device)
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if not _is_cached(name) and (offline or not _hub_reachable()):
-        why = "HF_HUB_OFFLINE is set" if offline else f"{HUB_HOST} cannot be reached"
-        raise ModelUnavailableError(
-            f"Cannot load {name!r}: it is not in the local Hugging Face cache and {why}. "
-            "Use load_model('tiny'), the embedded model that needs no network, or run once with network "
-            f"access (e.g. on Colab) so that {name!r} gets cached.")
+    require_hub_model(name)
     from transformer_lens.model_bridge import TransformerBridge
 
     return TransformerBridge.boot_transformers(name, device=device)

@@ -9,6 +9,7 @@ A source file (`chapters/source/partN_<topic>.py`) is a list of cells, each open
     # %% [colab]             the Colab install cell
     # %% [setup]             imports the exercises need (the harness runs these when testing a notebook)
     # %% [exercise] name     the stub of `name`, made from solutions/partN_<topic>.py, then a `check(name)` cell
+    # %% [provided] name     the full source of `name` from solutions/ (code the learner reads and runs)
     # %%                     an ordinary code cell (demos, training)
 
 A stub keeps the solution's decorators, signature and docstring and replaces the body with
@@ -115,6 +116,10 @@ def build(part: str) -> dict:
                 raise ValueError(f"{part}: an '[exercise] {arg}' cell takes its code from solutions/, not the source")
             cells.append(("exercise", stub_source(part, arg), ["exercise"]))
             cells.append(("code", f"check({arg})", ["check"]))
+        elif kind == "provided":
+            if text:
+                raise ValueError(f"{part}: a '[provided] {arg}' cell takes its code from solutions/, not the source")
+            cells.append(("provided", solution_source(part, arg), ["provided"]))
         elif kind in ("colab", "setup"):
             cells.append((kind, text, [kind]))
         elif kind in ("markdown", "code"):

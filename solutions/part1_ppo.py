@@ -1,0 +1,518 @@
+"""Part 1: RLHF with PPO on a TransformerLens model, with a value head attached by a hook.
+
+The reference solutions of `chapters/part1_ppo.ipynb`, in the notebook's order. Run it as a script to train:
+
+    python -m solutions.part1_ppo                    # the embedded tiny model on CPU: more '.' per sample
+    python -m solutions.part1_ppo --preset gpt2      # GPT-2 small on a GPU (e.g. Colab)
+    python -m solutions.part1_ppo --json             # ... ending with a JSON line of the figures
+
+The loss follows the PPO recipe of Ouyang et al. (2022) and CleanRL's ppo.py: the clipped surrogate, a value
+loss, an entropy bonus, and a KL penalty to the frozen starting model. Unlike TRL's PPOTrainer, which folds a
+sampled per-token KL (k1) into the reward, the penalty here is the exact full-vocabulary KL added to the loss,
+as in ARENA's RLHF chapter; the notebook compares the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from solutions.part0_warmup import get_logprobs
+from utils.data import NEGATIVE, POSITIVE
+from utils.logger import RunLogger, samples_table
+from utils.masks import masked_mean, masked_var, masked_whiten
+from utils.models import load_model, require_hub_model
+from utils.plotting import plot_curves
+from utils.sampling import sample
+
+# Not exercises: the notebook shows them in full (cells built from this file) for the learner to read and run.
+PROVIDED = ("load_sentiment_classifier", "ReplayMemory", "PPOConfig", "PPOTrainer")
+
+
+# --- 1. A value head on a hook -----------------------------------------------------------------------------
+
+class PolicyWithValueHead(nn.Module):
+    """The language model plus a value head: a small MLP that reads the final residual stream through a hook.
+
+    `self.model` is the TransformerLens model; `self.value_head` maps a [..., d_model] residual vector to
+    [..., 1]. Calling the module returns (logits, values) from one forward pass of the model.
+    """
+
+    def __init__(self, model, d_hidden: int = 64):
+        super().__init__()
+        self.model = model
+        self.value_head = nn.Sequential(nn.Linear(model.cfg.d_model, d_hidden), nn.ReLU(), nn.Linear(d_hidden, 1))
+        self.hook_name = f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"  # the final residual stream
+
+    def forward(
+        self,
+        tokens: Int[Tensor, "batch seq"],
+        attention_mask: Int[Tensor, "batch seq"] | None = None,
+    ) -> tuple[Float[Tensor, "batch seq vocab"], Float[Tensor, "batch seq"]]:
+        """(logits, values): values[:, t] is the value head's estimate of the return after reading tokens[:, :t+1].
+
+        One forward pass; the hook is active during this call only, and gradients reach both the head and the
+        model (they share the trunk).
+        """
+        stored = {}
+
+        def read_resid(resid: Float[Tensor, "batch seq d_model"], hook) -> None:
+            stored["values"] = self.value_head(resid).squeeze(-1)
+
+        with self.model.hooks(fwd_hooks=[(self.hook_name, read_resid)]):
+            logits = self.model(tokens, attention_mask=attention_mask)
+        return logits, stored["values"]
+
+
+# --- 2. Rewards ---------------------------------------------------------------------------------------------
+
+def reward_char_count(texts: list[str], char: str = ".") -> Float[Tensor, "batch"]:
+    """How many times `char` appears in each text, as a float tensor."""
+    return torch.tensor([float(text.count(char)) for text in texts])
+
+
+def reward_sentiment_lexicon(texts: list[str]) -> Float[Tensor, "batch"]:
+    """(positive words) - (negative words) in each text, with the word lists of `utils.data`.
+
+    Words are compared in lower case, with punctuation stripped: "Happy." counts as "happy".
+    """
+    positive, negative = set(POSITIVE), set(NEGATIVE)
+    scores = []
+    for text in texts:
+        words = re.findall(r"[a-z]+", text.lower())
+        scores.append(float(sum(w in positive for w in words) - sum(w in negative for w in words)))
+    return torch.tensor(scores)
+
+
+@torch.no_grad()
+def reward_classifier(
+    texts: list[str],
+    classifier,
+    tokenizer,
+    positive_label: int = 1,
+) -> Float[Tensor, "batch"]:
+    """The probability that a Hugging Face sequence classifier gives `positive_label` for each text.
+
+    The texts are batched with padding, so the attention mask must go to the classifier.
+    """
+    device = next(classifier.parameters()).device
+    inputs = tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(device)
+    logits = classifier(**inputs).logits
+    return logits.softmax(dim=-1)[:, positive_label].float().cpu()
+
+
+def load_sentiment_classifier(name: str = "lvwerra/distilbert-imdb", device: torch.device | str | None = None):
+    """A pretrained sentiment classifier and its tokenizer (needs the Hub once, then the cache).
+
+    Its label 1 is "positive". Offline and uncached, it fails at once with a message that suggests the
+    lexicon reward instead.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    require_hub_model(name, offline_choice="the lexicon reward (reward='sentiment'), which needs no network,")
+    classifier = AutoModelForSequenceClassification.from_pretrained(name, use_safetensors=True).eval()
+    return classifier.to(device or ("cuda" if torch.cuda.is_available() else "cpu")), AutoTokenizer.from_pretrained(name)
+
+
+def normalize_rewards(rewards: Float[Tensor, "batch"], eps: float = 1e-5) -> Float[Tensor, "batch"]:
+    """Rewards shifted to mean 0 and scaled to standard deviation 1 over the batch.
+
+    A batch whose rewards are all equal carries no signal: it becomes all zeros (eps keeps it finite).
+    """
+    if not torch.isfinite(rewards).all():
+        raise ValueError(f"rewards contain NaN or inf: {rewards.tolist()}; check the reward function")
+    return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
+
+
+# --- 3. Advantages and returns ------------------------------------------------------------------------------
+
+@torch.no_grad()
+def compute_advantages(
+    values: Float[Tensor, "batch gen"],
+    rewards: Float[Tensor, "batch"],
+    completion_mask: Bool[Tensor, "batch gen"],
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[Float[Tensor, "batch gen"], Float[Tensor, "batch gen"]]:
+    """GAE advantages and returns for each completion token (Schulman et al. 2016), 0 outside the mask.
+
+    values[:, j] estimates the return before completion token j is chosen. The only reward is the sequence's,
+    received after its last valid token (its first EOS, or the last token if it hit the length limit);
+    after that the episode is over, so the next value there is 0. Returns = advantages + values.
+    Both outputs are detached: they are targets, not things to differentiate.
+    """
+    mask = completion_mask.to(values.dtype)
+    lengths = completion_mask.sum(dim=1)
+    if (lengths == 0).any():
+        raise ValueError("a completion has no valid token: completion_mask must be True at least at position 0")
+    batch, gen = values.shape
+    token_rewards = torch.zeros_like(values)
+    token_rewards[torch.arange(batch), lengths - 1] = rewards.to(values.dtype)
+    next_values = torch.cat([values[:, 1:] * mask[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+    deltas = (token_rewards + gamma * next_values - values) * mask  # TD errors, 0 after the episode ends
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(gen)):
+        running = deltas[:, t] + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+# --- 4. The KL penalty: exact, and sampled -------------------------------------------------------------------
+
+def kl_exact(
+    logits: Float[Tensor, "batch gen vocab"],
+    ref_logits: Float[Tensor, "batch gen vocab"],
+    completion_mask: Bool[Tensor, "batch gen"],
+) -> Float[Tensor, "batch gen"]:
+    """KL(policy || reference) of the next-token distributions at each completion position, summed over the
+    whole vocabulary; 0 outside the mask."""
+    logprobs, ref_logprobs = logits.log_softmax(dim=-1), ref_logits.log_softmax(dim=-1)
+    kl = (logprobs.exp() * (logprobs - ref_logprobs)).sum(dim=-1)
+    return kl * completion_mask
+
+
+def kl_k1(
+    logprobs: Float[Tensor, "batch gen"],
+    ref_logprobs: Float[Tensor, "batch gen"],
+    completion_mask: Bool[Tensor, "batch gen"],
+) -> Float[Tensor, "batch gen"]:
+    """The k1 estimate of KL(policy || reference) from the sampled tokens: log p - log q; 0 outside the mask.
+
+    Unbiased (the tokens were sampled from the policy), but each term can be negative and its variance is high.
+    """
+    return (logprobs - ref_logprobs) * completion_mask
+
+
+def kl_k3(
+    logprobs: Float[Tensor, "batch gen"],
+    ref_logprobs: Float[Tensor, "batch gen"],
+    completion_mask: Bool[Tensor, "batch gen"],
+) -> Float[Tensor, "batch gen"]:
+    """The k3 estimate (Schulman, "Approximating KL divergence", 2020): (r - 1) - log r with r = q / p.
+
+    Unbiased, never negative, and of lower variance than k1 when the two models are close. It is what TRL's
+    GRPO uses for its KL term. 0 outside the mask.
+    """
+    log_ratio = ref_logprobs - logprobs  # log r = log q - log p
+    return (log_ratio.exp() - 1 - log_ratio) * completion_mask
+
+
+# --- 5. The three losses -------------------------------------------------------------------------------------
+
+def entropy(
+    logits: Float[Tensor, "batch gen vocab"],
+    completion_mask: Bool[Tensor, "batch gen"],
+) -> Float[Tensor, "batch gen"]:
+    """Entropy of the next-token distribution at each completion position, in nats; 0 outside the mask."""
+    logprobs = logits.log_softmax(dim=-1)
+    return -(logprobs.exp() * logprobs).sum(dim=-1) * completion_mask
+
+
+def value_loss(
+    values: Float[Tensor, "batch gen"],
+    returns: Float[Tensor, "batch gen"],
+    completion_mask: Bool[Tensor, "batch gen"],
+) -> Float[Tensor, ""]:
+    """0.5 * mean squared error between the values and the (fixed) returns, over the valid tokens."""
+    return 0.5 * masked_mean((values - returns.detach()) ** 2, completion_mask)
+
+
+def clipped_surrogate(
+    logprobs: Float[Tensor, "batch gen"],
+    old_logprobs: Float[Tensor, "batch gen"],
+    advantages: Float[Tensor, "batch gen"],
+    completion_mask: Bool[Tensor, "batch gen"],
+    clip_eps: float = 0.2,
+) -> Float[Tensor, ""]:
+    """PPO's clipped surrogate objective (to be *maximised*), averaged over the valid tokens.
+
+    ratio = p_new / p_old per token; the objective is min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A).
+    The advantages are constants here: no gradient flows into them.
+    """
+    advantages = advantages.detach()
+    ratio = (logprobs - old_logprobs.detach()).exp()
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    return masked_mean(torch.minimum(unclipped, clipped), completion_mask)
+
+
+# --- 6. Minibatches and the optimiser ------------------------------------------------------------------------
+
+def get_minibatch_indices(
+    n: int,
+    minibatch_size: int,
+    generator: torch.Generator | None = None,
+) -> list[Int[Tensor, "minibatch"]]:
+    """A random split of range(n) into n // minibatch_size disjoint minibatches of indices.
+
+    Every index appears exactly once; n must be a multiple of minibatch_size.
+    """
+    if n % minibatch_size != 0:
+        raise ValueError(f"batch of {n} is not a multiple of minibatch_size {minibatch_size}")
+    return list(torch.randperm(n, generator=generator).split(minibatch_size))
+
+
+def make_optimizer(
+    policy: PolicyWithValueHead,
+    lr_model: float,
+    lr_head: float,
+    warmup_steps: int,
+    total_steps: int,
+    final_lr_fraction: float = 0.1,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with two parameter groups (the model at lr_model, the value head at lr_head), and a schedule that
+    warms up linearly from ~0 to 1 over `warmup_steps` steps, then decays linearly to `final_lr_fraction` at
+    `total_steps`. Parameters with requires_grad=False are left out.
+    """
+    groups = [
+        {"params": [p for p in policy.model.parameters() if p.requires_grad], "lr": lr_model},
+        {"params": [p for p in policy.value_head.parameters() if p.requires_grad], "lr": lr_head},
+    ]
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 1.0 - (1.0 - final_lr_fraction) * progress
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+# --- 7. The trainer ------------------------------------------------------------------------------------------
+
+@dataclass
+class ReplayMemory:
+    """One rollout phase's samples and what was computed from them, to be replayed in minibatches."""
+
+    ids: Int[Tensor, "batch seq"]
+    attention_mask: Int[Tensor, "batch seq"]
+    completion_mask: Bool[Tensor, "batch gen"]
+    prompt_len: int
+    logprobs: Float[Tensor, "batch gen"]          # under the policy that sampled them (the "old" policy)
+    values: Float[Tensor, "batch gen"]
+    advantages: Float[Tensor, "batch gen"]
+    returns: Float[Tensor, "batch gen"]
+    ref_logits: Float[Tensor, "batch gen vocab"]  # the reference model's next-token logits, for the exact KL
+
+    def minibatches(self, minibatch_size: int, generator: torch.Generator | None = None):
+        """Yield dicts of the same fields, cut along the batch by `get_minibatch_indices`."""
+        per_sample = {k: v for k, v in vars(self).items() if isinstance(v, Tensor)}
+        for idx in get_minibatch_indices(len(self.ids), minibatch_size, generator):
+            yield {k: v[idx] for k, v in per_sample.items()} | {"prompt_len": self.prompt_len}
+
+
+@dataclass
+class PPOConfig:
+    """Defaults that work on the embedded tiny model on a 2-core CPU; `PPOConfig.gpt2()` is the GPU preset."""
+
+    model: str = "tiny"                    # "tiny" (embedded) or "gpt2"
+    reward: str = "periods"                # "periods" ('.' count), "sentiment" (lexicon) or "classifier"
+    prompts: tuple[str, ...] = ("This is", "The", "My friend", "We")
+    phases: int = 60                       # rollout + learning phases
+    batch_size: int = 64                   # samples per rollout phase
+    minibatch_size: int = 16
+    epochs: int = 2                        # passes over each phase's memory
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    lr_model: float = 3e-4                 # full fine-tuning of the language model
+    lr_head: float = 3e-3                  # the value head starts from scratch: it can learn faster
+    warmup_steps: int = 10                 # optimiser steps
+    final_lr_fraction: float = 0.1
+    clip_eps: float = 0.2
+    vf_coef: float = 0.5
+    ent_coef: float = 0.001
+    kl_coef: float = 0.2                   # beta: the weight of the exact KL to the reference in the loss
+    gamma: float = 1.0
+    lam: float = 0.95
+    normalize_rewards: bool = True
+    normalize_advantages: bool = True      # whitened per minibatch, as in CleanRL
+    max_grad_norm: float = 1.0
+    value_hidden: int = 64
+    table_every: int = 10                  # print a table of samples every this many phases
+    seed: int = 0
+    device: str | None = None
+    wandb: bool = False
+
+    @classmethod
+    def gpt2(cls, **overrides) -> "PPOConfig":
+        """GPT-2 small on a GPU: a gentler learning rate and a bigger batch; the '.' reward still works."""
+        return replace(cls(model="gpt2", phases=100, batch_size=128, minibatch_size=32, max_new_tokens=32,
+                           lr_model=2e-5, lr_head=1e-3, kl_coef=0.1, value_hidden=256, table_every=10), **overrides)
+
+    @property
+    def total_steps(self) -> int:
+        return self.phases * self.epochs * (self.batch_size // self.minibatch_size)
+
+
+class PPOTrainer:
+    """Rollout phase (sample, score, compute advantages), then learning phase (minibatch updates), repeated.
+
+    Full fine-tuning: the reference is a frozen copy of the starting weights (2x the model's memory).
+    """
+
+    def __init__(self, cfg: PPOConfig, model=None, reward_fn: Callable | None = None):
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.model = model if model is not None else load_model(cfg.model, cfg.device)
+        # Full fine-tuning: the reference is a second, frozen copy of the starting weights.
+        self.reference = load_model(cfg.model, self.model.cfg.device) if model is None else self.frozen_copy(model)
+        self.reference.requires_grad_(False).eval()
+        self.policy = PolicyWithValueHead(self.model, cfg.value_hidden).to(self.model.cfg.device)
+        self.reward_fn = reward_fn or self._default_reward()
+        self.optimizer, self.scheduler = make_optimizer(self.policy, cfg.lr_model, cfg.lr_head, cfg.warmup_steps,
+                                                        cfg.total_steps, cfg.final_lr_fraction)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.logger = RunLogger(use_wandb=cfg.wandb, config=asdict(cfg), run_name=f"ppo-{cfg.model}-{cfg.reward}")
+        self.phase = 0
+
+    @staticmethod
+    def frozen_copy(model):
+        """The same weights in a separate module (copy it before training: a bridge that has run a forward pass
+        with gradients holds tensors that cannot be deep-copied)."""
+        import copy
+
+        try:
+            return copy.deepcopy(model)
+        except RuntimeError as e:
+            raise RuntimeError("could not copy the model for the reference: pass a freshly loaded model, or let "
+                               "PPOTrainer load both (model=None)") from e
+
+    def _default_reward(self) -> Callable:
+        if self.cfg.reward == "classifier":
+            classifier, tokenizer = load_sentiment_classifier(device=self.model.cfg.device)
+            return lambda texts: reward_classifier(texts, classifier, tokenizer)
+        rewards = {"periods": reward_char_count, "sentiment": reward_sentiment_lexicon}
+        if self.cfg.reward not in rewards:
+            raise ValueError(f"unknown reward {self.cfg.reward!r}: choose 'periods', 'sentiment' or 'classifier'")
+        return rewards[self.cfg.reward]
+
+    @torch.no_grad()
+    def rollout_phase(self) -> ReplayMemory:
+        cfg = self.cfg
+        prompts = [cfg.prompts[i % len(cfg.prompts)] for i in range(cfg.batch_size)]
+        samples = sample(self.model, prompts, cfg.max_new_tokens, cfg.temperature)
+        p, mask = samples.prompt_len, samples.completion_mask
+        logits, values = self.policy(samples.ids, samples.attention_mask)
+        ref_logits = self.reference(samples.ids, attention_mask=samples.attention_mask)
+        logprobs = get_logprobs(logits, samples.ids, p) * mask
+        ref_logprobs = get_logprobs(ref_logits, samples.ids, p) * mask
+        values = values[:, p - 1:-1]  # the value *before* each completion token is chosen
+        rewards = self.reward_fn(samples.texts).to(values.device)
+        scaled = normalize_rewards(rewards) if cfg.normalize_rewards else rewards
+        advantages, returns = compute_advantages(values, scaled, mask, cfg.gamma, cfg.lam)
+
+        kl = kl_exact(logits[:, p - 1:-1], ref_logits[:, p - 1:-1], mask).sum(dim=1)
+        self.logger.log({"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+                         "kl": kl.mean().item(), "kl_k1": kl_k1(logprobs, ref_logprobs, mask).sum(1).mean().item(),
+                         "completion_tokens": mask.sum(dim=1).float().mean().item()}, step=self.phase)
+        if self.phase % cfg.table_every == 0 or self.phase == cfg.phases - 1:
+            rows = [{"reward": r.item(), "ref log-prob": lp.item(), "prompt": pr, "completion": t}
+                    for r, lp, pr, t in zip(rewards[:6], ref_logprobs.sum(1)[:6], samples.prompts, samples.texts)]
+            tqdm.write(f"\nphase {self.phase}: mean reward {rewards.mean():.3f}, KL {kl.mean():.3f}\n"
+                       + samples_table(rows))
+        return ReplayMemory(samples.ids, samples.attention_mask, mask, p, logprobs, values * mask, advantages,
+                            returns, ref_logits[:, p - 1:-1])
+
+    def learning_phase(self, memory: ReplayMemory) -> None:
+        cfg = self.cfg
+        stats: dict[str, list[float]] = {k: [] for k in ("clip_fraction", "approx_kl", "entropy", "value_loss",
+                                                          "explained_variance")}
+        for _ in range(cfg.epochs):
+            for mb in memory.minibatches(cfg.minibatch_size, self.generator):
+                p, mask = mb["prompt_len"], mb["completion_mask"]
+                logits, values = self.policy(mb["ids"], mb["attention_mask"])
+                gen_logits, values = logits[:, p - 1:-1], values[:, p - 1:-1]
+                logprobs = get_logprobs(logits, mb["ids"], p)
+                advantages = mb["advantages"]
+                if cfg.normalize_advantages:
+                    advantages = masked_whiten(advantages, mask)
+
+                objective = clipped_surrogate(logprobs, mb["logprobs"], advantages, mask, cfg.clip_eps)
+                v_loss = value_loss(values, mb["returns"], mask)
+                ent = masked_mean(entropy(gen_logits, mask), mask)
+                kl = masked_mean(kl_exact(gen_logits, mb["ref_logits"], mask), mask)
+                loss = -objective + cfg.vf_coef * v_loss - cfg.ent_coef * ent + cfg.kl_coef * kl
+
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+
+                with torch.no_grad():
+                    log_ratio = logprobs - mb["logprobs"]
+                    stats["clip_fraction"].append(masked_mean(((log_ratio.exp() - 1).abs() > cfg.clip_eps).float(),
+                                                              mask).item())
+                    stats["approx_kl"].append(masked_mean(kl_k3(logprobs, mb["logprobs"], mask), mask).item())
+                    stats["entropy"].append(ent.item())
+                    stats["value_loss"].append(v_loss.item())
+                    residual = masked_var(mb["returns"] - values, mask) / masked_var(mb["returns"], mask).clamp(min=1e-8)
+                    stats["explained_variance"].append(1 - residual.item())
+        self.logger.log({k: sum(v) / len(v) for k, v in stats.items()} | {"lr_model": self.scheduler.get_last_lr()[0]},
+                        step=self.phase)
+
+    def train(self) -> RunLogger:
+        for self.phase in tqdm(range(self.cfg.phases), desc="PPO phases"):
+            memory = self.rollout_phase()
+            self.learning_phase(memory)
+        self.logger.finish()
+        return self.logger
+
+
+# --- The script ---------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="Train a course model with PPO and watch the reward climb.")
+    parser.add_argument("--preset", choices=["tiny", "gpt2"], default="tiny")
+    parser.add_argument("--reward", choices=["periods", "sentiment", "classifier"])
+    parser.add_argument("--phases", type=int)
+    parser.add_argument("--kl-coef", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--wandb", action="store_true", help="also log to wandb (offline without an account)")
+    parser.add_argument("--plot", default="ppo_curves.png", help="where to save the training curves ('' for none)")
+    parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
+    args = parser.parse_args(argv)
+
+    cfg = PPOConfig.gpt2() if args.preset == "gpt2" else PPOConfig()
+    overrides = {k: v for k, v in {"reward": args.reward, "phases": args.phases, "kl_coef": args.kl_coef,
+                                   "seed": args.seed}.items() if v is not None}
+    if os.environ.get("RLHF_SMOKE"):
+        overrides.setdefault("phases", 3)
+    cfg = replace(cfg, **overrides, wandb=args.wandb)
+
+    start = time.perf_counter()
+    logger = PPOTrainer(cfg).train()
+    seconds = time.perf_counter() - start
+    _, rewards = logger.curve("reward")
+    _, kls = logger.curve("kl")
+    k = max(1, min(5, len(rewards) // 4))  # average a few phases at each end: rewards are noisy
+    figures = {"model": cfg.model, "reward": cfg.reward, "phases": cfg.phases,
+               "reward_start": round(sum(rewards[:k]) / k, 4), "reward_end": round(sum(rewards[-k:]) / k, 4),
+               "reward_ratio": round((sum(rewards[-k:]) / k) / max(1e-8, sum(rewards[:k]) / k), 3),
+               "kl_end": round(sum(kls[-k:]) / k, 4), "kl_max": round(max(kls), 4), "seconds": round(seconds, 1)}
+    if args.plot:
+        plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explained_variance"],
+                    title=f"PPO on {cfg.model}, reward: {cfg.reward}", path=args.plot)
+    print("\n".join(f"{key:>14}: {value}" for key, value in figures.items()))
+    if args.json:
+        print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
