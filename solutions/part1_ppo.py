@@ -417,7 +417,12 @@ class PPOTrainer:
         advantages, returns = compute_advantages(values, scaled, mask, cfg.gamma, cfg.lam)
 
         kl = kl_exact(logits[:, p - 1:-1], ref_logits[:, p - 1:-1], mask).sum(dim=1)
+        # How much of the returns' variance the value head predicted (CleanRL's measure): 1 is perfect, 0 is no
+        # better than a constant. Undefined when every reward is the same (the normalised returns are all ~0).
+        returns_var = masked_var(returns, mask)
+        explained = (1 - masked_var(returns - values, mask) / returns_var).item() if returns_var > 1e-4 else math.nan
         self.logger.log({"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+                         "explained_variance": explained,
                          "kl": kl.mean().item(), "kl_k1": kl_k1(logprobs, ref_logprobs, mask).sum(1).mean().item(),
                          "completion_tokens": mask.sum(dim=1).float().mean().item()}, step=self.phase)
         if self.phase % cfg.table_every == 0 or self.phase == cfg.phases - 1:
@@ -430,8 +435,7 @@ class PPOTrainer:
 
     def learning_phase(self, memory: ReplayMemory) -> None:
         cfg = self.cfg
-        stats: dict[str, list[float]] = {k: [] for k in ("clip_fraction", "approx_kl", "entropy", "value_loss",
-                                                          "explained_variance")}
+        stats: dict[str, list[float]] = {k: [] for k in ("clip_fraction", "approx_kl", "entropy", "value_loss")}
         for _ in range(cfg.epochs):
             for mb in memory.minibatches(cfg.minibatch_size, self.generator):
                 p, mask = mb["prompt_len"], mb["completion_mask"]
@@ -461,8 +465,6 @@ class PPOTrainer:
                     stats["approx_kl"].append(masked_mean(kl_k3(logprobs, mb["logprobs"], mask), mask).item())
                     stats["entropy"].append(ent.item())
                     stats["value_loss"].append(v_loss.item())
-                    residual = masked_var(mb["returns"] - values, mask) / masked_var(mb["returns"], mask).clamp(min=1e-8)
-                    stats["explained_variance"].append(1 - residual.item())
         self.logger.log({k: sum(v) / len(v) for k, v in stats.items()} | {"lr_model": self.scheduler.get_last_lr()[0]},
                         step=self.phase)
 
@@ -500,10 +502,11 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = time.perf_counter() - start
     _, rewards = logger.curve("reward")
     _, kls = logger.curve("kl")
-    k = max(1, min(5, len(rewards) // 4))  # average a few phases at each end: rewards are noisy
+    k = max(1, min(5, len(rewards) // 4))  # the end is averaged over a few phases: rewards are noisy
+    # reward_start is phase 0's batch, sampled before any update: the starting model's mean reward.
     figures = {"model": cfg.model, "reward": cfg.reward, "phases": cfg.phases,
-               "reward_start": round(sum(rewards[:k]) / k, 4), "reward_end": round(sum(rewards[-k:]) / k, 4),
-               "reward_ratio": round((sum(rewards[-k:]) / k) / max(1e-8, sum(rewards[:k]) / k), 3),
+               "reward_start": round(rewards[0], 4), "reward_end": round(sum(rewards[-k:]) / k, 4),
+               "reward_ratio": round((sum(rewards[-k:]) / k) / max(1e-8, rewards[0]), 3),
                "kl_end": round(sum(kls[-k:]) / k, 4), "kl_max": round(max(kls), 4), "seconds": round(seconds, 1)}
     if args.plot:
         plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explained_variance"],

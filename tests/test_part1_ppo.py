@@ -705,3 +705,30 @@ MUTANTS = {
     "get_minibatch_indices": [_minibatch_no_shuffle, _minibatch_with_replacement],
     "make_optimizer": [_optimizer_one_lr, _optimizer_no_warmup, _optimizer_decays_to_zero],
 }
+
+
+def test_sentiment_classifier_offline_fails_fast_with_an_alternative(monkeypatch):
+    from utils.models import ModelUnavailableError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("utils.models._is_cached", lambda name: False)
+    with pytest.raises(ModelUnavailableError, match="sentiment"):
+        ref.load_sentiment_classifier()
+
+
+@pytest.mark.slow
+def test_script_prints_json_figures(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from utils.harness import ROOT
+
+    result = subprocess.run([sys.executable, "-m", "solutions.part1_ppo", "--json", "--plot", str(tmp_path / "c.png")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "RLHF_SMOKE": "1", "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {"reward_start", "reward_end", "kl_end", "seconds"} <= set(figures)
+    assert (tmp_path / "c.png").exists()

@@ -263,7 +263,9 @@ print(samples_table(rows))
 #
 # Besides the reward and the KL, the trainer logs what practitioners watch: **clip fraction** (how many tokens hit
 # the clip; above ~0.3 the steps are too big), **approx-KL** between the old and new policy in a learning phase,
-# **entropy**, and **explained variance** of the returns by the value head (1 is perfect, 0 is useless).
+# **entropy**, and **explained variance**: how much of the variance of the returns the value head predicted at
+# rollout time (1 is perfect, 0 is no better than a constant; undefined, so not plotted, once every sample gets
+# the same reward).
 
 # %% [provided] ReplayMemory
 
@@ -283,7 +285,10 @@ plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explai
             title="PPO on the tiny model, reward: full stops");
 
 # %% [markdown]
-# Look at the samples in the tables above. Early on, the model writes more, shorter sentences. Lower `kl_coef`
+# Look at the samples in the tables above. The model learns to write more, shorter sentences ("They are fun. You
+# feel warm."), which is as many full stops as 32 tokens of fluent text can hold: the reward levels off at 8 and
+# the KL at about 20 nats per sample. (Once nearly every sample scores 8, the one that doesn't dominates the
+# normalised rewards, and the explained variance swings: there is almost nothing left to predict.) Lower `kl_coef`
 # (try `PPOConfig(kl_coef=0.0)`) and it soon learns what the reward really counts: it emits `.` after almost
 # anything, and the KL shoots up. That is **reward hacking**, and the KL penalty is the standard, partial,
 # defence against it.
