@@ -362,16 +362,18 @@ class PPOConfig:
 class PPOTrainer:
     """Rollout phase (sample, score, compute advantages), then learning phase (minibatch updates), repeated.
 
-    Full fine-tuning: the reference is a frozen copy of the starting weights (2x the model's memory).
+    Without `reference`, this is full fine-tuning: the reference is a frozen copy of the starting weights (2x the
+    model's memory). Part 2 passes a LoRA model as `model` and its base model as `reference`.
     """
 
-    def __init__(self, cfg: PPOConfig, model=None, reward_fn: Callable | None = None):
+    def __init__(self, cfg: PPOConfig, model=None, reference=None, reward_fn: Callable | None = None):
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         self.model = model if model is not None else load_model(cfg.model, cfg.device)
-        # Full fine-tuning: the reference is a second, frozen copy of the starting weights.
-        self.reference = load_model(cfg.model, self.model.cfg.device) if model is None else self.frozen_copy(model)
-        self.reference.requires_grad_(False).eval()
+        if reference is None:  # full fine-tuning: a second, frozen copy of the starting weights
+            reference = load_model(cfg.model, self.model.cfg.device) if model is None else self.frozen_copy(model)
+            reference.requires_grad_(False)
+        self.reference = reference.eval()  # Part 2 passes the LoRA model's own base: no copy at all
         self.policy = PolicyWithValueHead(self.model, cfg.value_hidden).to(self.model.cfg.device)
         self.reward_fn = reward_fn or self._default_reward()
         self.optimizer, self.scheduler = make_optimizer(self.policy, cfg.lr_model, cfg.lr_head, cfg.warmup_steps,

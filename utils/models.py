@@ -130,4 +130,7 @@ def load_model(name: str = "tiny", device: torch.device | str | None = None):
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+    """Parameters a model computes with. A TransformerBridge over GPT-2 also keeps the fused `c_attn` weight it
+    split into q, k and v; that copy is never used in the forward pass, so it is not counted."""
+    return sum(p.numel() for name, p in model.named_parameters()
+               if (p.requires_grad or not trainable_only) and "attn.qkv." not in name)

@@ -33,8 +33,11 @@ MARKER = re.compile(r"^# %%(?: \[(?P<kind>\w+)\](?: (?P<arg>\w+))?)?\s*$")
 def _definitions(part: str) -> tuple[list[str], dict[str, ast.AST]]:
     source = (SOLUTIONS / f"{part}.py").read_text()
     tree = ast.parse(source)
-    return source.splitlines(), {n.name: n for n in tree.body
-                                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    for n in tree.body:  # module-level constants (e.g. TARGETS) can be [provided] too
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            defs.setdefault(n.targets[0].id, n)
+    return source.splitlines(), defs
 
 
 def _first_line(node) -> int:

@@ -1,0 +1,155 @@
+"""Peak memory of one RLHF training step, by the form of its reference model (a benchmark, not a test).
+
+    python bench/reference_memory.py                 # tiny model and a GPT-2-small-sized one, on CPU or GPU
+    python bench/reference_memory.py --json          # ... ending with a JSON line of the figures
+
+Each case runs in a fresh subprocess and makes two optimiser steps (so Adam's state exists) of: a policy forward
+pass with a value head and backward, and a reference forward pass without gradients, for the exact KL. Cases:
+
+    lora_hooks      LoRA policy; the reference is the same module with the hooks removed (Part 2)
+    lora_copy       the same LoRA step, but with a frozen full copy of the model as the reference
+    full_copy       full fine-tuning with a frozen full copy as the reference (Part 1)
+
+Memory is the peak of torch.cuda.max_memory_allocated on a GPU. On CPU it is the process's peak resident set size
+during the two steps (Linux's VmHWM, reset once the models are built) less its size after imports: it counts
+allocator slack and the bridge's own overhead too, so it is rough for the tiny model, whose weights are 3 MB, and
+clear for the GPT-2-sized one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = ("lora_hooks", "lora_copy", "full_copy")
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def reset_peak_rss() -> bool:
+    """Linux resets a process's peak resident set size (VmHWM) when "5" is written to clear_refs."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_case(case: str, size: str, device: str, batch: int, seq: int) -> dict:
+    import copy
+
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    sys.path.insert(0, str(ROOT))
+    from solutions.part1_ppo import PolicyWithValueHead, kl_exact
+    from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
+    from utils.models import bridge_from_hf, load_tiny_hf, set_cpu_threads, tiny_hf_config
+
+    set_cpu_threads()
+    torch.manual_seed(0)
+    baseline = rss_mib()
+    hf_model, tokenizer = load_tiny_hf()
+    if size == "gpt2":  # GPT-2 small's shapes, random weights: memory is all we measure
+        hf_model = GPT2LMHeadModel(tiny_hf_config(50257, tokenizer.eos_token_id, d_model=768, n_layers=12,
+                                                  n_heads=12, n_ctx=1024))
+    hf_model.eval()
+    base = bridge_from_hf(hf_model, tokenizer, device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    if case == "full_copy":
+        reference = copy.deepcopy(base).requires_grad_(False)
+        model = base
+    else:
+        adapters = make_adapters(base, rank=8, alpha=16.0)
+        freeze_base(base, adapters)
+        model = LoRAModel(base, adapters)
+        reference = base if case == "lora_hooks" else copy.deepcopy(base).requires_grad_(False)
+    policy = PolicyWithValueHead(model).to(device)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    tokens = torch.randint(0, len(tokenizer) - 1, (batch, seq), device=device)
+    mask = torch.ones(batch, seq - 1, dtype=torch.bool, device=device)
+    if device == "cpu":
+        reset_peak_rss()  # building the models has its own transient peak; measure the training steps only
+    for _ in range(2):
+        logits, values = policy(tokens)
+        with torch.no_grad():
+            ref_logits = reference(tokens)
+        loss = kl_exact(logits[:, :-1], ref_logits[:, :-1], mask).mean() + values.pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = peak_rss_mib() - baseline
+    return {"case": case, "size": size, "device": device, "peak_mib": round(peak, 1),
+            "trainable_params": sum(p.numel() for p in params)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "gpt2"], choices=["tiny", "gpt2"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--_case", nargs=2, help=argparse.SUPPRESS)  # internal: run one case, print its JSON
+    args = parser.parse_args(argv)
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args._case:
+        print(json.dumps(run_case(args._case[0], args._case[1], device, args.batch, args.seq)))
+        return {}
+
+    from tabulate import tabulate
+
+    rows = []
+    for size in args.sizes:
+        results = {}
+        for case in CASES:
+            out = subprocess.run([sys.executable, __file__, "--_case", case, size, "--device", device, "--batch",
+                                  str(args.batch), "--seq", str(args.seq)], capture_output=True, text=True,
+                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            if out.returncode != 0:
+                raise RuntimeError(f"case {case} on {size} failed:\n{out.stderr[-3000:]}")
+            results[case] = json.loads(out.stdout.strip().splitlines()[-1])
+        hooks = results["lora_hooks"]["peak_mib"]
+        for case in CASES:
+            r = results[case]
+            rows.append({"model": size, "reference": case, "peak MiB": r["peak_mib"],
+                         "ratio to lora_hooks": round(r["peak_mib"] / hooks, 2), "trainable": r["trainable_params"]})
+    print(f"peak memory of a training step (batch {args.batch} x {args.seq} tokens, {device})")
+    print(tabulate(rows, headers="keys", tablefmt="simple_outline"))
+    figures = {f"{r['model']}_{r['reference']}_mib": r["peak MiB"] for r in rows}
+    figures |= {f"{r['model']}_{r['reference']}_ratio": r["ratio to lora_hooks"] for r in rows}
+    figures["device"] = device
+    if args.json:
+        print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+# %% [markdown]
+# # Part 2 — LoRA written by hand, as hooks
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/rlhf-first-principles/rlhf-transformerlens/blob/main/chapters/part2_lora.ipynb)
+#
+# Part 1 fine-tuned every weight of the model, and so needed a second, frozen copy of it as the reference for the
+# KL penalty. LoRA (Hu et al. 2021) trains a small low-rank update instead:
+#
+# $$W x \;\longrightarrow\; W x + \frac{\alpha}{r} B A x, \qquad A \in \mathbb{R}^{r \times d_\text{in}},\ B \in \mathbb{R}^{d_\text{out} \times r},\ r \ll d.$$
+#
+# We write it **as forward hooks**: the base model's weights are never touched; a hook on a projection's output
+# adds $\frac{\alpha}{r} B A x$. That gives RLHF something precious for free: **the reference model is the same
+# module with the hooks removed**. No second copy of the weights, no syncing — just run the model without hooks.
+#
+# You will write the LoRA module, the hooks, the policy/reference pair, freezing, merging the update into the
+# weights and taking it out again, and saving an adapter; then Part 1's trainer runs unchanged with LoRA.
+
+# %% [colab]
+# On Colab: fetch the course and install what Colab lacks (torch is already there). Elsewhere: nothing.
+import os, sys
+if "google.colab" in sys.modules and not os.path.exists("/content/rlhf-course"):
+    !git clone --depth 1 https://github.com/rlhf-first-principles/rlhf-transformerlens /content/rlhf-course
+    %pip install -q -r /content/rlhf-course/requirements.txt
+    %cd /content/rlhf-course/chapters
+
+# %% [setup]
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from jaxtyping import Float
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from solutions.part0_warmup import completion_logprobs  # Part 0, solved
+from solutions.part1_ppo import PPOConfig, PPOTrainer    # Part 1, solved
+from utils.harness import check
+from utils.logger import samples_table
+from utils.models import count_parameters, load_model
+from utils.plotting import plot_curves
+from utils.sampling import Samples, sample
+
+SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the training cells short
+
+# %% [markdown]
+# ## 1. The LoRA module
+#
+# `A` starts Kaiming-uniform, exactly as `nn.Linear` initialises a weight (`nn.init.kaiming_uniform_(A,
+# a=math.sqrt(5))`), and `B` starts at **zero**, so $BA = 0$ and the adapted model starts as the base model;
+# the gradient of $B$ is not zero (it is proportional to $A x$), so training gets going at once. The update is
+# scaled by $\alpha / r$, so that changing the rank does not change the size of the update at initialisation
+# (the convention of the `peft` library).
+#
+# `forward` maps `[..., d_in]` to `[..., d_out]`. Keep `A`, `B` and `scale` as attributes with those names.
+
+# %% [exercise] LoRA
+
+# %% [markdown]
+# ## 2. LoRA as forward hooks
+#
+# Which activations does a LoRA on, say, the query projection need? Its *input* $x$ (the output of `ln1`, going
+# into $W_Q$) and its *output* (the queries, which we change). TransformerLens 4 names both:
+# `blocks.{L}.attn.q.hook_in` is the input, `[batch, pos, d_model]`, and `blocks.{L}.attn.hook_q` the output,
+# per head: `[batch, pos, head, d_head]`. The table `TARGETS` below lists the pair for each projection we adapt.
+#
+# So each adapter needs **two hooks**: one on the input that keeps $x$ (return nothing: the activation is left as
+# it is), and one on the output that returns `output + adapter(x)`, reshaped to the output's shape. The output
+# projection `o` reads the per-head `z`, `[batch, pos, head, d_head]`: flatten the last two dimensions to
+# `n_heads * d_head` before the adapter.
+#
+# `make_adapters` (below) builds one `LoRA` per block and target, keyed `"L{layer}_{target}"`. Write
+# `lora_hooks(model, adapters)`: it returns the list of `(hook_name, hook_fn)` pairs and adds nothing to the
+# model. Closures in a loop are a classic trap: bind the loop's variables as default arguments.
+
+# %% [provided] TARGETS
+
+# %% [provided] make_adapters
+
+# %% [exercise] lora_hooks
+
+# %% [markdown]
+# Three ways to use the hooks, as in Part 0: `model.run_with_hooks(tokens, fwd_hooks=hooks)` for one forward pass;
+# `with model.hooks(fwd_hooks=hooks):` for a block of code — `generate` samples from the adapted model inside it;
+# and `model.add_hook` for hooks that stay until `model.reset_hooks()`. We never use the last one for LoRA.
+#
+# With `B = 0` the adapted model *is* the base model. Check it, then give `B` some random values and watch the
+# samples change inside the context manager only:
+
+# %%
+model = load_model("tiny")
+torch.manual_seed(0)
+adapters = make_adapters(model, rank=8, alpha=16.0)
+tokens = sample(model, ["This is"], max_new_tokens=8).ids
+with torch.no_grad():
+    same = torch.allclose(model.run_with_hooks(tokens, fwd_hooks=lora_hooks(model, adapters)), model(tokens))
+print("B = 0: adapted logits equal the base model's:", same)
+
+with torch.no_grad():
+    for a in adapters.values():
+        a.B.normal_(0, 0.05)
+prompts = ["This is", "The", "My friend"]
+with model.hooks(fwd_hooks=lora_hooks(model, adapters)):
+    adapted = sample(model, prompts, max_new_tokens=12, temperature=0)
+plain = sample(model, prompts, max_new_tokens=12, temperature=0)
+print(samples_table([{"prompt": p, "base": b, "with random B": a}
+                     for p, b, a in zip(prompts, plain.texts, adapted.texts)]))
+
+# %% [markdown]
+# ## 3. The reference model is the same module, without the hooks
+#
+# `LoRAModel` (below) bundles the base model and its adapters: its `forward` and `generate` run the base model
+# inside `with base.hooks(lora_hooks(...))`, and it passes `cfg`, `tokenizer` and `hooks` through, so Part 1's
+# `PolicyWithValueHead`, `sample` and `PPOTrainer` accept it as a model. It holds no copy of anything: `self.base`
+# *is* the base model.
+#
+# Write `policy_and_reference_logprobs`: the completion log-probs of `samples` under the adapted model and under
+# the reference — `lora_model.base`, called with no hooks. (Part 0's `completion_logprobs` does the work.)
+
+# %% [provided] LoRAModel
+
+# %% [exercise] policy_and_reference_logprobs
+
+# %% [markdown]
+# ## 4. Freezing
+#
+# Only the adapters (and, in PPO, the value head) should learn. Write `freeze_base`: every base parameter gets
+# `requires_grad=False`, every adapter parameter `requires_grad=True` (an adapter loaded from disk may arrive
+# frozen), and it returns the trainable and total parameter counts (`count_parameters`).
+
+# %% [exercise] freeze_base
+
+# %%
+trainable, total = freeze_base(model, adapters)
+print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%})")
+
+# %% [markdown]
+# ## 5. Merging and unmerging
+#
+# For fast inference, fold the update into the weights: $W \leftarrow W + \frac{\alpha}{r} BA$. Then the plain
+# model computes what the hooked one did, with no hooks and no extra matmuls. `base_weight(model, key)` (below)
+# finds the weight an adapter updates. Watch the layout: the bridge's q/k/v are `nn.Linear`s, whose weight is
+# `[d_out, d_in]` (like $BA$), but `o` and the MLP are GPT-2's `Conv1D`, whose weight is `[d_in, d_out]` — there
+# the update goes in transposed. (Careful: `o` is square, so forgetting the transpose raises no error.)
+#
+# `unmerge_lora` takes the update out again; it restores the weights up to float rounding, not bit for bit.
+
+# %% [provided] base_weight
+
+# %% [exercise] merge_lora
+
+# %% [exercise] unmerge_lora
+
+# %% [markdown]
+# ## 6. Saving and loading an adapter
+#
+# An adapter is a few tens of kilobytes, and it is all you need to share a fine-tune of a model everyone has.
+# Save it with **safetensors** — a plain tensor format that, unlike a pickle, cannot run code when loaded — with
+# `rank` and `alpha` in its metadata. Loading checks that the file fits the adapters (same keys, same shapes) and
+# says what does not fit otherwise.
+
+# %% [exercise] save_adapter
+
+# %% [exercise] load_adapter
+
+# %% [markdown]
+# ## 7. PPO with LoRA
+#
+# `ppo_with_lora` is the whole change from Part 1: freeze the base, wrap it in a `LoRAModel`, and hand Part 1's
+# **unchanged** `PPOTrainer` the LoRA model as the policy and its own base as the reference. `make_optimizer`'s
+# "model" group picks up only parameters with `requires_grad`, i.e. the adapters. The learning rate is higher than
+# for full fine-tuning: the adapters start from zero and have few parameters.
+
+# %% [provided] ppo_with_lora
+
+# %%
+cfg = PPOConfig(phases=3 if SMOKE else 60, lr_model=3e-3)
+trainer, lora_model = ppo_with_lora(cfg, rank=8, alpha=16.0)
+logger = trainer.train()
+plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction"], title="PPO with LoRA, rank 8");
+
+# %% [markdown]
+# Now the claim of this chapter, checked: after training, the reference log-probs — the base module, run with no
+# hooks — equal those of a freshly loaded, untouched model **exactly**, while the adapted model's differ; and the
+# reference owns no weights the policy doesn't.
+
+# %%
+untouched = load_model("tiny", device=lora_model.cfg.device)
+torch.manual_seed(0)
+samples = sample(lora_model, ["This is", "The", "We"], max_new_tokens=16)
+with torch.no_grad():
+    policy_lp, ref_lp = policy_and_reference_logprobs(lora_model, samples)
+    fresh_lp = completion_logprobs(untouched, samples)
+print("reference == untouched model, bit for bit:", torch.equal(ref_lp, fresh_lp))
+print("adapted model differs from it by up to", (policy_lp - fresh_lp).abs().max().item(), "nats per token")
+shared = {p.data_ptr() for p in lora_model.parameters()}
+print("reference weights that the policy does not share:",
+      sum(p.data_ptr() not in shared for p in trainer.reference.parameters()))
+
+path = Path("lora_adapter.safetensors")
+save_adapter(lora_model.adapters, path)
+print(f"adapter saved: {path.stat().st_size / 1024:.0f} KiB for {count_parameters(lora_model.adapters):,} "
+      f"parameters, next to a model of {count_parameters(lora_model.base):,}")
+
+# %% [markdown]
+# ### Memory
+#
+# The reference costs nothing here, where Part 1 needed a full copy. `bench/reference_memory.py` measures the
+# peak memory of one training step both ways, on the tiny model and on a GPT-2-small-sized model built from a
+# config:
+#
+# ```bash
+# python bench/reference_memory.py
+# ```
+#
+# ## Summary, and testing your whole notebook
+#
+# Save the notebook, then from the repository's root:
+#
+# ```bash
+# pytest tests/test_part2_lora.py --impl chapters/part2_lora.ipynb
+# ```

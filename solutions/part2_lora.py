@@ -1,0 +1,288 @@
+"""Part 2: LoRA written by hand as forward hooks; the reference model is the same module with the hooks removed.
+
+The reference solutions of `chapters/part2_lora.ipynb`, in the notebook's order. Run it as a script to train
+Part 1's PPO with LoRA instead of full fine-tuning:
+
+    python -m solutions.part2_lora            # the embedded tiny model on CPU
+    python -m solutions.part2_lora --json     # ... ending with a JSON line of the figures
+
+LoRA (Hu et al. 2021): a frozen weight W gets a trainable low-rank update, W + (alpha / r) * B A, with A of shape
+[r, d_in] initialised Kaiming-uniform and B of shape [d_out, r] initialised to zeros, so that training starts
+from the unchanged model. The initialisation and the alpha / r scaling are those of the `peft` library's LoRA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from jaxtyping import Float
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from solutions.part0_warmup import completion_logprobs
+from solutions.part1_ppo import PPOConfig, PPOTrainer
+from utils.models import count_parameters, load_model
+from utils.plotting import plot_curves
+from utils.sampling import Samples
+
+# Not exercises: the notebook shows them in full for the learner to read and run.
+PROVIDED = ("make_adapters", "base_weight", "LoRAModel", "ppo_with_lora")
+
+# Where each adaptable projection reads its input and writes its output, per block (TransformerLens 4 names).
+# q, k, v write [batch, pos, head, d_head]; o reads the per-head z [batch, pos, head, d_head].
+TARGETS = {
+    "q": ("attn.q.hook_in", "attn.hook_q"),
+    "k": ("attn.k.hook_in", "attn.hook_k"),
+    "v": ("attn.v.hook_in", "attn.hook_v"),
+    "o": ("attn.o.hook_in", "attn.o.hook_out"),
+    "mlp_in": ("mlp.in.hook_in", "mlp.hook_pre"),
+    "mlp_out": ("mlp.out.hook_in", "mlp.out.hook_out"),
+}
+
+
+# --- 1. The LoRA module --------------------------------------------------------------------------------------
+
+class LoRA(nn.Module):
+    """A low-rank update of one linear map: x -> scale * x A^T B^T, with scale = alpha / rank.
+
+    A: [rank, d_in], Kaiming-uniform (as nn.Linear initialises its weight); B: [d_out, rank], zeros.
+    forward maps [..., d_in] to [..., d_out].
+    """
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 8, alpha: float = 16.0):
+        super().__init__()
+        self.A = nn.Parameter(torch.empty(rank, d_in))
+        self.B = nn.Parameter(torch.zeros(d_out, rank))
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+        self.scale = alpha / rank
+
+    def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
+        return (x @ self.A.T) @ self.B.T * self.scale
+
+
+def make_adapters(model, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] = ("q", "k", "v", "o"),
+                  ) -> nn.ModuleDict:
+    """One LoRA per block and target, keyed "L{layer}_{target}" (e.g. "L0_q"), on the model's device."""
+    cfg = model.cfg
+    d_heads = cfg.n_heads * cfg.d_head
+    dims = {"q": (cfg.d_model, d_heads), "k": (cfg.d_model, d_heads), "v": (cfg.d_model, d_heads),
+            "o": (d_heads, cfg.d_model), "mlp_in": (cfg.d_model, cfg.d_mlp), "mlp_out": (cfg.d_mlp, cfg.d_model)}
+    unknown = set(targets) - set(TARGETS)
+    if unknown:
+        raise ValueError(f"unknown LoRA targets {sorted(unknown)}; choose from {list(TARGETS)}")
+    adapters = nn.ModuleDict({f"L{layer}_{t}": LoRA(*dims[t], rank=rank, alpha=alpha)
+                              for layer in range(cfg.n_layers) for t in targets})
+    return adapters.to(cfg.device)
+
+
+# --- 2. LoRA as forward hooks --------------------------------------------------------------------------------
+
+def lora_hooks(model, adapters: nn.ModuleDict) -> list[tuple[str, Callable]]:
+    """(hook_name, hook_fn) pairs that add each adapter's update to its projection's output.
+
+    For adapter "L{layer}_{target}", one hook on the projection's input (TARGETS[target][0]) keeps the input,
+    and one on its output (TARGETS[target][1]) returns output + adapter(input), reshaped to the output's shape
+    (per-head inputs and outputs are flattened to [..., n_heads * d_head] for the adapter).
+    """
+    hooks = []
+    for key, adapter in adapters.items():
+        layer, target = key[1:].split("_", 1)
+        in_name, out_name = (f"blocks.{layer}.{suffix}" for suffix in TARGETS[target])
+        stash: dict[str, Tensor] = {}
+
+        def keep_input(x: Tensor, hook, stash=stash) -> None:
+            stash["x"] = x.flatten(-2) if x.dim() == 4 else x  # [batch, pos, head, d_head] -> [batch, pos, d]
+
+        def add_update(out: Tensor, hook, stash=stash, adapter=adapter) -> Tensor:
+            return out + adapter(stash.pop("x")).view(out.shape)
+
+        hooks += [(in_name, keep_input), (out_name, add_update)]
+    return hooks
+
+
+class LoRAModel(nn.Module):
+    """The base model with its LoRA adapters applied by hooks on every forward pass and in `generate`.
+
+    It holds no copy of the weights: `self.base` is the base model itself, so the reference model is
+    `self.base` called directly, with no hooks. It quacks like the base model (cfg, tokenizer, hooks, generate),
+    so that Part 1's PolicyWithValueHead, `sample` and PPOTrainer take it as it is.
+    """
+
+    def __init__(self, base, adapters: nn.ModuleDict):
+        super().__init__()
+        self.base, self.adapters = base, adapters
+
+    @property
+    def cfg(self):
+        return self.base.cfg
+
+    @property
+    def tokenizer(self):
+        return self.base.tokenizer
+
+    def adapted(self):
+        """A context manager in which the base model runs with the LoRA hooks."""
+        return self.base.hooks(fwd_hooks=lora_hooks(self.base, self.adapters))
+
+    def forward(self, tokens, attention_mask=None):
+        with self.adapted():
+            return self.base(tokens, attention_mask=attention_mask)
+
+    def generate(self, *args, **kwargs):
+        with self.adapted():
+            return self.base.generate(*args, **kwargs)
+
+    def hooks(self, *args, **kwargs):
+        return self.base.hooks(*args, **kwargs)  # more hooks (e.g. a value head's); forward adds the LoRA ones
+
+    def reset_hooks(self):
+        self.base.reset_hooks()
+
+
+# --- 3. The reference model: the same module, without the hooks --------------------------------------------------
+
+def policy_and_reference_logprobs(
+    lora_model: LoRAModel,
+    samples: Samples,
+) -> tuple[Float[Tensor, "batch gen"], Float[Tensor, "batch gen"]]:
+    """Completion log-probs (Part 0's completion_logprobs) under the adapted model and under the reference.
+
+    The reference is lora_model.base run with no hooks at all: the same weights, no second copy.
+    """
+    logprobs = completion_logprobs(lora_model, samples)
+    ref_logprobs = completion_logprobs(lora_model.base, samples)
+    return logprobs, ref_logprobs
+
+
+# --- 4. Freezing ------------------------------------------------------------------------------------------------
+
+def freeze_base(model, adapters: nn.ModuleDict) -> tuple[int, int]:
+    """Make every base-model parameter frozen and every adapter parameter trainable.
+
+    Returns (trainable parameters, total parameters of the base model), as counted by utils.models.count_parameters.
+    """
+    model.requires_grad_(False)
+    adapters.requires_grad_(True)
+    return count_parameters(adapters), count_parameters(model)
+
+
+# --- 5. Merge and unmerge ---------------------------------------------------------------------------------------
+
+def base_weight(model, key: str) -> tuple[nn.Parameter, bool]:
+    """The base weight that adapter `key` updates, and whether it is stored [d_in, d_out] (GPT-2's Conv1D)
+    rather than [d_out, d_in] (nn.Linear)."""
+    layer, target = key[1:].split("_", 1)
+    block = model.blocks[int(layer)]
+    projection = {"q": block.attn.q, "k": block.attn.k, "v": block.attn.v, "o": block.attn.o,
+                  "mlp_in": getattr(block.mlp, "in"), "mlp_out": block.mlp.out}[target]
+    module = projection.original_component
+    return module.weight, not isinstance(module, nn.Linear)
+
+
+@torch.no_grad()
+def merge_lora(model, adapters: nn.ModuleDict, sign: float = 1.0) -> None:
+    """Fold each adapter into its base weight: W <- W + sign * scale * (B A), transposed for [d_in, d_out]
+    weights. After merging, the plain model computes what the hooked one did (so don't run both: the update
+    would count twice). sign=-1 takes the update out again."""
+    for key, adapter in adapters.items():
+        weight, in_out = base_weight(model, key)
+        delta = adapter.scale * (adapter.B @ adapter.A)  # [d_out, d_in]
+        weight += sign * (delta.T if in_out else delta)
+
+
+def unmerge_lora(model, adapters: nn.ModuleDict) -> None:
+    """Take the adapters' updates out of the base weights again (to float rounding)."""
+    merge_lora(model, adapters, sign=-1.0)
+
+
+# --- 6. Saving and loading an adapter ---------------------------------------------------------------------------
+
+def save_adapter(adapters: nn.ModuleDict, path: str | Path) -> None:
+    """Write the adapters' A and B tensors to a safetensors file, with rank and alpha in its metadata."""
+    first = next(iter(adapters.values()))
+    rank = first.A.shape[0]
+    tensors = {name: p.detach().cpu().contiguous() for name, p in adapters.state_dict().items()}
+    save_file(tensors, str(path), metadata={"rank": str(rank), "alpha": str(first.scale * rank)})
+
+
+def load_adapter(adapters: nn.ModuleDict, path: str | Path) -> nn.ModuleDict:
+    """Load a file written by save_adapter into `adapters` (same targets and shapes); returns `adapters`.
+
+    Raises a ValueError that names the mismatch if the file's tensors do not fit.
+    """
+    tensors = load_file(str(path), device=str(next(adapters.parameters()).device))
+    expected = {name: tuple(p.shape) for name, p in adapters.state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in tensors.items()}
+    if expected != found:
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        wrong = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
+        raise ValueError(f"adapter file {path} does not fit these adapters: missing {missing}, unexpected {extra}, "
+                         f"wrong shapes {wrong}. Build the adapters with the same targets and rank.")
+    adapters.load_state_dict(tensors)
+    return adapters
+
+
+# --- 7. PPO with LoRA --------------------------------------------------------------------------------------------
+
+def ppo_with_lora(cfg: PPOConfig, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] = ("q", "k", "v", "o"),
+                  model=None) -> tuple[PPOTrainer, LoRAModel]:
+    """Part 1's trainer, unchanged, given a LoRA model as the policy and its own base model as the reference.
+
+    The base is frozen, so make_optimizer's "model" group holds only the adapters (at cfg.lr_model).
+    """
+    base = model if model is not None else load_model(cfg.model, cfg.device)
+    adapters = make_adapters(base, rank, alpha, targets)
+    freeze_base(base, adapters)
+    lora_model = LoRAModel(base, adapters)
+    return PPOTrainer(cfg, model=lora_model, reference=base), lora_model
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="PPO with a hand-written LoRA; the reference is the base model.")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--alpha", type=float, default=16.0)
+    parser.add_argument("--phases", type=int, default=60)
+    parser.add_argument("--save", default="", help="save the trained adapter to this .safetensors file")
+    parser.add_argument("--wandb", action="store_true")
+    parser.add_argument("--plot", default="lora_ppo_curves.png", help="where to save the curves ('' for none)")
+    parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
+    args = parser.parse_args(argv)
+
+    phases = 3 if os.environ.get("RLHF_SMOKE") else args.phases
+    cfg = PPOConfig.gpt2() if args.model == "gpt2" else PPOConfig()
+    cfg = replace(cfg, phases=phases, lr_model=3e-3 if args.model == "tiny" else 1e-4, wandb=args.wandb)
+    start = time.perf_counter()
+    trainer, lora_model = ppo_with_lora(cfg, args.rank, args.alpha)
+    logger = trainer.train()
+    seconds = time.perf_counter() - start
+    if args.save:
+        save_adapter(lora_model.adapters, args.save)
+    _, rewards = logger.curve("reward")
+    _, kls = logger.curve("kl")
+    k = max(1, min(5, len(rewards) // 4))
+    figures = {"model": cfg.model, "rank": args.rank, "phases": cfg.phases,
+               "reward_start": round(rewards[0], 4), "reward_end": round(sum(rewards[-k:]) / k, 4),
+               "kl_end": round(sum(kls[-k:]) / k, 4),
+               "trainable_params": count_parameters(lora_model.adapters),
+               "total_params": count_parameters(lora_model.base), "seconds": round(seconds, 1)}
+    if args.plot:
+        plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction"],
+                    title=f"PPO with LoRA (rank {args.rank}) on {cfg.model}", path=args.plot)
+    print("\n".join(f"{key:>16}: {value}" for key, value in figures.items()))
+    if args.json:
+        print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
