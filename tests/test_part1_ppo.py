@@ -10,7 +10,6 @@ import torch.nn as nn
 from solutions import part1_ppo as ref
 from tests.helpers import active_hooks, assert_matches
 from utils.masks import masked_mean
-from utils.sampling import completion_mask_from_ids
 
 exercise = pytest.mark.exercise
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-import inspect
 import json
 import sys
 import types
