@@ -4,9 +4,12 @@
     python bench/reference_memory.py --json          # ... ending with a JSON line of the figures
 
 Each case runs in a fresh subprocess and makes two optimiser steps (so Adam's state exists) of: a policy forward
-pass with a value head and backward, and a reference forward pass without gradients, for the exact KL. Cases:
+pass with a value head and backward, and the reference's log-probs of the same tokens for a KL term. Cases:
 
     lora_hooks      LoRA policy; the reference is the same module with the hooks removed (Part 2)
+    none            LoRA policy, beta == 0: no reference forward pass at all
+    old_adapter     LoRA policy re-training an adapter: the base with a frozen copy of the old adapter's hooks
+    precomputed     LoRA policy; reference log-probs looked up in a table computed before training
     lora_copy       the same LoRA step, but with a frozen full copy of the model as the reference
     full_copy       full fine-tuning with a frozen full copy as the reference (Part 1)
 
@@ -27,7 +30,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = ("lora_hooks", "lora_copy", "full_copy")
+CASES = ("lora_hooks", "none", "old_adapter", "precomputed", "lora_copy", "full_copy")
 
 
 def rss_mib() -> float:
@@ -60,7 +63,7 @@ def run_case(case: str, size: str, device: str, batch: int, seq: int) -> dict:
     from transformers import GPT2LMHeadModel
 
     sys.path.insert(0, str(ROOT))
-    from solutions.part1_ppo import PolicyWithValueHead, kl_exact
+    from solutions.part1_ppo import PolicyWithValueHead
     from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
     from utils.models import bridge_from_hf, load_tiny_hf, set_cpu_threads, tiny_hf_config
 
@@ -76,6 +79,11 @@ def run_case(case: str, size: str, device: str, batch: int, seq: int) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
+    from solutions.part0_warmup import get_logprobs
+    from solutions.part2_lora import lora_hooks
+    from solutions.part4_reference import frozen_adapter_copy
+
+    old_adapters = None
     if case == "full_copy":
         reference = copy.deepcopy(base).requires_grad_(False)
         model = base
@@ -83,19 +91,34 @@ def run_case(case: str, size: str, device: str, batch: int, seq: int) -> dict:
         adapters = make_adapters(base, rank=8, alpha=16.0)
         freeze_base(base, adapters)
         model = LoRAModel(base, adapters)
-        reference = base if case == "lora_hooks" else copy.deepcopy(base).requires_grad_(False)
+        reference = copy.deepcopy(base).requires_grad_(False) if case == "lora_copy" else base
+        if case == "old_adapter":
+            old_adapters = frozen_adapter_copy(adapters)
     policy = PolicyWithValueHead(model).to(device)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     tokens = torch.randint(0, len(tokenizer) - 1, (batch, seq), device=device)
     mask = torch.ones(batch, seq - 1, dtype=torch.bool, device=device)
+    table = None
+    if case == "precomputed":  # computed once, before training: the table is all that stays
+        with torch.no_grad():
+            table = get_logprobs(reference(tokens), tokens)
     if device == "cpu":
         reset_peak_rss()  # building the models has its own transient peak; measure the training steps only
     for _ in range(2):
         logits, values = policy(tokens)
-        with torch.no_grad():
-            ref_logits = reference(tokens)
-        loss = kl_exact(logits[:, :-1], ref_logits[:, :-1], mask).mean() + values.pow(2).mean()
+        logprobs = get_logprobs(logits, tokens)
+        if case == "none":
+            kl = torch.zeros_like(logprobs)
+        elif case == "precomputed":
+            kl = logprobs - table
+        else:
+            with torch.no_grad():
+                hooks = lora_hooks(base, old_adapters) if old_adapters is not None else []
+                with base.hooks(fwd_hooks=hooks):
+                    ref_logprobs = get_logprobs(reference(tokens), tokens)
+            kl = logprobs - ref_logprobs  # the sampled-token (k1) form, as GRPO and RLOO use
+        loss = (kl * mask).mean() + values.pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -293,6 +293,10 @@ class GRPOTrainer:
             return [addition_prompt(a, b) for a, b in self.rng.sample(self.train_pairs, self.cfg.n_prompts)]
         return [self.rng.choice(self.TEXT_PROMPTS) for _ in range(self.cfg.n_prompts)]
 
+    def reference(self, samples: Samples) -> Tensor | None:
+        """Reference log-probs of the samples' completions, or None (Part 4 overrides this in one place)."""
+        return reference_logprobs(self.model, samples, self.cfg.beta)
+
     def evaluate(self) -> float:
         return addition_accuracy(self.model, self.held_out)
 
@@ -302,7 +306,7 @@ class GRPOTrainer:
         rewards, per_function = compose_rewards(self.reward_functions, samples.prompts, samples.texts)
         advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards).to(samples.ids.device)
         mask = completion_loss_mask(samples, cfg.mask_truncated_completions)
-        ref_lp = reference_logprobs(self.model, samples, cfg.beta)
+        ref_lp = self.reference(samples)
         self.reference_forward_passes += ref_lp is not None
         old_lp = None
         if cfg.num_iterations > 1:  # stored at sampling time, for the importance ratio of later passes

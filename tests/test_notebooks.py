@@ -12,7 +12,7 @@ import pytest
 
 from utils import harness, notebooks
 
-PARTS = harness.parts()
+PARTS = harness.parts()  # a part without its source fails test_notebook_is_built_from_its_source
 
 
 @pytest.mark.parametrize("part", PARTS)

@@ -28,9 +28,12 @@ def default_device() -> torch.device:
 def set_cpu_threads(n: int | None = None) -> int:
     """Pick the torch thread count on purpose: tiny matmuls with too many threads are slow and noisy.
 
-    Defaults to the number of cores this process may use, at most 8 (more threads do not help models this
-    small). Returns the count that was set.
+    Defaults to the RLHF_THREADS environment variable if set, else the number of cores this process may use, at
+    most 8 (more threads do not help models this small). Set RLHF_THREADS=1 when two runs share a 2-core machine:
+    oversubscribed threads that spin-wait for each other can make a step ten times slower. Returns the count set.
     """
+    if n is None and os.environ.get("RLHF_THREADS"):
+        n = int(os.environ["RLHF_THREADS"])
     if n is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         n = max(1, min(cores, 8))

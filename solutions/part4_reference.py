@@ -1,0 +1,257 @@
+"""Part 4: the reference model in every form, decided in one place.
+
+The reference solutions of `chapters/part4_reference.ipynb`, in the notebook's order. Run it as a script for the
+experiment of the chapter, a static reference against references synced every tau steps:
+
+    python -m solutions.part4_reference            # GRPO + LoRA with beta > 0 on additions, one run per setting
+    python -m solutions.part4_reference --json     # ... ending with a JSON line of the figures
+
+The cases (the table of ../shared/CURRICULUM.md):
+
+    beta == 0                 no reference and no reference forward pass
+    LoRA (hooks)              the same module with the LoRA hooks removed
+    full fine-tuning          a frozen copy of the starting weights
+    re-training an adapter    the base with a frozen copy of the *old* adapter's hooks
+    precomputed               reference log-probs computed once over a fixed dataset; no reference model after
+    synced (TR-DPO style)     every tau steps ref <- alpha * policy + (1 - alpha) * ref (Gorbatovski et al. 2024)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+from jaxtyping import Float
+from torch import Tensor
+
+from solutions.part0_warmup import completion_logprobs
+from solutions.part2_lora import LoRAModel, base_weight, lora_hooks, merge_lora
+from solutions.part3_grpo import GRPOConfig, GRPOTrainer
+from utils.plotting import plot_curves
+from utils.sampling import Samples
+
+# Not exercises: the notebook shows them in full for the learner to read and run.
+PROVIDED = ("ReferenceSettings", "Reference", "SyncedGRPOTrainer", "plot_sync_experiment")
+
+KINDS = ("none", "hooks_removed", "frozen_copy", "old_adapter", "precomputed")
+
+
+# --- 1. One function decides ---------------------------------------------------------------------------------
+
+@dataclass
+class ReferenceSettings:
+    """What a training run says about its reference."""
+
+    beta: float                       # KL weight; 0 turns the KL term off
+    lora: bool = True                 # hook-LoRA (True) or full fine-tuning (False)
+    retraining_adapter: bool = False  # the LoRA starts from an adapter that was already trained
+    precomputed: bool = False         # a fixed dataset: reference log-probs computed once, before training
+    sync_every: int = 0               # tau: sync the reference every tau steps (0: never)
+    sync_alpha: float = 0.0           # alpha: how far each sync moves the reference towards the policy
+
+
+def reference_kind(settings: ReferenceSettings) -> str:
+    """The one decision: which reference a run uses, as one of KINDS.
+
+    "none" when beta == 0 (whatever else is set); else "precomputed" if asked; else "old_adapter" when re-training
+    an adapter; else "hooks_removed" for LoRA and "frozen_copy" for full fine-tuning. Raises ValueError for settings
+    that contradict each other: syncing precomputed log-probs, re-training an adapter without LoRA, a sync with
+    alpha outside (0, 1], a negative beta.
+    """
+    s = settings
+    if s.beta < 0:
+        raise ValueError(f"beta must be >= 0, got {s.beta}")
+    if s.beta == 0:
+        return "none"
+    if s.retraining_adapter and not s.lora:
+        raise ValueError("retraining_adapter needs lora=True: an adapter is a LoRA")
+    if s.sync_every:
+        if s.precomputed:
+            raise ValueError("precomputed reference log-probs cannot be synced: they come from a model that is gone")
+        if not 0 < s.sync_alpha <= 1:
+            raise ValueError(f"sync_alpha must be in (0, 1] when sync_every > 0, got {s.sync_alpha}")
+    if s.precomputed:
+        return "precomputed"
+    if s.retraining_adapter:
+        return "old_adapter"
+    return "hooks_removed" if s.lora else "frozen_copy"
+
+
+# --- 2. Re-training an adapter: the reference keeps the old adapter ----------------------------------------------
+
+def frozen_adapter_copy(adapters: nn.ModuleDict) -> nn.ModuleDict:
+    """A frozen copy of the adapters as they are now (the reference's), independent of the ones that train on."""
+    frozen = copy.deepcopy(adapters)
+    frozen.requires_grad_(False)
+    return frozen
+
+
+@torch.no_grad()
+def old_adapter_logprobs(lora_model: LoRAModel, old_adapters: nn.ModuleDict, samples: Samples
+                         ) -> Float[Tensor, "batch gen"]:
+    """Completion log-probs under the base model with the *old* adapter's hooks on (not the training ones)."""
+    with lora_model.base.hooks(fwd_hooks=lora_hooks(lora_model.base, old_adapters)):
+        return completion_logprobs(lora_model.base, samples)
+
+
+# --- 3. Precomputed reference log-probs ---------------------------------------------------------------------------
+
+@torch.no_grad()
+def precompute_reference_logprobs(lora_model: LoRAModel, dataset: list[Samples]) -> list[Float[Tensor, "batch gen"]]:
+    """Reference log-probs of every batch of a fixed dataset, computed once before training (with no hooks:
+    the reference is the base model), so that no reference model is needed afterwards."""
+    return [completion_logprobs(lora_model.base, batch) for batch in dataset]
+
+
+# --- 4. Syncing the reference -------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def sync_full(policy: nn.Module, reference: nn.Module, alpha: float) -> None:
+    """Full fine-tuning: move every reference weight alpha of the way to the policy's, in place:
+    ref <- alpha * policy + (1 - alpha) * ref. The policy is not changed."""
+    for p_ref, p_pol in zip(reference.parameters(), policy.parameters()):
+        p_ref.lerp_(p_pol, alpha)
+
+
+@torch.no_grad()
+def sync_lora(lora_model: LoRAModel, alpha: float) -> None:
+    """Hook-LoRA: the reference is the base, so move the base alpha of the way to the policy, i.e. merge
+    alpha * scale * B A into the base weights, and shrink B to (1 - alpha) B so that the policy
+    (base + scale * B A) computes exactly what it did before."""
+    for key, adapter in lora_model.adapters.items():
+        weight, in_out = base_weight(lora_model.base, key)
+        delta = alpha * adapter.scale * (adapter.B @ adapter.A)
+        weight += delta.T if in_out else delta
+        adapter.B.mul_(1 - alpha)
+
+
+# --- 5. Everything downstream asks one object -----------------------------------------------------------------------
+
+class Reference:
+    """The reference a run decided on (by reference_kind), serving log-probs and counting its forward passes.
+
+    Build it at the start of training: for "frozen_copy" it copies the model's weights, for "old_adapter" the
+    adapter's, for "precomputed" it computes the table for `dataset`.
+    """
+
+    def __init__(self, settings: ReferenceSettings, model, dataset: list[Samples] | None = None):
+        self.settings, self.kind = settings, reference_kind(settings)
+        self.model, self.forward_passes = model, 0
+        self.copy = self.old_adapters = self.table = None
+        if self.kind == "frozen_copy":
+            self.copy = copy.deepcopy(model).requires_grad_(False)
+        elif self.kind == "old_adapter":
+            self.old_adapters = frozen_adapter_copy(model.adapters)
+        elif self.kind == "precomputed":
+            if dataset is None:
+                raise ValueError("a precomputed reference needs the dataset it will be asked about")
+            self.table = {id(batch): lp for batch, lp in zip(dataset, precompute_reference_logprobs(model, dataset))}
+
+    def logprobs(self, samples: Samples) -> Tensor | None:
+        if self.kind == "none":
+            return None
+        if self.kind == "precomputed":
+            if id(samples) not in self.table:
+                raise KeyError("precomputed reference log-probs exist only for the dataset given at the start")
+            return self.table[id(samples)]
+        self.forward_passes += 1
+        with torch.no_grad():
+            if self.kind == "hooks_removed":
+                return completion_logprobs(self.model.base, samples)
+            if self.kind == "frozen_copy":
+                return completion_logprobs(self.copy, samples)
+            return old_adapter_logprobs(self.model, self.old_adapters, samples)
+
+    def maybe_sync(self, step: int) -> bool:
+        """Sync after `step` (0-based) if the settings ask for it now; True if it synced."""
+        tau, alpha = self.settings.sync_every, self.settings.sync_alpha
+        if self.kind == "none" or not tau or (step + 1) % tau:
+            return False
+        if self.kind == "hooks_removed":
+            sync_lora(self.model, alpha)
+        elif self.kind == "frozen_copy":
+            sync_full(self.model, self.copy, alpha)
+        elif self.kind == "old_adapter":  # the reference is base + old adapter: move the old adapter instead
+            for old, new in zip(self.old_adapters.parameters(), self.model.adapters.parameters()):
+                old.lerp_(new, alpha)  # approximately alpha of the way: B A is not linear in (A, B) jointly
+        return True
+
+
+class SyncedGRPOTrainer(GRPOTrainer):
+    """Part 3's trainer, with its reference decided by `Reference` and synced as the settings say."""
+
+    def __init__(self, cfg: GRPOConfig, settings: ReferenceSettings, model=None):
+        super().__init__(replace(cfg, beta=settings.beta), model=model)
+        self.ref = Reference(settings, self.model)
+
+    def reference(self, samples: Samples) -> Tensor | None:
+        return self.ref.logprobs(samples)
+
+    def step(self, step: int) -> dict:
+        metrics = super().step(step)
+        metrics["synced"] = float(self.ref.maybe_sync(step))
+        return metrics
+
+
+# --- The script: a static reference against synced ones ---------------------------------------------------------
+
+SETTINGS = {"static": (0, 0.0), "tau=10, alpha=0.5": (10, 0.5), "tau=10, alpha=1": (10, 1.0),
+            "tau=30, alpha=1": (30, 1.0)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="GRPO with beta > 0: a static reference against synced ones.")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default="reference_sync_curves.png", help="where to save the curves ('' for none)")
+    parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
+    args = parser.parse_args(argv)
+
+    steps = 4 if os.environ.get("RLHF_SMOKE") else args.steps
+    cfg = GRPOConfig(steps=steps, eval_every=max(1, steps // 6), table_every=10**9, seed=args.seed)
+    histories, figures, start = {}, {"beta": args.beta, "steps": steps}, time.perf_counter()
+    for name, (tau, alpha) in SETTINGS.items():
+        trainer = SyncedGRPOTrainer(cfg, ReferenceSettings(beta=args.beta, sync_every=tau, sync_alpha=alpha))
+        logger = trainer.train()
+        histories[name] = logger.history
+        kls = logger.curve("kl")[1]
+        figures[name] = {"accuracy_end": round(logger.curve("accuracy")[1][-1], 4),
+                         "reward_end": round(sum(logger.curve("reward")[1][-5:]) / 5, 4),
+                         "kl_end": round(sum(kls[-5:]) / len(kls[-5:]), 4)}
+    figures["seconds"] = round(time.perf_counter() - start, 1)
+    if args.plot:
+        plot_sync_experiment(histories, path=args.plot)
+    for name in SETTINGS:
+        print(f"{name:>20}: {figures[name]}")
+    if args.json:
+        print(json.dumps(figures))
+    return figures
+
+
+def plot_sync_experiment(histories: dict[str, list[dict]], path=None):
+    """Reward, KL to the current reference, and held-out accuracy of each run, side by side."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.2))
+    for name, history in histories.items():
+        for ax, key in zip(axes, ("reward", "kl", "accuracy")):
+            points = [(h["step"], h[key]) for h in history if key in h]
+            ax.plot([p for p, _ in points], [v for _, v in points], label=name)
+            ax.set_title(key if key != "kl" else "KL to the (current) reference, per token")
+            ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
+if __name__ == "__main__":
+    main()
