@@ -1,0 +1,452 @@
+"""Part 5: DPO and RLOO with the hook LoRA of Part 2, on the 2-digit additions of Part 3.
+
+The reference solutions of `chapters/part5_dpo_rloo.ipynb`, in the notebook's order. Run it as a script:
+
+    python -m solutions.part5_dpo_rloo                  # DPO (both reference forms), then RLOO against GRPO
+    python -m solutions.part5_dpo_rloo --algo dpo       # DPO only
+    python -m solutions.part5_dpo_rloo --json           # ... ending with a JSON line of the figures
+
+DPO (Rafailov et al. 2023) learns from preference pairs with no reward model and no sampling: the policy's
+log-ratio to the reference is an implicit reward, and a logistic loss asks the chosen answer's to beat the
+rejected one's. RLOO (Ahmadian et al. 2024, after Kool et al. 2019) is REINFORCE with a leave-one-out baseline:
+each completion is measured against the mean reward of the other completions of its prompt.
+
+`dpo_loss` follows TRL's DPOTrainer and `rloo_advantages`, `kl_penalized_rewards` and `rloo_loss` follow TRL's
+RLOOTrainer (trl 1.x); tests/test_part5_dpo_rloo.py checks them against TRL when it is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from solutions.part0_warmup import completion_logprobs, get_logprobs
+from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
+from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, completion_loss_mask, compose_rewards,
+                                  reference_logprobs, sample_groups)
+from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
+from utils.logger import RunLogger, samples_table
+from utils.masks import masked_mean
+from utils.models import load_model
+from utils.plotting import plot_curves
+from utils.sampling import Samples, completion_mask_from_ids, sample, tokenize_prompts
+
+# Not exercises: the notebook shows them in full for the learner to read and run.
+PROVIDED = ("preference_pairs", "preference_batch", "DPOConfig", "DPOTrainer", "RLOOConfig", "RLOOTrainer",
+            "rloo_vs_grpo")
+
+
+# --- 1. Preference pairs ---------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def preference_pairs(pairs: list[tuple[int, int]], model=None, seed: int = 0) -> list[tuple[str, str, str]]:
+    """(prompt, chosen, rejected) for each addition (a, b): chosen is the right sum; rejected is `model`'s own
+    greedy answer where that is a wrong bare number, and otherwise the sum off by 1 or 10 (either way)."""
+    rng = random.Random(seed)
+    prompts = [addition_prompt(a, b) for a, b in pairs]
+    own = [None] * len(pairs)
+    if model is not None:
+        for start in range(0, len(pairs), 512):
+            out = sample(model, prompts[start:start + 512], max_new_tokens=5, temperature=0.0)
+            own[start:start + 512] = [None if trunc else parse_answer(t)
+                                      for t, trunc in zip(out.texts, out.truncated.tolist())]
+    triples = []
+    for prompt, (a, b), answer in zip(prompts, pairs, own):
+        if answer is None or answer == a + b:
+            answer = a + b + rng.choice([-10, -1, 1, 10])
+        triples.append((prompt, str(a + b), str(answer)))
+    return triples
+
+
+def preference_batch(tokenizer, triples: list[tuple[str, str, str]], device: torch.device | str = "cpu") -> Samples:
+    """The pairs as one Samples batch of 2n rows, [chosen rows; rejected rows] as in TRL: row i is triples[i]'s
+    prompt + chosen answer + EOS, row n + i the same prompt + rejected answer + EOS, right-padded with EOS."""
+    eos = tokenizer.eos_token_id
+    prompts = [p for p, _, _ in triples] * 2
+    answers = [c for _, c, _ in triples] + [r for _, _, r in triples]
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+    rows = [tokenizer(a, add_special_tokens=False).input_ids + [eos] for a in answers]
+    width = max(len(r) for r in rows)
+    completion = torch.tensor([r + [eos] * (width - len(r)) for r in rows], device=prompt_ids.device)
+    cmask = completion_mask_from_ids(completion, eos)
+    return Samples(ids=torch.cat([prompt_ids, completion], dim=1),
+                   attention_mask=torch.cat([prompt_mask, cmask.long()], dim=1), completion_mask=cmask,
+                   prompt_len=prompt_ids.shape[1], prompts=prompts, texts=answers, eos_id=eos)
+
+
+# --- 2. Sequence log-probs -------------------------------------------------------------------------------------
+
+def sequence_logps(
+    logprobs: Float[Tensor, "batch gen"],
+    mask: Bool[Tensor, "batch gen"],
+    average: bool = False,
+) -> Float[Tensor, "batch"]:
+    """Each sequence's log-prob: the sum of its masked token log-probs, or with `average` their mean (the sum
+    divided by the number of masked tokens, at least 1), which is what TRL's "ipo" loss compares."""
+    mask = mask.to(logprobs.dtype)
+    total = (logprobs * mask).sum(dim=1)
+    return total / mask.sum(dim=1).clamp(min=1.0) if average else total
+
+
+# --- 3. The DPO loss -------------------------------------------------------------------------------------------
+
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+
+
+def dpo_loss(
+    policy_chosen_logps: Float[Tensor, "batch"],
+    policy_rejected_logps: Float[Tensor, "batch"],
+    ref_chosen_logps: Float[Tensor, "batch"],
+    ref_rejected_logps: Float[Tensor, "batch"],
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+) -> Float[Tensor, ""]:
+    """The DPO loss to minimise, averaged over the pairs, as TRL's DPOTrainer defines it.
+
+    With the margin d = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected), per pair:
+    "sigmoid": -log sigmoid(beta * d) (DPO); "hinge": relu(1 - beta * d) (SLiC);
+    "ipo": (d - 1 / (2 * beta))^2 (IPO), where the log-probs should be per-token means (sequence_logps with
+    average=True), as TRL normalises them for IPO.
+    """
+    shapes = {tuple(t.shape) for t in (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
+                                       ref_rejected_logps)}
+    if len(shapes) != 1 or policy_chosen_logps.dim() != 1:
+        raise ValueError(f"dpo_loss takes four [batch] tensors of one shape; got shapes {sorted(shapes)}")
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    margin = (policy_chosen_logps - ref_chosen_logps) - (policy_rejected_logps - ref_rejected_logps)
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * margin)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * margin)
+    else:
+        losses = (margin - 1 / (2 * beta)) ** 2
+    return losses.mean()
+
+
+# --- 4. The reference: implicit, or precomputed once ----------------------------------------------------------
+
+@torch.no_grad()
+def precompute_reference_logps(
+    lora_model: LoRAModel,
+    triples: list[tuple[str, str, str]],
+    average: bool = False,
+    batch_size: int = 256,
+) -> tuple[Float[Tensor, "n"], Float[Tensor, "n"]]:
+    """(chosen, rejected) sequence log-probs of every pair under the reference: the base model with no hooks,
+    run without gradients over `batch_size` pairs at a time (preference_batch, completion_logprobs,
+    sequence_logps with `average`)."""
+    chosen, rejected = [], []
+    for start in range(0, len(triples), batch_size):
+        batch = preference_batch(lora_model.tokenizer, triples[start:start + batch_size], lora_model.cfg.device)
+        logps = sequence_logps(completion_logprobs(lora_model.base, batch), batch.completion_mask, average)
+        c, r = logps.chunk(2)
+        chosen.append(c)
+        rejected.append(r)
+    return torch.cat(chosen), torch.cat(rejected)
+
+
+# --- 5. The DPO trainer ----------------------------------------------------------------------------------------
+
+@dataclass
+class DPOConfig:
+    """Defaults that work on the embedded tiny model on a 2-core CPU."""
+
+    model: str = "tiny"
+    steps: int = 60
+    n_pairs: int = 512                     # training pairs, drawn once from the train split
+    batch_pairs: int = 32                  # pairs per step
+    rejected: str = "own"                  # "own": the model's own wrong greedy answer where it has one; "offset"
+    lr: float = 3e-3
+    lora_rank: int = 4
+    lora_alpha: float = 8.0
+    lora_targets: tuple[str, ...] = ("q", "v")
+    beta: float = 0.1
+    loss_type: str = "sigmoid"             # "sigmoid" (DPO), "hinge" (SLiC) or "ipo"
+    reference: str = "precomputed"         # "precomputed" (once, before training) or "implicit" (base, every step)
+    sft_weight: float = 1.0                # + this * the chosen answers' NLL (TRL's "sft" loss next to "sigmoid")
+    max_grad_norm: float = 1.0
+    eval_every: int = 0                    # steps between held-out accuracy checks; 0: at the start and end only
+    seed: int = 0
+    device: str | None = None
+    wandb: bool = False
+
+
+class DPOTrainer:
+    """DPO on preference pairs of additions, training a LoRA; the reference is the same module without hooks,
+    run on each batch ("implicit") or once over all pairs before training ("precomputed")."""
+
+    def __init__(self, cfg: DPOConfig, model=None, triples: list[tuple[str, str, str]] | None = None):
+        if cfg.reference not in ("precomputed", "implicit"):
+            raise ValueError(f"reference must be 'precomputed' or 'implicit', got {cfg.reference!r}")
+        if cfg.loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {cfg.loss_type!r}")
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        base = model if model is not None else load_model(cfg.model, cfg.device)
+        adapters = make_adapters(base, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        self.trainable, self.total = freeze_base(base, adapters)
+        self.model = LoRAModel(base, adapters)
+        self.optimizer = torch.optim.AdamW(adapters.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.rng = random.Random(cfg.seed)
+        self.held_out = addition_pairs("held_out")
+        if triples is None:
+            pairs = random.Random(cfg.seed).sample(addition_pairs("train"), cfg.n_pairs)
+            triples = preference_pairs(pairs, base if cfg.rejected == "own" else None, cfg.seed)
+        self.triples = triples
+        self.average = cfg.loss_type == "ipo"  # TRL's IPO compares per-token means
+        self.logger = RunLogger(use_wandb=cfg.wandb, config=asdict(cfg), run_name=f"dpo-{cfg.model}-{cfg.reference}")
+        self.reference_rows = 0  # sequences the reference has scored: once each, or every batch again
+        if cfg.reference == "precomputed":
+            self.ref_chosen, self.ref_rejected = precompute_reference_logps(self.model, triples, self.average)
+            self.reference_rows += 2 * len(triples)
+
+    def evaluate(self) -> float:
+        return addition_accuracy(self.model, self.held_out)
+
+    def step(self, step: int) -> dict:
+        cfg = self.cfg
+        idx = self.rng.sample(range(len(self.triples)), min(cfg.batch_pairs, len(self.triples)))
+        triples = [self.triples[i] for i in idx]
+        batch = preference_batch(self.model.tokenizer, triples, self.model.cfg.device)
+        token_logps = completion_logprobs(self.model, batch)
+        logps = sequence_logps(token_logps, batch.completion_mask, self.average)
+        chosen, rejected = logps.chunk(2)
+        if cfg.reference == "precomputed":
+            ref_chosen, ref_rejected = self.ref_chosen[idx], self.ref_rejected[idx]
+        else:
+            ref_chosen, ref_rejected = precompute_reference_logps(self.model, triples, self.average)
+            self.reference_rows += 2 * len(idx)
+        loss = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta, cfg.loss_type)
+        n = len(idx)  # the chosen rows' negative log-likelihood per token: keeps the right answers likely
+        nll = -masked_mean(token_logps[:n], batch.completion_mask[:n])
+        if cfg.sft_weight:
+            loss = loss + cfg.sft_weight * nll
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.adapters.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        with torch.no_grad():  # TRL's implicit rewards: beta * log-ratio to the reference
+            reward_chosen, reward_rejected = cfg.beta * (chosen - ref_chosen), cfg.beta * (rejected - ref_rejected)
+        return {"loss": loss.item(), "nll/chosen": nll.item(), "rewards/chosen": reward_chosen.mean().item(),
+                "rewards/rejected": reward_rejected.mean().item(),
+                "rewards/margin": (reward_chosen - reward_rejected).mean().item(),
+                "rewards/accuracy": (reward_chosen > reward_rejected).float().mean().item(),
+                "logps/chosen": chosen.mean().item(), "logps/rejected": rejected.mean().item()}
+
+    def train(self) -> RunLogger:
+        cfg = self.cfg
+        bar = tqdm(range(cfg.steps + 1), desc=f"DPO steps ({cfg.reference} reference)")
+        for step in bar:
+            metrics = {}
+            if step in (0, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):
+                metrics["accuracy"] = self.evaluate()
+            if step < cfg.steps:  # the last iteration only evaluates the final model
+                metrics |= self.step(step)
+            self.logger.log(metrics, step=step)
+            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k in ("loss", "accuracy")})
+        self.logger.finish()
+        return self.logger
+
+
+# --- 6. RLOO: leave-one-out advantages -------------------------------------------------------------------------
+
+def rloo_advantages(
+    rewards: Float[Tensor, "batch"],
+    group_size: int,
+    normalize: bool = False,
+) -> Float[Tensor, "batch"]:
+    """Each reward minus the mean of the other group_size - 1 rewards of its group (rows of a group adjacent).
+
+    With `normalize` (TRL's normalize_advantages), the advantages are then centred on their batch mean and
+    divided by their batch std (Bessel-corrected) + 1e-4.
+    """
+    if group_size < 2 or rewards.dim() != 1 or len(rewards) % group_size != 0:
+        raise ValueError(f"rewards must be [n_prompts * group_size] with group_size >= 2; got shape "
+                         f"{tuple(rewards.shape)} with group_size {group_size}")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf: every completion needs a finite reward")
+    groups = rewards.view(-1, group_size)
+    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)  # the others' mean
+    advantages = (groups - baseline).view(-1)
+    if normalize:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-4)
+    return advantages
+
+
+# --- 7. The KL penalty, folded into the reward -----------------------------------------------------------------
+
+def kl_penalized_rewards(
+    rewards: Float[Tensor, "batch"],
+    logprobs: Float[Tensor, "batch gen"],
+    ref_logprobs: Float[Tensor, "batch gen"],
+    mask: Bool[Tensor, "batch gen"],
+    beta: float,
+) -> Float[Tensor, "batch"]:
+    """rewards - beta * KL per sequence, as TRL's RLOOTrainer does: the KL is the sum over the masked tokens of
+    logprobs - ref_logprobs (the k1 estimate, which can be negative), and the result carries no gradient."""
+    kl = ((logprobs - ref_logprobs) * mask.to(logprobs.dtype)).sum(dim=1)
+    return (rewards - beta * kl).detach()
+
+
+# --- 8. The RLOO loss ------------------------------------------------------------------------------------------
+
+def rloo_loss(
+    seq_logprobs: Float[Tensor, "batch"],
+    old_seq_logprobs: Float[Tensor, "batch"] | None,
+    advantages: Float[Tensor, "batch"],
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+) -> Float[Tensor, ""]:
+    """The RLOO loss to minimise, as TRL's RLOOTrainer defines it: per sequence, with the sequence-level ratio
+    = exp(seq_logprobs - old_seq_logprobs), -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A),
+    averaged over sequences. old_seq_logprobs=None means on-policy: old = seq_logprobs.detach()."""
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    old_seq_logprobs = seq_logprobs.detach() if old_seq_logprobs is None else old_seq_logprobs
+    ratio = torch.exp(seq_logprobs - old_seq_logprobs)
+    clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
+    return -torch.minimum(ratio * advantages, clipped * advantages).mean()
+
+
+# --- 9. The RLOO trainer, and RLOO against GRPO ----------------------------------------------------------------
+
+@dataclass
+class RLOOConfig(GRPOConfig):
+    """Part 3's GRPOConfig (its loss_type and scale_rewards unused), with RLOO's KL weight and normalisation."""
+
+    beta: float = 0.05                     # KL weight, in the reward (TRL's RLOO default)
+    normalize_advantages: bool = False     # TRL's default
+
+
+class RLOOTrainer(GRPOTrainer):
+    """Part 3's trainer with another step: the KL folded into the reward, leave-one-out advantages, and a
+    sequence-level clipped loss. Everything else (LoRA, rewards, prompts, evaluation, the loop) is Part 3's."""
+
+    def step(self, step: int) -> dict:
+        cfg = self.cfg
+        samples = sample_groups(self.model, self.next_prompts(), cfg.group_size, cfg.max_new_tokens, cfg.temperature)
+        rewards, per_function = compose_rewards(self.reward_functions, samples.prompts, samples.texts)
+        mask = completion_loss_mask(samples, cfg.mask_truncated_completions)
+        with torch.no_grad():  # the policy at sampling time: for the KL penalty and the ratio's denominator
+            old_lp = completion_logprobs(self.model, samples)
+        old_seq = sequence_logps(old_lp, mask)
+        ref_lp = reference_logprobs(self.model, samples, cfg.beta)  # Part 3's: None when beta == 0
+        self.reference_forward_passes += ref_lp is not None
+        task_rewards = rewards
+        if ref_lp is not None:
+            rewards = kl_penalized_rewards(rewards, old_lp, ref_lp, mask, cfg.beta)
+        advantages = rloo_advantages(rewards.to(old_seq.device), cfg.group_size, cfg.normalize_advantages)
+
+        clip_fractions = []
+        for _ in range(cfg.num_iterations):
+            logits = self.model(samples.ids, attention_mask=samples.attention_mask)
+            seq = sequence_logps(get_logprobs(logits, samples.ids, samples.prompt_len), mask)
+            loss = rloo_loss(seq, old_seq, advantages, cfg.epsilon, cfg.epsilon_high)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.adapters.parameters(), cfg.max_grad_norm)
+            self.optimizer.step()
+            with torch.no_grad():
+                ratio = torch.exp(seq - old_seq)
+                clip_fractions.append(((ratio < 1 - cfg.epsilon) | (ratio > 1 + (cfg.epsilon_high or cfg.epsilon)))
+                                      .float().mean().item())
+
+        groups = task_rewards.view(-1, cfg.group_size)
+        metrics = {"reward": task_rewards.mean().item(), "loss": loss.item(),
+                   "clip_fraction": sum(clip_fractions) / len(clip_fractions),
+                   "completion_length": samples.completion_mask.sum(1).float().mean().item(),
+                   "zero_std_fraction": (groups.std(dim=1) == 0).float().mean().item()}
+        metrics |= {f"reward/{name}": torch.nanmean(r).item() for name, r in per_function.items()}
+        if ref_lp is not None:
+            metrics["kl"] = masked_mean(old_lp - ref_lp, mask).item() if mask.any() else 0.0
+        if step % cfg.table_every == 0:
+            rows = [{"reward": r.item(), "advantage": a.item(), "prompt": p, "completion": t}
+                    for r, a, p, t in list(zip(rewards, advantages, samples.prompts, samples.texts))[:cfg.group_size]]
+            tqdm.write(f"\nRLOO step {step}: mean reward {task_rewards.mean():.3f}\n" + samples_table(rows))
+        return metrics
+
+
+def rloo_vs_grpo(steps: int = 60, seed: int = 0, eval_every: int = 0, beta: float = 0.05) -> dict[str, RunLogger]:
+    """Train RLOO and Part 3's GRPO from the same model and seed for the same number of steps, with the same
+    prompts per step, group size, LoRA and learning rate; returns their loggers. eval_every=0 measures held-out
+    accuracy at the start and the end only. GRPO keeps its own default beta = 0 (no reference at all)."""
+    eval_every = eval_every or steps
+    common = dict(steps=steps, seed=seed, eval_every=eval_every, table_every=10 ** 9)
+    return {"rloo": RLOOTrainer(RLOOConfig(beta=beta, **common)).train(),
+            "grpo": GRPOTrainer(GRPOConfig(**common)).train()}
+
+
+# --- The script -------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="DPO (with both forms of the reference) and RLOO against GRPO, "
+                                                 "with a hand-written LoRA, on held-out additions.")
+    parser.add_argument("--algo", choices=["dpo", "rloo", "all"], default="all")
+    parser.add_argument("--steps", type=int, help="DPO steps (default 60)")
+    parser.add_argument("--rl-steps", type=int, default=60, help="RLOO and GRPO steps each")
+    parser.add_argument("--loss-type", choices=list(DPO_LOSS_TYPES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wandb", action="store_true", help="also log to wandb (offline without an account)")
+    parser.add_argument("--plot", default="dpo_rloo_curves.png", help="where to save the curves ('' for none)")
+    parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
+    args = parser.parse_args(argv)
+
+    smoke = bool(os.environ.get("RLHF_SMOKE"))
+    overrides = {k: v for k, v in {"steps": args.steps, "loss_type": args.loss_type}.items() if v is not None}
+    if smoke:
+        overrides |= {"steps": 3, "n_pairs": 64}
+    rl_steps = 3 if smoke else args.rl_steps
+    start = time.perf_counter()
+    figures: dict = {"seed": args.seed}
+    loggers: dict[str, RunLogger] = {}
+    if args.algo in ("dpo", "all"):
+        base = load_model("tiny")
+        cfg = replace(DPOConfig(), seed=args.seed, wandb=args.wandb, reference="precomputed", **overrides)
+        pairs = random.Random(cfg.seed).sample(addition_pairs("train"), cfg.n_pairs)
+        triples = preference_pairs(pairs, base if cfg.rejected == "own" else None, cfg.seed)
+        runs = {"dpo_implicit": replace(cfg, reference="implicit"), "dpo_precomputed": cfg,
+                "dpo_precomputed_no_sft": replace(cfg, sft_weight=0.0)}  # the last: DPO's loss alone
+        for name, run_cfg in runs.items():
+            t0 = time.perf_counter()
+            trainer = DPOTrainer(run_cfg, model=base, triples=triples)
+            logger = loggers[name] = trainer.train()
+            _, accuracy = logger.curve("accuracy")
+            figures[name] = {
+                "steps": cfg.steps, "loss_type": cfg.loss_type, "sft_weight": run_cfg.sft_weight,
+                "accuracy_start": round(accuracy[0], 4),
+                "accuracy_end": round(accuracy[-1], 4), "reference_rows": trainer.reference_rows,
+                "seconds": round(time.perf_counter() - t0, 1)}
+        figures |= {k: figures["dpo_precomputed"][k] for k in ("accuracy_start", "accuracy_end")}
+    if args.algo in ("rloo", "all"):
+        t0 = time.perf_counter()
+        for name, logger in rloo_vs_grpo(rl_steps, args.seed).items():
+            loggers[name] = logger
+            _, accuracy = logger.curve("accuracy")
+            figures[name] = {"steps": rl_steps, "accuracy_start": round(accuracy[0], 4),
+                             "accuracy_end": round(accuracy[-1], 4)}
+        figures["rloo_grpo_seconds"] = round(time.perf_counter() - t0, 1)
+        if "accuracy_start" not in figures:
+            figures |= {k: figures["rloo"][k] for k in ("accuracy_start", "accuracy_end")}
+    figures["seconds"] = round(time.perf_counter() - start, 1)
+    if args.plot:
+        history = [{"step": h["step"], f"{name}": h["accuracy"]} for name, logger in loggers.items()
+                   for h in logger.history if "accuracy" in h]
+        plot_curves(history, list(loggers), title="held-out accuracy", path=args.plot)
+    print(json.dumps(figures, indent=1))
+    if args.json:
+        print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
