@@ -6,7 +6,7 @@
 A source file (`chapters/source/partN_<topic>.py`) is a list of cells, each opened by a marker line:
 
     # %% [markdown]          prose; each line starts with "# " (or is "#")
-    # %% [colab]             the Colab install cell
+    # %% [colab]             the Colab install cell (COLAB_CELL, the same in every notebook, when left empty)
     # %% [setup]             imports the exercises need (the harness runs these when testing a notebook)
     # %% [exercise] name     the stub of `name`, made from solutions/partN_<topic>.py, then a `check(name)` cell
     # %% [provided] name     the full source of `name` from solutions/ (code the learner reads and runs)
@@ -27,6 +27,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS, SOURCES, SOLUTIONS = ROOT / "chapters", ROOT / "chapters" / "source", ROOT / "solutions"
+COLAB_CELL = """\
+# On Colab: fetch the course and install what Colab lacks (torch is already there). Elsewhere: nothing.
+import os, sys
+if "google.colab" in sys.modules and not os.path.exists("/content/rlhf-course"):
+    !git clone --depth 1 https://github.com/rlhf-first-principles/rlhf-transformerlens /content/rlhf-course
+    %pip install -q -r /content/rlhf-course/requirements.txt
+    %cd /content/rlhf-course/chapters"""
 MARKER = re.compile(r"^# %%(?: \[(?P<kind>\w+)\](?: (?P<arg>\w+))?)?\s*$")
 
 
@@ -123,7 +130,9 @@ def build(part: str) -> dict:
             if text:
                 raise ValueError(f"{part}: a '[provided] {arg}' cell takes its code from solutions/, not the source")
             cells.append(("provided", solution_source(part, arg), ["provided"]))
-        elif kind in ("colab", "setup"):
+        elif kind == "colab":
+            cells.append((kind, text or COLAB_CELL, [kind]))
+        elif kind == "setup":
             cells.append((kind, text, [kind]))
         elif kind in ("markdown", "code"):
             cells.append((kind, text, []))

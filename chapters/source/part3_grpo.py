@@ -20,12 +20,6 @@
 # code when TRL is installed.
 
 # %% [colab]
-# On Colab: fetch the course and install what Colab lacks (torch is already there). Elsewhere: nothing.
-import os, sys
-if "google.colab" in sys.modules and not os.path.exists("/content/rlhf-course"):
-    !git clone --depth 1 https://github.com/rlhf-first-principles/rlhf-transformerlens /content/rlhf-course
-    %pip install -q -r /content/rlhf-course/requirements.txt
-    %cd /content/rlhf-course/chapters
 
 # %% [setup]
 import asyncio
