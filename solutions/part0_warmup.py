@@ -8,7 +8,6 @@ sample from the embedded model:
 """
 
 import argparse
-import json
 import time
 from typing import Callable
 
@@ -17,7 +16,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from utils.data import addition_accuracy, addition_pairs
-from utils.logger import samples_table
+from utils.logger import print_figures, samples_table
 from utils.models import load_model
 from utils.sampling import Samples, sample
 
@@ -164,9 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model == "tiny":
         figures["held_out_addition_accuracy"] = round(addition_accuracy(model, addition_pairs("held_out")), 4)
     figures["seconds"] = round(time.perf_counter() - start, 2)
-    print("\n".join(f"{k:>28}: {v}" for k, v in figures.items()))
-    if args.json:
-        print(json.dumps(figures))
+    print_figures(figures, args.json)
     return figures
 
 

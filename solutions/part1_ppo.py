@@ -15,7 +15,6 @@ as in ARENA's RLHF chapter; the notebook compares the two.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -31,7 +30,7 @@ from tqdm.auto import tqdm
 
 from solutions.part0_warmup import get_logprobs
 from utils.data import NEGATIVE, POSITIVE
-from utils.logger import RunLogger, samples_table
+from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean, masked_var, masked_whiten
 from utils.models import load_model, require_hub_model
 from utils.plotting import plot_curves
@@ -513,9 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot:
         plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explained_variance"],
                     title=f"PPO on {cfg.model}, reward: {cfg.reward}", path=args.plot)
-    print("\n".join(f"{key:>14}: {value}" for key, value in figures.items()))
-    if args.json:
-        print(json.dumps(figures))
+    print_figures(figures, args.json)
     return figures
 
 

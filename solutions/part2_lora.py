@@ -14,7 +14,6 @@ from the unchanged model. The initialisation and the alpha / r scaling are those
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -31,6 +30,7 @@ from torch import Tensor
 from solutions.part0_warmup import completion_logprobs
 from solutions.part1_ppo import PPOConfig, PPOTrainer
 from utils.models import count_parameters, load_model
+from utils.logger import print_figures
 from utils.plotting import plot_curves
 from utils.sampling import Samples
 
@@ -278,9 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot:
         plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction"],
                     title=f"PPO with LoRA (rank {args.rank}) on {cfg.model}", path=args.plot)
-    print("\n".join(f"{key:>16}: {value}" for key, value in figures.items()))
-    if args.json:
-        print(json.dumps(figures))
+    print_figures(figures, args.json)
     return figures
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
-import json
 import os
 import random
 import time
@@ -34,7 +33,7 @@ from solutions.part1_ppo import kl_k3, reward_char_count
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
 from utils.concurrency import run_sync
-from utils.logger import RunLogger, samples_table
+from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.plotting import plot_curves
@@ -401,9 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
         keys = ["accuracy"] + keys
     if args.plot:
         plot_curves(logger.history, keys, title=f"GRPO + LoRA on {cfg.model}, task: {cfg.task}", path=args.plot)
-    print("\n".join(f"{key:>24}: {value}" for key, value in figures.items()))
-    if args.json:
-        print(json.dumps(figures))
+    print_figures(figures, args.json)
     return figures
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import time
 from dataclasses import dataclass, replace
@@ -31,9 +30,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from solutions.part0_warmup import completion_logprobs
-from solutions.part2_lora import LoRAModel, base_weight, lora_hooks, merge_lora
+from solutions.part2_lora import LoRAModel, base_weight, lora_hooks
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer
-from utils.plotting import plot_curves
+from utils.logger import print_figures
 from utils.sampling import Samples
 
 # Not exercises: the notebook shows them in full for the learner to read and run.
@@ -228,10 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures["seconds"] = round(time.perf_counter() - start, 1)
     if args.plot:
         plot_sync_experiment(histories, path=args.plot)
-    for name in SETTINGS:
-        print(f"{name:>20}: {figures[name]}")
-    if args.json:
-        print(json.dumps(figures))
+    print_figures(figures, args.json)
     return figures
 
 

@@ -18,7 +18,6 @@ RLOOTrainer (trl 1.x); tests/test_part5_dpo_rloo.py checks them against TRL when
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
@@ -35,7 +34,7 @@ from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
 from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, completion_loss_mask, compose_rewards,
                                   reference_logprobs, sample_groups)
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
-from utils.logger import RunLogger, samples_table
+from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.plotting import plot_curves
@@ -442,9 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
         history = [{"step": h["step"], f"{name}": h["accuracy"]} for name, logger in loggers.items()
                    for h in logger.history if "accuracy" in h]
         plot_curves(history, list(loggers), title="held-out accuracy", path=args.plot)
-    print(json.dumps(figures, indent=1))
-    if args.json:
-        print(json.dumps(figures))
+    print_figures(figures, args.json)
     return figures
 
 

@@ -35,3 +35,21 @@ def assert_matches(actual, expected: Tensor, what: str, mistakes: dict[str, Tens
             raise AssertionError(f"{what}: wrong values. Likely mistake: {description}.")
     error = (actual.float() - expected.float()).abs().max().item()
     raise AssertionError(f"{what}: wrong values (largest difference {error:.3g}).")
+
+
+def run_script(module: str, *args: str, smoke: bool = True, timeout: int = 600) -> tuple[str, dict | None]:
+    """Run `python -m module args` from the repository root, offline (and with RLHF_SMOKE=1 unless smoke=False);
+    return its stdout and, when its last line is a JSON object (the scripts' --json), that object."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from utils.harness import ROOT
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"} | ({"RLHF_SMOKE": "1"} if smoke else {})
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    return result.stdout, json.loads(last) if last.startswith("{") else None

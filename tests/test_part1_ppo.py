@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from solutions import part1_ppo as ref
-from tests.helpers import active_hooks, assert_matches
+from tests.helpers import active_hooks, assert_matches, run_script
 from utils.masks import masked_mean
 
 exercise = pytest.mark.exercise
@@ -717,17 +717,6 @@ def test_sentiment_classifier_offline_fails_fast_with_an_alternative(monkeypatch
 
 @pytest.mark.slow
 def test_script_prints_json_figures(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from utils.harness import ROOT
-
-    result = subprocess.run([sys.executable, "-m", "solutions.part1_ppo", "--json", "--plot", str(tmp_path / "c.png")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "RLHF_SMOKE": "1", "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    _, figures = run_script("solutions.part1_ppo", "--json", "--plot", str(tmp_path / "c.png"))
     assert {"reward_start", "reward_end", "kl_end", "seconds"} <= set(figures)
     assert (tmp_path / "c.png").exists()

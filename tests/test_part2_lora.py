@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from solutions import part2_lora as ref
 from solutions.part0_warmup import completion_logprobs
-from tests.helpers import active_hooks, assert_matches
+from tests.helpers import active_hooks, assert_matches, run_script
 from utils.models import load_model
 from utils.sampling import sample
 
@@ -231,18 +231,8 @@ def test_ppo_with_lora_trains_only_the_adapters_and_shares_the_weights():
 
 @pytest.mark.slow
 def test_script_prints_json_figures(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from utils.harness import ROOT
-
-    result = subprocess.run([sys.executable, "-m", "solutions.part2_lora", "--json", "--plot", "",
-                             "--save", str(tmp_path / "adapter.safetensors")], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "RLHF_SMOKE": "1", "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    _, figures = run_script("solutions.part2_lora", "--json", "--plot", "",
+                            "--save", str(tmp_path / "adapter.safetensors"))
     assert {"reward_start", "reward_end", "trainable_params", "total_params", "seconds"} <= set(figures)
     assert figures["trainable_params"] < figures["total_params"] / 10
     assert (tmp_path / "adapter.safetensors").exists()

@@ -15,7 +15,7 @@ import torch
 from solutions import part3_grpo as ref
 from solutions.part0_warmup import completion_logprobs
 from solutions.part2_lora import LoRAModel, make_adapters
-from tests.helpers import active_hooks, assert_matches
+from tests.helpers import active_hooks, assert_matches, run_script
 from utils.sampling import Samples, completion_mask_from_ids, sample
 
 exercise = pytest.mark.exercise
@@ -256,18 +256,7 @@ def test_trainer_counts_reference_passes_and_trains_only_lora(beta):
 
 @pytest.mark.slow
 def test_script_prints_json_figures(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from utils.harness import ROOT
-
-    result = subprocess.run([sys.executable, "-m", "solutions.part3_grpo", "--json", "--plot", str(tmp_path / "c.png")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "RLHF_SMOKE": "1", "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    _, figures = run_script("solutions.part3_grpo", "--json", "--plot", str(tmp_path / "c.png"))
     assert {"accuracy_start", "accuracy_end", "reward_start", "reward_end", "seconds", "steps"} <= set(figures)
 
 

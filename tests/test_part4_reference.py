@@ -11,7 +11,7 @@ import torch
 from solutions import part4_reference as ref
 from solutions.part0_warmup import completion_logprobs
 from solutions.part2_lora import LoRAModel, base_weight, lora_hooks, make_adapters
-from tests.helpers import active_hooks, assert_matches
+from tests.helpers import active_hooks, assert_matches, run_script
 from utils.models import load_model
 from utils.sampling import sample
 
@@ -217,18 +217,7 @@ def test_synced_trainer_runs_and_syncs():
 
 @pytest.mark.slow
 def test_script_prints_json_figures(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from utils.harness import ROOT
-
-    result = subprocess.run([sys.executable, "-m", "solutions.part4_reference", "--json", "--plot",
-                             str(tmp_path / "c.png")], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "RLHF_SMOKE": "1", "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    _, figures = run_script("solutions.part4_reference", "--json", "--plot", str(tmp_path / "c.png"))
     assert {"static", "seconds"} <= set(figures) and "kl_end" in figures["static"]
     assert (tmp_path / "c.png").exists()
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from solutions import part5_dpo_rloo as ref
 from solutions.part0_warmup import completion_logprobs
 from solutions.part2_lora import LoRAModel, make_adapters
-from tests.helpers import active_hooks, assert_matches
+from tests.helpers import active_hooks, assert_matches, run_script
 
 exercise = pytest.mark.exercise
 
@@ -392,18 +392,7 @@ def test_rloo_trainer_runs_with_the_kl_in_the_reward():
 
 @pytest.mark.slow
 def test_script_prints_json_figures(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from utils.harness import ROOT
-
-    result = subprocess.run([sys.executable, "-m", "solutions.part5_dpo_rloo", "--json", "--plot",
-                             str(tmp_path / "c.png")], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "RLHF_SMOKE": "1", "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    _, figures = run_script("solutions.part5_dpo_rloo", "--json", "--plot", str(tmp_path / "c.png"))
     assert {"accuracy_start", "accuracy_end", "seconds", "dpo_implicit", "dpo_precomputed", "rloo", "grpo"} <= set(
         figures)
 

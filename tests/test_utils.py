@@ -1,15 +1,13 @@
 """Tests of the shared helpers in utils/: models, data, sampling, logging, plotting, the pretraining script."""
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
+from tests.helpers import run_script
 from utils import data
-from utils.harness import ROOT
 from utils.logger import RunLogger, samples_table
 from utils.models import ModelUnavailableError, load_model, load_tiny_hf
 from utils.plotting import plot_curves
@@ -168,17 +166,10 @@ def test_plot_curves_writes_a_figure(tmp_path):
 
 # --- scripts -----------------------------------------------------------------------------------------------
 
-def run_module(*args, timeout=300):
-    result = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=timeout, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
 @pytest.mark.slow
 def test_pretraining_script_runs_a_few_steps(tmp_path):
-    out = run_module("utils.pretrain_tiny", "--out", str(tmp_path), "--max-steps", "3", "--eval-every", "3",
-                     "--corpus-tokens", "20000", "--eval-pairs", "16")
+    out, _ = run_script("utils.pretrain_tiny", "--out", str(tmp_path), "--max-steps", "3", "--eval-every", "3",
+                        "--corpus-tokens", "20000", "--eval-pairs", "16", smoke=False)
     assert "saved to" in out
     report = json.loads((tmp_path / "training.json").read_text())
     assert report["steps"] == 3 and report["final_loss"] > 0
@@ -196,7 +187,7 @@ def test_pretraining_is_deterministic_for_a_seed(tmp_path):
 
 @pytest.mark.slow
 def test_part0_script_prints_a_table_and_json():
-    out = run_module("solutions.part0_warmup", "--json", "--samples-per-prompt", "1", "--max-new-tokens", "8")
-    figures = json.loads(out.strip().splitlines()[-1])
+    out, figures = run_script("solutions.part0_warmup", "--json", "--samples-per-prompt", "1", "--max-new-tokens",
+                              "8", smoke=False)
     assert {"mean_completion_logprob", "held_out_addition_accuracy", "kv_cache_speedup", "seconds"} <= set(figures)
     assert "┌" in out or "+" in out

@@ -55,3 +55,14 @@ class RunLogger:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def print_figures(figures: dict, as_json: bool = False) -> None:
+    """Print a script's figures one per line, aligned; with `as_json`, end with one line that is a JSON object of
+    them (what the tests and benchmarks parse)."""
+    import json
+
+    width = max((len(str(k)) for k in figures), default=0)
+    print("\n".join(f"{key:>{width}}: {value}" for key, value in figures.items()))
+    if as_json:
+        print(json.dumps(figures))
