@@ -62,10 +62,12 @@ def completion_mask_from_ids(completion_ids: Int[Tensor, "batch gen"], eos_id: i
 
 @torch.no_grad()
 def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: float = 1.0,
-           top_k: int | None = None) -> Samples:
+           top_k: int | None = None, stop_at_eos: bool = True) -> Samples:
     """Sample one completion per prompt with the KV cache; hooks added with `model.hooks(...)` stay active.
 
     temperature=0 means greedy decoding. To sample G completions of a prompt, repeat it G times in `prompts`.
+    stop_at_eos=False always runs max_new_tokens steps (benchmarks use it for equal work); the completion mask
+    still ends at each row's first EOS.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -77,7 +79,7 @@ def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: flo
         raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's context of {n_ctx} tokens: shorten the prompt or lower max_new_tokens")
     out = model.generate(ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                         temperature=temperature if temperature > 0 else 1.0, top_k=top_k, stop_at_eos=True,
+                         temperature=temperature if temperature > 0 else 1.0, top_k=top_k, stop_at_eos=stop_at_eos,
                          eos_token_id=eos, return_type="tokens", verbose=False)
     prompt_len = ids.shape[1]
     completion = out[:, prompt_len:]

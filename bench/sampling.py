@@ -1,0 +1,130 @@
+"""Sampling speed: our rollout sampler against raw Hugging Face `generate` on the same weights (a benchmark).
+
+    python bench/sampling.py                        # the embedded tiny model (CPU, or GPU if there is one)
+    python bench/sampling.py --preset gpt2 --random-weights   # GPT-2 small's shapes (a GPU recipe)
+    python bench/sampling.py --json                 # ... ending with a JSON line of the figures
+
+Ours is `utils.sampling.sample`: TransformerLens's `TransformerBridge.generate` with the KV cache, every hook point
+live (so that LoRA and steering hooks act while sampling). Theirs is `GPT2LMHeadModel.generate` on an untouched
+copy of the same weights, with the KV cache, sampling from the full softmax (top_k=0, temperature 1). Two
+workloads:
+
+    rollout   the GRPO main job's: 16 addition prompts x 8 completions, at most 5 new tokens, stop at EOS
+    decode    128 rows of "This is", exactly 32 new tokens (no early stop on either side): decoding speed alone
+
+Tokens per second count the completion tokens each side produced (up to and including EOS). Each repeat runs
+both, alternating which goes first; the figures are medians over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.grpo_vs_trl import Setting, load_hf, prompt_stream, sync  # noqa: E402
+from utils.models import bridge_from_hf, set_cpu_threads  # noqa: E402
+from utils.sampling import completion_mask_from_ids, sample, tokenize_prompts  # noqa: E402
+
+WORKLOADS = {  # name: (prompts, max_new_tokens, stop at EOS)
+    "rollout": (lambda: [p for p in prompt_stream(Setting(), 16) for _ in range(8)], 5, True),
+    "decode": (lambda: ["This is"] * 128, 32, False),
+}
+
+
+def ours(bridge, prompts, max_new_tokens, stop_at_eos) -> int:
+    out = sample(bridge, prompts, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos)
+    return int(out.completion_mask.sum()) if stop_at_eos else out.completion_ids.numel()
+
+
+def raw_generate(hf_model, tokenizer, prompts, max_new_tokens, stop_at_eos) -> int:
+    ids, mask = tokenize_prompts(tokenizer, prompts, hf_model.device)  # the same BOS + left padding as ours
+    eos = tokenizer.eos_token_id
+    out = hf_model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                            max_new_tokens=max_new_tokens, min_new_tokens=0 if stop_at_eos else max_new_tokens,
+                            eos_token_id=eos, pad_token_id=eos)
+    completion = out[:, ids.shape[1]:]
+    return int(completion_mask_from_ids(completion, eos).sum()) if stop_at_eos else completion.numel()
+
+
+def measure(fn, device, repeats: int) -> tuple[list[float], list[int]]:
+    times, tokens = [], []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            tokens.append(fn())
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times, tokens
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="Our sampler against raw Hugging Face generate, tokens per second.")
+    parser.add_argument("--preset", choices=["tiny", "gpt2"], default="tiny")
+    parser.add_argument("--random-weights", action="store_true", help="gpt2: GPT-2 small's shapes, random weights")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, help="torch threads on CPU")
+    parser.add_argument("--profile", action="store_true", help="also print where our sampler spends its time")
+    parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    threads = set_cpu_threads(args.threads) if device.type == "cpu" else None
+    setting = Setting.gpt2() if args.preset == "gpt2" else Setting()
+    hf_model, tokenizer = load_hf(setting, args.random_weights)
+    hf_model = hf_model.eval()
+    bridge = bridge_from_hf(copy.deepcopy(hf_model), tokenizer, device)  # the bridge rewires its own copy
+    hf_model = hf_model.to(device)
+    torch.manual_seed(0)
+
+    figures = {"preset": args.preset + ("-random" if args.random_weights else ""), "device": str(device),
+               "threads": threads, "repeats": args.repeats}
+    rows = []
+    for name, (make_prompts, max_new, stop) in WORKLOADS.items():
+        prompts = make_prompts()
+        run_ours = lambda: ours(bridge, prompts, max_new, stop)  # noqa: E731
+        run_hf = lambda: raw_generate(hf_model, tokenizer, prompts, max_new, stop)  # noqa: E731
+        measure(run_ours, device, 2), measure(run_hf, device, 2)  # warm-up
+        ours_t, ours_n, hf_t, hf_n = [], [], [], []
+        for r in range(args.repeats):  # alternate which goes first
+            for fn, t, n in ((run_ours, ours_t, ours_n), (run_hf, hf_t, hf_n))[::1 if r % 2 == 0 else -1]:
+                times, tokens = measure(fn, device, 1)
+                t += times
+                n += tokens
+        ours_tps = statistics.median(n / t for n, t in zip(ours_n, ours_t))
+        hf_tps = statistics.median(n / t for n, t in zip(hf_n, hf_t))
+        figures |= {f"{name}_ours_tokens_per_s": round(ours_tps), f"{name}_hf_tokens_per_s": round(hf_tps),
+                    f"{name}_ratio": round(ours_tps / hf_tps, 3),
+                    f"{name}_ours_ms": round(1000 * statistics.median(ours_t), 1),
+                    f"{name}_hf_ms": round(1000 * statistics.median(hf_t), 1)}
+        rows.append({"workload": f"{name}: {len(prompts)} rows, {max_new} new tokens"
+                     f"{', stop at EOS' if stop else ''}", "ours tokens/s": round(ours_tps),
+                     "HF generate tokens/s": round(hf_tps), "ratio": round(ours_tps / hf_tps, 3)})
+        if args.profile:
+            profile = cProfile.Profile()
+            profile.runcall(run_ours)
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+            print(f"--- where our sampler spends its time ({name}) ---\n{text.getvalue()}")
+
+    from tabulate import tabulate
+    print(tabulate(rows, headers="keys", tablefmt="simple_outline"))
+    if args.json:
+        print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
