@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_curves(history: list[dict], keys: list[str], title: str | None = None, path: str | Path | None = None):
-    """Plot each metric of `keys` against "step" from a RunLogger history; save to `path` if given.
+def plot_curves(history: list[dict], keys: list[str], title: str | None = None, path: str | Path | None = None,
+                xlabel: str = "step"):
+    """Plot each metric of `keys` against the "step" of a RunLogger history's entries; save to `path` if given.
+
+    `xlabel` names what a step is on the x-axis (e.g. "phase" for PPO, whose logger counts rollout phases).
 
     Returns the matplotlib Figure (a notebook shows it; a script can save or close it).
     """
@@ -25,7 +28,7 @@ def plot_curves(history: list[dict], keys: list[str], title: str | None = None, 
         points = [(h["step"], h[key]) for h in history if key in h]
         ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 40 else None)
         ax.set_title(key)
-        ax.set_xlabel("step")
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
