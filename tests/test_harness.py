@@ -115,6 +115,39 @@ def test_check_prints_pass_and_names_the_mistake(capsys):
     assert "❌ get_logprobs" in out and "logits[:, t] predicts token t+1" in out, out
 
 
+CHECK_IN_A_FRESH_PROCESS = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+os.environ.pop("HF_HUB_OFFLINE", None)
+os.environ.pop("WANDB_MODE", None)
+from utils.harness import check
+from solutions.part0_warmup import sample_next_token as good
+
+def sample_next_token(logits, temperature=1.0, top_k=None):  # a learner's version that ignores temperature 0
+    return good(logits, 1.0 if temperature == 0 else temperature, top_k)
+
+check(sample_next_token)
+print("environment after check:", os.environ.get("HF_HUB_OFFLINE"), os.environ.get("WANDB_MODE"))
+"""
+
+
+def test_check_in_a_fresh_process_explains_a_failed_comparison_and_leaves_the_environment_alone():
+    """As in a notebook: the test module is first imported by check() itself, so pytest rewrites its asserts; a
+    failed `assert a == b` must come out with its explanation, not as a bare AssertionError. And the variables that
+    conftest.py sets for test runs (offline Hub, wandb off) must not leak into the learner's session."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", CHECK_IN_A_FRESH_PROCESS], cwd=harness.ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "❌ sample_next_token" in out, out
+    failure = out.split("❌ sample_next_token", 1)[1].split("environment after check", 1)[0]
+    assert failure.strip().splitlines()[-1].strip() != "AssertionError", f"the reason was lost:\n{out}"
+    assert "environment after check: None None" in out, out
+
+
 def test_check_rejects_an_unknown_name():
     def not_an_exercise():
         pass

@@ -5,7 +5,7 @@ The tests of part N (`tests/test_partN_<topic>.py`) never import an implementati
 
     solutions            the reference implementations in `solutions/` (the default; CI runs this)
     stubs                the exercise cells of `chapters/partN_<topic>.ipynb`, as shipped (every test fails)
-    path/to/mine.ipynb   a learner's notebook: its cells tagged "setup" and "exercise" are executed
+    path/to/mine.ipynb   a learner's notebook: its cells tagged "setup", "provided" and "exercise" are executed
     path/to/mine.py      a learner's module
     memory               `solutions/`, with the objects that `check()` (or the meta-tests) put in OVERRIDES
 
@@ -17,9 +17,12 @@ an exercise). Everything else is prose, demos and training.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
+import io
 import json
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -189,7 +192,12 @@ class _Collector:
 
 def _message(report) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else str(report.longrepr)
+    text = (crash.message if crash is not None else str(report.longrepr)).strip()
+    # A failed `assert cond, "what went wrong"` reads "AssertionError: what went wrong" followed by pytest's
+    # "assert ... + where ..." trace of the expression: the sentence is the useful part. An assert without a
+    # sentence keeps pytest's explanation (e.g. "assert (0.0001 == 0.01)").
+    if text.startswith("AssertionError: ") and "\nassert " in text:
+        text = text[len("AssertionError: "):text.index("\nassert ")]
     return text.strip()
 
 
@@ -199,13 +207,19 @@ def run_exercise_tests(part: str, name: str, obj: object) -> Outcome:
 
     OVERRIDES[part] = {name: obj}
     outcome = Outcome(name)
+    saved_environ = dict(os.environ)  # conftest.py sets HF_HUB_OFFLINE and WANDB_MODE for test runs only
     try:
-        pytest.main([str(TESTS / f"test_{part}.py"), "--impl", "memory", "--exercise", name, "-p", "no:terminal",
-                     "-p", "no:cacheprovider", "-p", "no:unraisableexception",
-                     "-W", "ignore::pytest.PytestAssertRewriteWarning"],
-                    plugins=[_Collector(outcome)])
+        # pytest's report goes to a buffer, not the notebook: the Collector keeps what the learner needs. (Turning
+        # the terminal plugin off instead would break pytest's explanation of a failed `assert a == b`.)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            pytest.main([str(TESTS / f"test_{part}.py"), "--impl", "memory", "--exercise", name, "-q",
+                         "-p", "no:cacheprovider", "-p", "no:unraisableexception",
+                         "-W", "ignore::pytest.PytestAssertRewriteWarning"],
+                        plugins=[_Collector(outcome)])
     finally:
         OVERRIDES.pop(part, None)
+        os.environ.clear()
+        os.environ.update(saved_environ)
     return outcome
 
 
@@ -230,7 +244,7 @@ def check(obj: object, part: str | None = None) -> None:
     part = part or _part_defining(name)
     outcome = run_exercise_tests(part, name, obj)
     if outcome.ok:
-        print(f"✅ {name}: all {len(outcome.passed)} tests passed.")
+        print(f"✅ {name}: all {len(outcome.passed)} test{'s' if len(outcome.passed) != 1 else ''} passed.")
         return
     if not outcome.passed and not outcome.failed:
         print(f"⚠️ {name}: no test ran; is it an exercise of {part}?")
