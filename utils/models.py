@@ -69,7 +69,7 @@ def load_tiny_hf(path: str | Path = TINY_DIR):
     if not (path / "model.safetensors").exists():
         raise ModelUnavailableError(
             f"No embedded model at {path}. It is committed with the repository; if you deleted it, "
-            "rebuild it with `python -m utils.pretrain_tiny` (about 3 minutes on a laptop CPU).")
+            "rebuild it with `python -m utils.pretrain_tiny` (under two minutes on a laptop CPU).")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     hf_model = GPT2LMHeadModel.from_pretrained(str(path), use_safetensors=True)
     return hf_model, tokenizer
@@ -115,8 +115,8 @@ def require_hub_model(name: str, offline_choice: str = "load_model('tiny'), the 
 def load_model(name: str = "tiny", device: torch.device | str | None = None):
     """Load a course model as a TransformerLens `TransformerBridge`; its tokenizer is `model.tokenizer`.
 
-    name: "tiny" for the embedded model (works offline, loads in about a second), or "gpt2" (or another
-    Hugging Face GPT-2-family name) for GPT-2 small, which needs the Hub or a cached copy.
+    name: "tiny" for the embedded model (works offline, loads in well under a second once imported), or "gpt2"
+    (or another Hugging Face GPT-2-family name) for GPT-2 small, which needs the Hub or a cached copy.
     device: defaults to CUDA when there is one, else the CPU (with a deliberate thread count).
     """
     device = torch.device(device) if device is not None else default_device()

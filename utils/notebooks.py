@@ -28,11 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS, SOURCES, SOLUTIONS = ROOT / "chapters", ROOT / "chapters" / "source", ROOT / "solutions"
 COLAB_CELL = """\
-# On Colab: fetch the course and install what Colab lacks (torch is already there). Elsewhere: nothing.
+# On Colab: fetch the course and install what Colab lacks (torch and Jupyter are already there; reinstalling
+# Jupyter's packages could break the Colab runtime). Elsewhere: nothing. Safe to re-run after a runtime restart.
 import os, sys
-if "google.colab" in sys.modules and not os.path.exists("/content/rlhf-course"):
-    !git clone --depth 1 https://github.com/rlhf-first-principles/rlhf-transformerlens /content/rlhf-course
-    %pip install -q -r /content/rlhf-course/requirements.txt
+if "google.colab" in sys.modules:
+    if not os.path.exists("/content/rlhf-course"):
+        !git clone --depth 1 https://github.com/rlhf-first-principles/rlhf-transformerlens /content/rlhf-course
+        !grep -v -E "^(torch|jupyter|nbclient|nbformat|ipykernel)" /content/rlhf-course/requirements.txt > /tmp/colab-requirements.txt
+        %pip install -q -r /tmp/colab-requirements.txt
     %cd /content/rlhf-course/chapters"""
 MARKER = re.compile(r"^# %%(?: \[(?P<kind>\w+)\](?: (?P<arg>\w+))?)?\s*$")
 
