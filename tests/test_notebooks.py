@@ -31,15 +31,6 @@ def test_stub_keeps_signature_and_docstring_and_drops_the_body():
     assert "log_softmax" not in stub, "the stub gives the solution away"
 
 
-def filled_in(part: str) -> nbformat.NotebookNode:
-    nb = nbformat.reads(notebooks.dumps(notebooks.build(part)), as_version=4)
-    for cell in nb.cells:
-        if "exercise" in cell.metadata.get("tags", []):
-            (name,) = harness.defined_names(cell.source)
-            cell.source = notebooks.solution_source(part, name)
-    return nb
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("part", PARTS)
 def test_notebook_runs_top_to_bottom_with_solutions(part, tmp_path, monkeypatch):
@@ -49,7 +40,7 @@ def test_notebook_runs_top_to_bottom_with_solutions(part, tmp_path, monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    nb = filled_in(part)
+    nb = notebooks.with_solutions(part)
     NotebookClient(nb, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(harness.CHAPTERS)}}).execute()
     for cell in nb.cells:

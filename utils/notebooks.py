@@ -147,6 +147,21 @@ def build(part: str) -> dict:
             "nbformat": 4, "nbformat_minor": 5}
 
 
+def with_solutions(part: str):
+    """The notebook of `part` as an nbformat object, each exercise cell holding its reference solution: what the
+    notebook-run test and the CPU-budget benchmark execute."""
+    import nbformat
+
+    from utils.harness import defined_names
+
+    nb = nbformat.reads(dumps(build(part)), as_version=4)
+    for cell in nb.cells:
+        if "exercise" in cell.metadata.get("tags", []):
+            (name,) = defined_names(cell.source)
+            cell.source = solution_source(part, name)
+    return nb
+
+
 def dumps(notebook: dict) -> str:
     return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
 
