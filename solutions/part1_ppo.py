@@ -75,6 +75,21 @@ class PolicyWithValueHead(nn.Module):
         return logits, stored["values"]
 
 
+def completion_slice(
+    x: Float[Tensor, "batch seq *rest"],
+    prompt_len: int,
+) -> Float[Tensor, "batch gen *rest"]:
+    """The entries of a per-position output (logits or values) at the positions that choose the completion tokens.
+
+    Position t has read tokens[:, :t+1] and chooses token t+1, so the completion tokens tokens[:, prompt_len:]
+    are chosen at positions prompt_len - 1 .. seq - 2. Returns a [batch, seq - prompt_len, ...] tensor whose
+    column j belongs to completion token j.
+    """
+    if not 1 <= prompt_len < x.shape[1]:
+        raise ValueError(f"prompt_len must be in [1, seq), got {prompt_len} for seq = {x.shape[1]}")
+    return x[:, prompt_len - 1:-1]  # the last position chooses a token after the sample: never used
+
+
 # --- 2. Rewards ---------------------------------------------------------------------------------------------
 
 def reward_char_count(texts: list[str], char: str = ".") -> Float[Tensor, "batch"]:
@@ -121,7 +136,11 @@ def load_sentiment_classifier(name: str = "lvwerra/distilbert-imdb", device: tor
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     require_hub_model(name, offline_choice="the lexicon reward (reward='sentiment'), which needs no network,")
-    classifier = AutoModelForSequenceClassification.from_pretrained(name, use_safetensors=True).eval()
+    # The default loader takes model.safetensors when the model has one and falls back to pytorch_model.bin when it
+    # has only that (as many older Hub models do); transformers 5 reads a .bin with torch.load(weights_only=True),
+    # which loads tensors and refuses pickled code. Forcing use_safetensors=True would fail on those models.
+    # No trust_remote_code: a sequence classifier needs no code from the Hub.
+    classifier = AutoModelForSequenceClassification.from_pretrained(name, weights_only=True).eval()
     return classifier.to(device or ("cuda" if torch.cuda.is_available() else "cpu")), AutoTokenizer.from_pretrained(name)
 
 
@@ -249,6 +268,36 @@ def clipped_surrogate(
     return masked_mean(torch.minimum(unclipped, clipped), completion_mask)
 
 
+def ppo_loss(
+    logits: Float[Tensor, "batch gen vocab"],
+    values: Float[Tensor, "batch gen"],
+    logprobs: Float[Tensor, "batch gen"],
+    old_logprobs: Float[Tensor, "batch gen"],
+    advantages: Float[Tensor, "batch gen"],
+    returns: Float[Tensor, "batch gen"],
+    ref_logits: Float[Tensor, "batch gen vocab"],
+    completion_mask: Bool[Tensor, "batch gen"],
+    clip_eps: float = 0.2,
+    vf_coef: float = 0.5,
+    ent_coef: float = 0.001,
+    kl_coef: float = 0.2,
+) -> tuple[Float[Tensor, ""], dict[str, float]]:
+    """The loss to minimise on one minibatch, and its four terms (as floats, for logging).
+
+    loss = -clipped_surrogate + vf_coef * value_loss - ent_coef * entropy + kl_coef * KL, where the entropy and
+    the exact KL(policy || reference) are averaged over the valid tokens. Every input is at the completion
+    positions (logits and values through completion_slice). The terms: {"objective", "value_loss", "entropy", "kl"}.
+    """
+    objective = clipped_surrogate(logprobs, old_logprobs, advantages, completion_mask, clip_eps)
+    v_loss = value_loss(values, returns, completion_mask)
+    ent = masked_mean(entropy(logits, completion_mask), completion_mask)
+    kl = masked_mean(kl_exact(logits, ref_logits, completion_mask), completion_mask)
+    # The objective and the entropy are to be maximised, the value loss and the KL minimised: hence the signs.
+    loss = -objective + vf_coef * v_loss - ent_coef * ent + kl_coef * kl
+    terms = {"objective": objective.item(), "value_loss": v_loss.item(), "entropy": ent.item(), "kl": kl.item()}
+    return loss, terms
+
+
 # --- 6. Minibatches and the optimiser ------------------------------------------------------------------------
 
 def get_minibatch_indices(
@@ -342,7 +391,8 @@ class PPOConfig:
     normalize_advantages: bool = True      # whitened per minibatch, as in CleanRL
     max_grad_norm: float = 1.0
     value_hidden: int = 64
-    table_every: int = 10                  # print a table of samples every this many phases
+    table_every: int = 1                   # print a table of samples every this many phases
+    table_rows: int = 3                    # ... of this many samples: enough to see what is rewarded
     seed: int = 0
     device: str | None = None
     wandb: bool = False
@@ -351,7 +401,7 @@ class PPOConfig:
     def gpt2(cls, **overrides) -> "PPOConfig":
         """GPT-2 small on a GPU: a gentler learning rate and a bigger batch; the '.' reward still works."""
         return replace(cls(model="gpt2", phases=100, batch_size=128, minibatch_size=32, max_new_tokens=32,
-                           lr_model=2e-5, lr_head=1e-3, kl_coef=0.1, value_hidden=256, table_every=10), **overrides)
+                           lr_model=2e-5, lr_head=1e-3, kl_coef=0.1, value_hidden=256), **overrides)
 
     @property
     def total_steps(self) -> int:
@@ -412,12 +462,13 @@ class PPOTrainer:
         ref_logits = self.reference(samples.ids, attention_mask=samples.attention_mask)
         logprobs = get_logprobs(logits, samples.ids, p) * mask
         ref_logprobs = get_logprobs(ref_logits, samples.ids, p) * mask
-        values = values[:, p - 1:-1]  # the value *before* each completion token is chosen
+        gen_logits, gen_ref_logits = completion_slice(logits, p), completion_slice(ref_logits, p)
+        values = completion_slice(values, p) * mask  # the value *before* each completion token is chosen
         rewards = self.reward_fn(samples.texts).to(values.device)
         scaled = normalize_rewards(rewards) if cfg.normalize_rewards else rewards
         advantages, returns = compute_advantages(values, scaled, mask, cfg.gamma, cfg.lam)
 
-        kl = kl_exact(logits[:, p - 1:-1], ref_logits[:, p - 1:-1], mask).sum(dim=1)
+        kl = kl_exact(gen_logits, gen_ref_logits, mask).sum(dim=1)  # per sample: summed over its tokens
         # How much of the returns' variance the value head predicted (CleanRL's measure): 1 is perfect, 0 is no
         # better than a constant. Undefined when every reward is the same (the normalised returns are all ~0).
         returns_var = masked_var(returns, mask)
@@ -427,12 +478,13 @@ class PPOTrainer:
                          "kl": kl.mean().item(), "kl_k1": kl_k1(logprobs, ref_logprobs, mask).sum(1).mean().item(),
                          "completion_tokens": mask.sum(dim=1).float().mean().item()}, step=self.phase)
         if self.phase % cfg.table_every == 0 or self.phase == cfg.phases - 1:
+            n = cfg.table_rows
             rows = [{"reward": r.item(), "ref log-prob": lp.item(), "prompt": pr, "completion": t}
-                    for r, lp, pr, t in zip(rewards[:6], ref_logprobs.sum(1)[:6], samples.prompts, samples.texts)]
+                    for r, lp, pr, t in zip(rewards[:n], ref_logprobs.sum(1)[:n], samples.prompts, samples.texts)]
             tqdm.write(f"\nphase {self.phase}: mean reward {rewards.mean():.3f}, KL {kl.mean():.3f}\n"
                        + samples_table(rows))
-        return ReplayMemory(samples.ids, samples.attention_mask, mask, p, logprobs, values * mask, advantages,
-                            returns, ref_logits[:, p - 1:-1])
+        return ReplayMemory(samples.ids, samples.attention_mask, mask, p, logprobs, values, advantages, returns,
+                            gen_ref_logits)
 
     def learning_phase(self, memory: ReplayMemory) -> None:
         cfg = self.cfg
@@ -441,17 +493,13 @@ class PPOTrainer:
             for mb in memory.minibatches(cfg.minibatch_size, self.generator):
                 p, mask = mb["prompt_len"], mb["completion_mask"]
                 logits, values = self.policy(mb["ids"], mb["attention_mask"])
-                gen_logits, values = logits[:, p - 1:-1], values[:, p - 1:-1]
                 logprobs = get_logprobs(logits, mb["ids"], p)
                 advantages = mb["advantages"]
                 if cfg.normalize_advantages:
                     advantages = masked_whiten(advantages, mask)
-
-                objective = clipped_surrogate(logprobs, mb["logprobs"], advantages, mask, cfg.clip_eps)
-                v_loss = value_loss(values, mb["returns"], mask)
-                ent = masked_mean(entropy(gen_logits, mask), mask)
-                kl = masked_mean(kl_exact(gen_logits, mb["ref_logits"], mask), mask)
-                loss = -objective + cfg.vf_coef * v_loss - cfg.ent_coef * ent + cfg.kl_coef * kl
+                loss, terms = ppo_loss(completion_slice(logits, p), completion_slice(values, p), logprobs,
+                                       mb["logprobs"], advantages, mb["returns"], mb["ref_logits"], mask,
+                                       cfg.clip_eps, cfg.vf_coef, cfg.ent_coef, cfg.kl_coef)
 
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -460,12 +508,15 @@ class PPOTrainer:
                 self.scheduler.step()
 
                 with torch.no_grad():
-                    log_ratio = logprobs - mb["logprobs"]
+                    log_ratio = logprobs - mb["logprobs"]  # log(new / old) per token
                     stats["clip_fraction"].append(masked_mean(((log_ratio.exp() - 1).abs() > cfg.clip_eps).float(),
                                                               mask).item())
-                    stats["approx_kl"].append(masked_mean(kl_k3(logprobs, mb["logprobs"], mask), mask).item())
-                    stats["entropy"].append(ent.item())
-                    stats["value_loss"].append(v_loss.item())
+                    # kl_k3(p, q) estimates KL(p || q) from tokens sampled from p. These were sampled from the old
+                    # policy, so its log-probs go first: (r - 1) - log r with r = new / old, CleanRL's approx_kl,
+                    # an estimate of KL(old || new).
+                    stats["approx_kl"].append(masked_mean(kl_k3(mb["logprobs"], logprobs, mask), mask).item())
+                    stats["entropy"].append(terms["entropy"])
+                    stats["value_loss"].append(terms["value_loss"])
         self.logger.log({k: sum(v) / len(v) for k, v in stats.items()} | {"lr_model": self.scheduler.get_last_lr()[0]},
                         step=self.phase)
 
@@ -511,7 +562,7 @@ def main(argv: list[str] | None = None) -> dict:
                "kl_end": round(sum(kls[-k:]) / k, 4), "kl_max": round(max(kls), 4), "seconds": round(seconds, 1)}
     if args.plot:
         plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explained_variance"],
-                    title=f"PPO on {cfg.model}, reward: {cfg.reward}", path=args.plot)
+                    title=f"PPO on {cfg.model}, reward: {cfg.reward}", path=args.plot, xlabel="phase")
     print_figures(figures, args.json)
     return figures
 

@@ -106,6 +106,47 @@ def test_value_head_uses_the_attention_mask(impl, tiny_model):
         "left padding changed the outputs: pass attention_mask on to the model")
 
 
+# --- completion_slice -------------------------------------------------------------------------------------
+
+@exercise("completion_slice")
+def test_completion_slice_picks_the_positions_that_choose_the_completion(impl):
+    p = 3
+    values = torch.arange(8.0)[None].repeat(2, 1)  # values[:, t] = t: the slice shows which positions it took
+    assert_matches(impl.completion_slice(values, p), values[:, p - 1:-1], "completion_slice(values, prompt_len=3)",
+                   mistakes={
+                       "shifted by one: completion token 0 (at position prompt_len) is chosen at position "
+                       "prompt_len - 1, the last position of the prompt": values[:, p:],
+                       "the last position was kept: it chooses a token after the end of the sample, so drop it":
+                           values[:, p - 1:],
+                       "the last position was dropped but the slice starts at prompt_len: start at prompt_len - 1":
+                           values[:, p:-1],
+                   })
+    logits = randn(2, 8, 5)
+    assert_matches(impl.completion_slice(logits, p), logits[:, p - 1:-1], "completion_slice(logits, prompt_len=3)",
+                   mistakes={"shifted by one: start at prompt_len - 1": logits[:, p:]})
+
+
+@exercise("completion_slice")
+def test_completion_slice_agrees_with_get_logprobs_and_causality(impl, tiny_model):
+    torch.manual_seed(0)
+    policy = ref.PolicyWithValueHead(tiny_model)
+    ids, _ = token_batch(tiny_model, ["This is a happy dog.", "This is the dark day."])  # same prompt, same length
+    p = token_batch(tiny_model, ["This is"])[0].shape[1]
+    assert torch.equal(ids[0, :p], ids[1, :p]) and not torch.equal(ids[0, p:], ids[1, p:]), "test set-up"
+    with torch.no_grad():
+        logits, values = policy(ids)
+    picked = impl.completion_slice(logits, p).log_softmax(-1).gather(-1, ids[:, p:, None])[..., 0]
+    shifted = logits[:, p:].log_softmax(-1).gather(-1, ids[:, p:, None])[..., 0]
+    assert_matches(picked, ref.get_logprobs(logits, ids, p), "the completion tokens' log-probs read from "
+                   "completion_slice(logits)", mistakes={
+                       "shifted by one: the logits at position t score token t + 1, so the completion's are at "
+                       "positions prompt_len - 1 .. seq - 2": shifted})
+    first = impl.completion_slice(values, p)[:, 0]
+    assert torch.allclose(first[0], first[1], atol=1e-5), (
+        "the value before completion token 0 differs between two samples with the same prompt: it must be the value "
+        "at the prompt's last position (prompt_len - 1), which has read nothing of the completion")
+
+
 # --- rewards -----------------------------------------------------------------------------------------------
 
 @exercise("reward_char_count")
@@ -368,6 +409,66 @@ def test_clipped_surrogate_does_not_differentiate_the_advantages(impl):
         "a gradient flowed into the advantages: they are constants of the policy update, so detach them")
 
 
+# --- ppo_loss ----------------------------------------------------------------------------------------------
+
+def loss_inputs(seed=0, vocab=6):
+    """What ppo_loss takes: the policy's logits and values at the completion positions, and a minibatch."""
+    logits, ref_logits, mask = kl_inputs(seed=seed, vocab=vocab)
+    tokens = torch.distributions.Categorical(logits=logits).sample()
+    logprobs = logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+    old_logprobs = logprobs + 0.3 * randn(4, 7, seed=seed + 2)
+    values, advantages, returns = randn(4, 7, seed=seed + 3), randn(4, 7, seed=seed + 4), randn(4, 7, seed=seed + 5)
+    return logits, values, logprobs, old_logprobs, advantages, returns, ref_logits, mask
+
+
+def loss_from_terms(inputs, clip_eps, vf_coef, ent_coef, kl_coef, ent_sign=-1.0, obj_sign=-1.0):
+    """A loss assembled from the reference terms, with the signs and coefficients given (the mistakes' losses)."""
+    logits, values, logprobs, old, adv, ret, ref_logits, mask = inputs
+    objective = ref.clipped_surrogate(logprobs, old, adv, mask, clip_eps)
+    ent = masked_mean(ref.entropy(logits, mask), mask)
+    kl = masked_mean(ref.kl_exact(logits, ref_logits, mask), mask)
+    return obj_sign * objective + vf_coef * ref.value_loss(values, ret, mask) + ent_sign * ent_coef * ent + kl_coef * kl
+
+
+@exercise("ppo_loss")
+def test_ppo_loss_matches_reference(impl):
+    for seed, coefs in ((0, (0.2, 0.5, 0.001, 0.2)), (1, (0.1, 2.0, 0.05, 0.0)), (2, (0.3, 0.25, 0.1, 1.5))):
+        inputs = loss_inputs(seed=seed)
+        clip_eps, vf, ent, kl = coefs
+        loss, terms = impl.ppo_loss(*inputs, clip_eps, vf, ent, kl)
+        expected, expected_terms = ref.ppo_loss(*inputs, clip_eps, vf, ent, kl)
+        assert_matches(loss, expected, f"ppo_loss with (clip_eps, vf_coef, ent_coef, kl_coef) = {coefs}", mistakes={
+            "the entropy bonus has the wrong sign: a bonus is *subtracted* from the loss we minimise":
+                loss_from_terms(inputs, *coefs, ent_sign=1.0),
+            "vf_coef was left out: the value loss is weighted by vf_coef": loss_from_terms(inputs, clip_eps, 1.0, ent, kl),
+            "the clipped surrogate is an objective to maximise: the loss has its negative":
+                loss_from_terms(inputs, *coefs, obj_sign=1.0),
+            "the KL penalty to the reference is missing (kl_coef * KL)": loss_from_terms(inputs, clip_eps, vf, ent, 0.0),
+            "the entropy bonus is missing (ent_coef * entropy)": loss_from_terms(inputs, clip_eps, vf, 0.0, kl),
+        })
+        assert isinstance(terms, dict) and set(terms) == set(expected_terms), (
+            f"return the terms as a dict with the keys {sorted(expected_terms)}; got {terms!r}")
+        for key, value in expected_terms.items():
+            assert float(terms[key]) == pytest.approx(value, rel=1e-4, abs=1e-5), (
+                f"terms[{key!r}] is {float(terms[key]):.5f}, expected {value:.5f}: the terms are the unweighted "
+                "objective, value loss, entropy and KL, the last two averaged over the valid tokens")
+
+
+@exercise("ppo_loss")
+def test_ppo_loss_is_differentiable_and_ignores_padding(impl):
+    logits, values, logprobs, old, adv, ret, ref_logits, mask = loss_inputs(seed=3)
+    logits, values = logits.clone().requires_grad_(True), values.clone().requires_grad_(True)
+    logprobs = logits.log_softmax(-1).gather(-1, logits.argmax(-1, keepdim=True))[..., 0]
+    loss, _ = impl.ppo_loss(logits, values, logprobs, old, adv, ret, ref_logits, mask)
+    assert isinstance(loss, torch.Tensor) and loss.requires_grad, (
+        "the loss must be a tensor connected to the policy's outputs (no .item() on the way), or backward() cannot "
+        "train anything")
+    loss.backward()
+    assert values.grad is not None and values.grad[mask].abs().sum() > 0, "the value loss must reach the values"
+    assert logits.grad[~mask].abs().max() == 0 and values.grad[~mask].abs().max() == 0, (
+        "positions after the first EOS got a gradient: every term is averaged over the valid tokens only")
+
+
 # --- minibatches and the optimiser -------------------------------------------------------------------------
 
 @exercise("get_minibatch_indices")
@@ -420,15 +521,18 @@ def ref_multiplier(step, warmup, total, final):
 # --- the trainer (provided, not an exercise: checked once here) --------------------------------------------
 
 @pytest.mark.slow
-def test_trainer_runs_and_leaves_the_reference_alone():
+def test_trainer_runs_and_leaves_the_reference_alone(capsys):
     from utils.models import load_model
 
-    cfg = ref.PPOConfig(phases=2, batch_size=8, minibatch_size=4, max_new_tokens=8, table_every=100)
+    cfg = ref.PPOConfig(phases=2, batch_size=8, minibatch_size=4, max_new_tokens=8, table_rows=2)
+    assert ref.PPOConfig().table_every == 1, "the issue asks for a table of samples each phase"
     model = load_model("tiny", device="cpu")
     trainer = ref.PPOTrainer(cfg, model=model)
     before = {k: v.clone() for k, v in trainer.reference.state_dict().items()}
     w_before = next(p for p in trainer.model.parameters() if p.requires_grad).clone()
     logger = trainer.train()
+    out = capsys.readouterr().out
+    assert "phase 0:" in out and "phase 1:" in out and "ref log-prob" in out, "a table of samples each phase"
     assert all(torch.equal(v, trainer.reference.state_dict()[k]) for k, v in before.items()), \
         "the reference model changed"
     assert not torch.equal(w_before, next(p for p in trainer.model.parameters() if p.requires_grad))
@@ -657,6 +761,44 @@ def _surrogate_no_clip(logprobs, old_logprobs, advantages, completion_mask, clip
     return masked_mean((logprobs - old_logprobs).exp() * advantages.detach(), completion_mask)
 
 
+def _slice_shifted(x, prompt_len):
+    """Starts at prompt_len: one position too late."""
+    return x[:, prompt_len:]
+
+
+def _slice_keeps_last(x, prompt_len):
+    """Keeps the last position."""
+    return x[:, prompt_len - 1:]
+
+
+def _ppo_loss_with(name, doc, entropy_sign=-1.0, use_vf_coef=True, objective_sign=-1.0, use_kl=True, detach=False):
+    """A ppo_loss with one mistake, named `name` and described by `doc`."""
+
+    def loss_fn(logits, values, logprobs, old_logprobs, advantages, returns, ref_logits, completion_mask,
+                clip_eps=0.2, vf_coef=0.5, ent_coef=0.001, kl_coef=0.2):
+        objective = ref.clipped_surrogate(logprobs, old_logprobs, advantages, completion_mask, clip_eps)
+        v_loss = ref.value_loss(values, returns, completion_mask)
+        ent = masked_mean(ref.entropy(logits, completion_mask), completion_mask)
+        kl = masked_mean(ref.kl_exact(logits, ref_logits, completion_mask), completion_mask)
+        loss = (objective_sign * objective + (vf_coef if use_vf_coef else 1.0) * v_loss + entropy_sign * ent_coef * ent
+                + (kl_coef * kl if use_kl else 0.0))
+        terms = {"objective": objective.item(), "value_loss": v_loss.item(), "entropy": ent.item(), "kl": kl.item()}
+        return (torch.tensor(loss.item()) if detach else loss), terms
+
+    loss_fn.__name__, loss_fn.__doc__ = name, doc
+    return loss_fn
+
+
+_ppo_loss_entropy_sign = _ppo_loss_with("_ppo_loss_entropy_sign", "Adds the entropy bonus to the loss.",
+                                        entropy_sign=1.0)
+_ppo_loss_no_vf_coef = _ppo_loss_with("_ppo_loss_no_vf_coef", "Leaves out vf_coef.", use_vf_coef=False)
+_ppo_loss_objective_not_negated = _ppo_loss_with("_ppo_loss_objective_not_negated",
+                                                 "Minimises the surrogate objective.", objective_sign=1.0)
+_ppo_loss_no_kl = _ppo_loss_with("_ppo_loss_no_kl", "Leaves out the KL penalty.", use_kl=False)
+_ppo_loss_detached = _ppo_loss_with("_ppo_loss_detached", "Rebuilds the loss from .item(): nothing to backpropagate.",
+                                    detach=True)
+
+
 def _minibatch_no_shuffle(n, minibatch_size, generator=None):
     """Splits range(n) in order."""
     if n % minibatch_size:
@@ -689,6 +831,7 @@ def _optimizer_decays_to_zero(policy, lr_model, lr_head, warmup_steps, total_ste
 MUTANTS = {
     "PolicyWithValueHead": [_PolicyReadsResidPre, _PolicyTwoPasses, _PolicyHookLeftBehind, _PolicyDetached,
                             _PolicyIgnoresMask],
+    "completion_slice": [_slice_shifted, _slice_keeps_last],
     "reward_char_count": [_char_count_sentences, _char_count_ignores_char],
     "reward_sentiment_lexicon": [_lexicon_case_sensitive, _lexicon_substrings],
     "reward_classifier": [_classifier_logits, _classifier_no_attention_mask, _classifier_label_zero],
@@ -701,6 +844,8 @@ MUTANTS = {
     "entropy": [_entropy_no_minus, _entropy_raw_logits],
     "value_loss": [_value_loss_no_half, _value_loss_unmasked],
     "clipped_surrogate": [_surrogate_max, _surrogate_not_detached, _surrogate_log_ratio, _surrogate_no_clip],
+    "ppo_loss": [_ppo_loss_entropy_sign, _ppo_loss_no_vf_coef, _ppo_loss_objective_not_negated, _ppo_loss_no_kl,
+                 _ppo_loss_detached],
     "get_minibatch_indices": [_minibatch_no_shuffle, _minibatch_with_replacement],
     "make_optimizer": [_optimizer_one_lr, _optimizer_no_warmup, _optimizer_decays_to_zero],
 }
@@ -713,6 +858,19 @@ def test_sentiment_classifier_offline_fails_fast_with_an_alternative(monkeypatch
     monkeypatch.setattr("utils.models._is_cached", lambda name: False)
     with pytest.raises(ModelUnavailableError, match="sentiment"):
         ref.load_sentiment_classifier()
+
+
+def test_sentiment_classifier_loads_a_bin_only_model(monkeypatch, tmp_path, small_classifier):
+    """Many Hub classifiers have only pytorch_model.bin: loading must fall back to it (with weights_only=True)."""
+    classifier, tokenizer = small_classifier
+    classifier.config.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    torch.save(classifier.state_dict(), tmp_path / "pytorch_model.bin")
+    monkeypatch.setattr("utils.models._is_cached", lambda name: True)
+    loaded, loaded_tokenizer = ref.load_sentiment_classifier(str(tmp_path), device="cpu")
+    texts = ["This is a happy dog.", "The cat."]
+    torch.testing.assert_close(ref.reward_classifier(texts, loaded, loaded_tokenizer),
+                               ref.reward_classifier(texts, classifier, tokenizer))
 
 
 @pytest.mark.slow

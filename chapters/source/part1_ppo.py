@@ -7,15 +7,16 @@
 # The pieces, in the order we write them:
 #
 # 1. a **value head** that reads the model's final residual stream through a hook, so that one forward pass
-#    gives both the next-token logits (the policy) and a value estimate (the critic);
+#    gives both the next-token logits (the policy) and a value estimate (the critic), and the slice of positions
+#    that belong to the completion;
 # 2. **rewards**: a toy one (count the full stops), a word-lexicon sentiment score, and a real sentiment
 #    classifier from Hugging Face;
 # 3. **advantages and returns** from the values and a single reward at the end of each sample (GAE);
 # 4. the **KL penalty** to the reference model — exact, over the whole vocabulary, and the sampled estimators
 #    k1 and k3 that other libraries use;
-# 5. the **losses**: entropy bonus, value loss, the clipped surrogate objective;
+# 5. the **losses**: entropy bonus, value loss, the clipped surrogate objective, and the loss that combines them;
 # 6. **minibatches** and an optimiser with two learning rates, warm-up and decay;
-# 7. the **trainer**: a rollout phase and a learning phase, repeated.
+# 7. the **trainer**: a rollout phase and a learning phase, repeated, calling what you wrote.
 #
 # Everything after the first EOS of a sample is excluded from every quantity: log-probs, KL, entropy, values.
 # Part 0's `Samples.completion_mask` marks the valid tokens.
@@ -81,6 +82,17 @@ print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prom
 # gradients flow through the residual stream into the model: the value loss trains the shared trunk too.
 
 # %% [exercise] PolicyWithValueHead
+
+# %% [markdown]
+# That offset is the classic PPO-for-language-models bug, so it gets a function of its own. A sample is
+# `prompt_len` prompt tokens then the completion; completion token `j` sits at position `prompt_len + j` and was
+# chosen by the logits (and valued by the value head) at position `prompt_len + j - 1`. Write
+# `completion_slice(x, prompt_len)`: the positions `prompt_len - 1` to `seq - 2` of a per-position output, logits
+# `[batch, seq, vocab]` or values `[batch, seq]` alike. (The last position chooses a token after the end of the
+# sample, so it is never used.) Part 0's `get_logprobs` made the same cut before picking each token's log-prob;
+# from here on, every logit and value at a completion position comes through `completion_slice`.
+
+# %% [exercise] completion_slice
 
 # %% [markdown]
 # ## 2. Rewards
@@ -188,7 +200,7 @@ for scale in [2.0, 5.0, 10.0, 20.0]:
         ref_logits = ref_model(s.ids, attention_mask=s.attention_mask)
     p, mask = s.prompt_len, s.completion_mask
     lp, ref_lp = get_logprobs(logits, s.ids, p), get_logprobs(ref_logits, s.ids, p)
-    exact = kl_exact(logits[:, p - 1:-1], ref_logits[:, p - 1:-1], mask)[mask]
+    exact = kl_exact(completion_slice(logits, p), completion_slice(ref_logits, p), mask)[mask]
     k1, k3 = kl_k1(lp, ref_lp, mask)[mask], kl_k3(lp, ref_lp, mask)[mask]
     rows.append({"steering": scale, "exact KL": exact.mean().item(), "k1 mean": k1.mean().item(),
                  "k3 mean": k3.mean().item(), "k1 std": k1.std().item(), "k3 std": k3.std().item(),
@@ -224,10 +236,19 @@ print(samples_table(rows))
 # %% [exercise] clipped_surrogate
 
 # %% [markdown]
-# The total loss, minimised, is
+# The optimiser *minimises*, so the terms we want large (the surrogate objective, the entropy) enter with a minus
+# sign and those we want small (the value loss, the KL to the reference) with a plus:
 #
 # $$\mathcal{L} = -L^\text{CLIP} + c_v \cdot \text{value loss} - c_H \cdot \text{entropy} + \beta \cdot \mathrm{KL}(\pi_\theta \,\|\, \pi_\text{ref}).$$
 #
+# Write `ppo_loss`, which the trainer calls on each minibatch: it computes the four terms with your functions
+# (the entropy and the exact KL averaged over the valid tokens with `masked_mean`), weights them with
+# `vf_coef` ($c_v$), `ent_coef` ($c_H$) and `kl_coef` ($\beta$), and returns the loss together with the four
+# unweighted terms as floats, for the logs. Every input is already at the completion positions.
+
+# %% [exercise] ppo_loss
+
+# %% [markdown]
 # ## 6. Minibatches and the optimiser
 #
 # One rollout phase samples a batch (64 completions here); the learning phase then makes a few passes over it in
@@ -245,21 +266,22 @@ print(samples_table(rows))
 # %% [markdown]
 # ## 7. The trainer
 #
-# Read the three classes below: they only call what you wrote. The **rollout phase** samples with the KV cache,
-# runs the policy (logits and values) and the reference once, scores the texts, and computes advantages; all
-# of that goes into a `ReplayMemory`. The **learning phase** replays it in minibatches, for `epochs` passes.
-# Note the offsets: the logits and values at position `prompt_len - 1` are the ones that chose the first
-# completion token, so the completion's slice is `[:, prompt_len - 1:-1]`.
+# Read the three classes below: the trainer is a short loop that calls what you wrote. The **rollout phase**
+# samples with the KV cache, runs the policy (logits and values) and the reference once, cuts out the completion
+# positions with `completion_slice`, scores the texts, and computes advantages; all of that goes into a
+# `ReplayMemory`. The **learning phase** replays it in minibatches, for `epochs` passes: one forward pass of the
+# policy, `ppo_loss`, one optimiser step.
 #
 # This is **full fine-tuning**, so the reference must be a separate, frozen copy of the starting weights: twice
 # the model's memory. (Part 2's LoRA removes that copy: there, the reference is the same module with the LoRA
 # hooks removed.)
 #
 # Besides the reward and the KL, the trainer logs what practitioners watch: **clip fraction** (how many tokens hit
-# the clip; above ~0.3 the steps are too big), **approx-KL** between the old and new policy in a learning phase,
-# **entropy**, and **explained variance**: how much of the variance of the returns the value head predicted at
-# rollout time (1 is perfect, 0 is no better than a constant; undefined, so not plotted, once every sample gets
-# the same reward).
+# the clip; above ~0.3 the steps are too big); **approx-KL**, how far a learning phase moved the policy: CleanRL's
+# k3 estimate of KL(old ‖ new) from the tokens the old policy sampled (so `kl_k3(old_logprobs, logprobs, mask)`,
+# the old policy first); **entropy**; and **explained variance**: how much of the variance of the returns the
+# value head predicted at rollout time (1 is perfect, 0 is no better than a constant; undefined, so not plotted,
+# once every sample gets the same reward).
 
 # %% [provided] ReplayMemory
 
@@ -269,14 +291,16 @@ print(samples_table(rows))
 
 # %% [markdown]
 # Train. On 2 CPU cores the default 60 phases take about a minute and a half; the reward (full stops per
-# sample) should roughly triple while the KL to the reference levels off.
+# sample) should roughly triple while the KL to the reference levels off. Each phase prints a few of its samples
+# with their reward and their log-prob under the reference (`PPOConfig(table_rows=..., table_every=...)` for
+# more or fewer).
 
 # %%
 cfg = PPOConfig(phases=3 if SMOKE else 60)
 trainer = PPOTrainer(cfg)
 logger = trainer.train()
 plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explained_variance"],
-            title="PPO on the tiny model, reward: full stops");
+            title="PPO on the tiny model, reward: full stops", xlabel="phase");
 
 # %% [markdown]
 # Look at the samples in the tables above. The model learns to write more, shorter sentences ("They are fun. You
