@@ -65,7 +65,7 @@ def run_case(case: str, size: str, device: str, batch: int, seq: int) -> dict:
     sys.path.insert(0, str(ROOT))
     from solutions.part1_ppo import PolicyWithValueHead
     from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
-    from utils.models import bridge_from_hf, load_tiny_hf, set_cpu_threads, tiny_hf_config
+    from utils.models import bridge_from_hf, count_parameters, load_tiny_hf, set_cpu_threads, tiny_hf_config
 
     set_cpu_threads()
     torch.manual_seed(0)
@@ -126,8 +126,9 @@ def run_case(case: str, size: str, device: str, batch: int, seq: int) -> dict:
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = peak_rss_mib() - baseline
+    # count_parameters leaves out the bridge's fused c_attn copy, which requires grad but never computes anything.
     return {"case": case, "size": size, "device": device, "peak_mib": round(peak, 1),
-            "trainable_params": sum(p.numel() for p in params)}
+            "trainable_params": count_parameters(policy, trainable_only=True)}
 
 
 def main(argv: list[str] | None = None) -> dict:
