@@ -3,8 +3,9 @@
 The reference solutions of `chapters/part2_lora.ipynb`, in the notebook's order. Run it as a script to train
 Part 1's PPO with LoRA instead of full fine-tuning:
 
-    python -m solutions.part2_lora            # the embedded tiny model on CPU
-    python -m solutions.part2_lora --json     # ... ending with a JSON line of the figures
+    python -m solutions.part2_lora                    # the embedded tiny model on CPU
+    python -m solutions.part2_lora --preset gpt2      # GPT-2 small on a GPU (e.g. Colab)
+    python -m solutions.part2_lora --json             # ... ending with a JSON line of the figures
 
 LoRA (Hu et al. 2021): a frozen weight W gets a trainable low-rank update, W + (alpha / r) * B A, with A of shape
 [r, d_in] initialised Kaiming-uniform and B of shape [d_out, r] initialised to zeros, so that training starts
@@ -24,6 +25,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from jaxtyping import Float
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -215,10 +217,23 @@ def save_adapter(adapters: nn.ModuleDict, path: str | Path) -> None:
 
 
 def load_adapter(adapters: nn.ModuleDict, path: str | Path) -> nn.ModuleDict:
-    """Load a file written by save_adapter into `adapters` (same targets and shapes); returns `adapters`.
+    """Load a file written by save_adapter into `adapters` (same targets, rank and alpha); returns `adapters`.
 
-    Raises a ValueError that names the mismatch if the file's tensors do not fit.
+    Raises a ValueError that names the mismatch if the file's tensors do not fit, or if its metadata's rank or
+    alpha differ from the adapters' (the same A and B with another alpha / rank would compute another model).
     """
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "rank" not in meta or "alpha" not in meta:
+        raise ValueError(f"adapter file {path} has no rank and alpha in its metadata, so its scale is unknown: "
+                         "load files written by save_adapter")
+    rank, alpha = int(meta["rank"]), float(meta["alpha"])
+    for key, adapter in adapters.items():
+        own_rank = adapter.A.shape[0]
+        if own_rank != rank or not math.isclose(adapter.scale * own_rank, alpha):
+            raise ValueError(f"adapter file {path} was saved with rank {rank} and alpha {alpha:g}, but adapter {key} "
+                             f"has rank {own_rank} and alpha {adapter.scale * own_rank:g}: build the adapters with "
+                             f"make_adapters(model, rank={rank}, alpha={alpha:g}, ...) before loading")
     tensors = load_file(str(path), device=str(next(adapters.parameters()).device))
     expected = {name: tuple(p.shape) for name, p in adapters.state_dict().items()}
     found = {name: tuple(t.shape) for name, t in tensors.items()}
@@ -248,7 +263,8 @@ def ppo_with_lora(cfg: PPOConfig, rank: int = 8, alpha: float = 16.0, targets: t
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="PPO with a hand-written LoRA; the reference is the base model.")
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--preset", choices=["tiny", "gpt2"], default="tiny",
+                        help="tiny: the embedded model on CPU; gpt2: GPT-2 small on a GPU (PPOConfig.gpt2())")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--alpha", type=float, default=16.0)
     parser.add_argument("--phases", type=int, default=60)
@@ -259,8 +275,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     phases = 3 if os.environ.get("RLHF_SMOKE") else args.phases
-    cfg = PPOConfig.gpt2() if args.model == "gpt2" else PPOConfig()
-    cfg = replace(cfg, phases=phases, lr_model=3e-3 if args.model == "tiny" else 1e-4, wandb=args.wandb)
+    cfg = PPOConfig.gpt2() if args.preset == "gpt2" else PPOConfig()
+    # The adapters start from zero and have few parameters: they take a far higher learning rate than full
+    # fine-tuning of the same model.
+    cfg = replace(cfg, phases=phases, lr_model=1e-4 if args.preset == "gpt2" else 3e-3, wandb=args.wandb)
     start = time.perf_counter()
     trainer, lora_model = ppo_with_lora(cfg, args.rank, args.alpha)
     logger = trainer.train()
@@ -277,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
                "total_params": count_parameters(lora_model.base), "seconds": round(seconds, 1)}
     if args.plot:
         plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction"],
-                    title=f"PPO with LoRA (rank {args.rank}) on {cfg.model}", path=args.plot)
+                    title=f"PPO with LoRA (rank {args.rank}) on {cfg.model}", path=args.plot, xlabel="phase")
     print_figures(figures, args.json)
     return figures
 

@@ -211,6 +211,21 @@ def test_load_adapter_round_trip_and_mismatch(impl, tiny_model, tmp_path):
         impl.load_adapter(ref.make_adapters(tiny_model, 4, 8.0, ("q", "k")), tmp_path / "a.safetensors")
 
 
+@exercise("load_adapter")
+def test_load_adapter_checks_alpha(impl, tiny_model, tmp_path):
+    adapters = random_adapters(tiny_model, ("q", "o"), rank=4, alpha=8.0)
+    ref.save_adapter(adapters, tmp_path / "a.safetensors")
+    other_alpha = ref.make_adapters(tiny_model, 4, 16.0, ("q", "o"))  # same shapes, twice the scale
+    try:
+        impl.load_adapter(other_alpha, tmp_path / "a.safetensors")
+    except ValueError as e:
+        assert "alpha" in str(e), f"say in the error that alpha differs, and what to build instead: {e}"
+    else:
+        raise AssertionError("an adapter saved with alpha 8 loaded into adapters built with alpha 16 without an "
+                             "error: the same A and B would then compute a different model. Compare the rank and "
+                             "alpha in the file's metadata with the adapters' and raise a ValueError")
+
+
 # --- PPO with LoRA (provided): the reference costs nothing and stays the base model --------------------------
 
 @pytest.mark.slow
@@ -227,6 +242,29 @@ def test_ppo_with_lora_trains_only_the_adapters_and_shares_the_weights():
     with torch.no_grad():
         torch.testing.assert_close(trainer.reference(tokens), untouched(tokens), rtol=0, atol=0)
         assert not torch.allclose(lora_model(tokens), untouched(tokens), atol=1e-4), "the adapters did not train"
+
+
+@pytest.mark.slow
+def test_ppo_with_lora_trains_the_value_head_and_not_the_base():
+    cfg = ref.PPOConfig(phases=1, batch_size=8, minibatch_size=4, max_new_tokens=8, table_every=100, lr_model=1e-2)
+    trainer, lora_model = ref.ppo_with_lora(cfg, rank=4, alpha=8.0)
+    base_before = {n: p.detach().clone() for n, p in lora_model.base.named_parameters()}
+    head_before = [p.detach().clone() for p in trainer.policy.value_head.parameters()]
+    trainer.learning_phase(trainer.rollout_phase())  # the last minibatch's gradients stay on the parameters
+    head = list(trainer.policy.value_head.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head), "the value head got no gradient"
+    assert any(not torch.equal(p, q) for p, q in zip(head, head_before)), "the value head did not train"
+    assert all(p.grad is not None for p in lora_model.adapters.parameters()), "an adapter got no gradient"
+    leaked = [n for n, p in lora_model.base.named_parameters() if p.requires_grad or p.grad is not None]
+    assert not leaked, f"base weights are trainable or got gradients: {leaked[:3]}"
+    changed = [n for n, p in lora_model.base.named_parameters() if not torch.equal(p, base_before[n])]
+    assert not changed, f"base weights changed: {changed[:3]}"
+
+
+def test_script_rejects_an_unknown_preset(capsys):
+    with pytest.raises(SystemExit):
+        ref.main(["--preset", "gpt3"])  # never a silent fallback to the tiny preset
+    assert "invalid choice" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -360,6 +398,18 @@ def _save_without_metadata(adapters, path):
     save_file({k: v.contiguous() for k, v in adapters.state_dict().items()}, str(path))
 
 
+def _load_ignores_alpha(adapters, path):
+    """Checks names and shapes but not the rank and alpha in the metadata."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    expected = {name: tuple(p.shape) for name, p in adapters.state_dict().items()}
+    if expected != {name: tuple(t.shape) for name, t in tensors.items()}:
+        raise ValueError("the file does not fit these adapters")
+    adapters.load_state_dict(tensors)
+    return adapters
+
+
 def _load_without_checks(adapters, path):
     """Loads with strict=False and no shape check."""
     from safetensors.torch import load_file
@@ -378,5 +428,5 @@ MUTANTS = {
     "merge_lora": [_merge_no_transpose, _merge_no_scale],
     "unmerge_lora": [_unmerge_adds_again, _unmerge_noop],
     "save_adapter": [_save_with_pickle, _save_without_metadata],
-    "load_adapter": [_load_without_checks],
+    "load_adapter": [_load_without_checks, _load_ignores_alpha],
 }

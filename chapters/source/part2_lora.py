@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from jaxtyping import Float
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -158,7 +159,10 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 # An adapter is a few tens of kilobytes, and it is all you need to share a fine-tune of a model everyone has.
 # Save it with **safetensors** — a plain tensor format that, unlike a pickle, cannot run code when loaded — with
 # `rank` and `alpha` in its metadata. Loading checks that the file fits the adapters (same keys, same shapes) and
-# says what does not fit otherwise.
+# says what does not fit otherwise. It also compares the metadata's rank and alpha with the adapters': an adapter
+# trained with alpha 16 and loaded into adapters built with alpha 8 has the right shapes, but its update is
+# scaled by half, so it would silently compute another model. (`safe_open(path, framework="pt").metadata()`
+# reads the metadata.)
 
 # %% [exercise] save_adapter
 
@@ -169,8 +173,10 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 #
 # `ppo_with_lora` is the whole change from Part 1: freeze the base, wrap it in a `LoRAModel`, and hand Part 1's
 # **unchanged** `PPOTrainer` the LoRA model as the policy and its own base as the reference. `make_optimizer`'s
-# "model" group picks up only parameters with `requires_grad`, i.e. the adapters. The learning rate is higher than
-# for full fine-tuning: the adapters start from zero and have few parameters.
+# "model" group picks up only parameters with `requires_grad`, i.e. the adapters; the value head, in its own group,
+# trains as in Part 1, and no gradient reaches the base weights. The learning rate is higher than for full
+# fine-tuning: the adapters start from zero and have few parameters. (As a script: `python -m solutions.part2_lora`,
+# or `--preset gpt2` for GPT-2 small on a GPU.)
 
 # %% [provided] ppo_with_lora
 
@@ -178,7 +184,8 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 cfg = PPOConfig(phases=3 if SMOKE else 60, lr_model=3e-3)
 trainer, lora_model = ppo_with_lora(cfg, rank=8, alpha=16.0)
 logger = trainer.train()
-plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction"], title="PPO with LoRA, rank 8");
+plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction"], title="PPO with LoRA, rank 8",
+            xlabel="phase");
 
 # %% [markdown]
 # Now the claim of this chapter, checked: after training, the reference log-probs — the base module, run with no
