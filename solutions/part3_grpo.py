@@ -9,7 +9,8 @@ The reference solutions of `chapters/part3_grpo.ipynb`, in the notebook's order.
 GRPO (Shao et al. 2024, DeepSeekMath) drops PPO's value head: it samples a group of G completions per prompt
 and uses each completion's reward relative to its group as the advantage of all its tokens. `group_advantages`
 and `grpo_loss` follow the definitions of TRL's GRPOTrainer (trl 1.x, `_generate_and_score_completions` and
-`_compute_loss`), loss types and all; tests/test_part3_grpo.py checks them against TRL when it is installed.
+`_compute_loss`), loss types and all, down to completions that no reward function judged (left out of their group's
+baseline, advantage 0); tests/test_part3_grpo.py checks them against TRL's own code when it is installed.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn as nn
 from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs, get_logprobs
 from solutions.part1_ppo import kl_k3, reward_char_count
-from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
+from solutions.part2_lora import LoRAModel, freeze_base, load_adapter, make_adapters
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
 from utils.concurrency import run_sync
 from utils.logger import RunLogger, print_figures, samples_table
@@ -107,11 +110,13 @@ def compose_rewards(
     prompts: list[str],
     completions: list[str],
 ) -> tuple[Float[Tensor, "batch"], dict[str, Float[Tensor, "batch"]]]:
-    """(total, per_function): total = sum over functions of weight * reward, where a None counts as nothing;
-    per_function[name] holds each function's raw rewards, NaN where it returned None.
+    """(total, per_function): total = sum over functions of weight * reward, where a None counts as nothing, and
+    NaN for a completion that *no* function judged (every one returned None): it is unscorable, and
+    group_advantages leaves it out, as TRL does. per_function[name] holds each function's raw rewards, NaN where
+    it returned None.
 
-    Async functions are run concurrently (asyncio.gather); a function returning the wrong number of rewards
-    raises a ValueError that names it.
+    Async functions are run concurrently (asyncio.gather), so that their waits overlap; a function returning the
+    wrong number of rewards raises a ValueError that names it.
     """
     async def run_async(fns):
         return await asyncio.gather(*(f.fn(prompts, completions) for f in fns))
@@ -119,6 +124,7 @@ def compose_rewards(
     async_fns = [f for f in reward_functions if inspect.iscoroutinefunction(f.fn)]
     async_results = dict(zip((f.name for f in async_fns), run_sync(run_async(async_fns)))) if async_fns else {}
     per_function, total = {}, torch.zeros(len(completions))
+    judged = torch.zeros(len(completions), dtype=torch.bool)
     for f in reward_functions:
         values = async_results[f.name] if f.name in async_results else f.fn(prompts, completions)
         if len(values) != len(completions):
@@ -126,6 +132,9 @@ def compose_rewards(
         rewards = torch.tensor([float("nan") if v is None else float(v) for v in values])
         per_function[f.name] = rewards
         total += f.weight * torch.nan_to_num(rewards, nan=0.0)
+        judged |= ~rewards.isnan()
+    # 0 would be a verdict ("wrong"), and it would drag its group's mean down: NaN says "not judged"
+    total = torch.where(judged, total, torch.nan)
     return total, per_function
 
 
@@ -140,23 +149,32 @@ def group_advantages(
     """Each reward minus its group's mean, divided by a standard deviation (+ eps) chosen by `scale`:
     "group" (the group's), "batch" (all rewards'), or "none" (no division). Standard deviations use Bessel's
     correction, as TRL does. A group whose rewards are all equal gets advantages of exactly 0.
+
+    A NaN reward marks an unscorable completion (no reward function judged it; see compose_rewards). As in TRL's
+    GRPOTrainer (`_generate_and_score_completions`, trl 1.16: `unscorable_mask`, then nanmean / nanstd, then
+    nan_to_num), it is left out of every mean and standard deviation, and its advantage is 0.
     """
     if rewards.dim() != 1 or len(rewards) % group_size != 0:
         raise ValueError(f"rewards must be [n_prompts * group_size]; got shape {tuple(rewards.shape)} with "
                          f"group_size {group_size}")
-    if not torch.isfinite(rewards).all():
-        raise ValueError("rewards contain NaN or inf: every completion needs a reward from at least one function")
-    groups = rewards.view(-1, group_size)
-    advantages = (groups - groups.mean(dim=1, keepdim=True)).view(-1)
-    if scale == "group":
-        std = groups.std(dim=1).repeat_interleave(group_size)
-    elif scale == "batch":
-        std = rewards.std().expand_as(rewards)
-    elif scale == "none":
-        return advantages
-    else:
+    if rewards.isinf().any():
+        raise ValueError("rewards contain inf: a reward function returned an unbounded value")
+    if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
-    return advantages / (std + eps)
+
+    groups = rewards.view(-1, group_size)
+    scored = ~groups.isnan()
+    mean = groups.nanmean(dim=1, keepdim=True)
+    advantages = (groups - mean).view(-1)  # still NaN where unscorable
+    if scale == "group":
+        # each group's Bessel-corrected std over its scored rewards (TRL's nanstd): unscored ones, stood at the mean,
+        # add nothing to the squared deviations, and torch.std's division by G - 1 is rescaled to (scored - 1)
+        spread = torch.where(scored, groups, mean).std(dim=1)
+        std = spread * ((group_size - 1) / (scored.sum(dim=1) - 1)).sqrt()
+        advantages = advantages / (std.repeat_interleave(group_size) + eps)
+    elif scale == "batch":
+        advantages = advantages / (rewards[~rewards.isnan()].std() + eps)
+    return advantages.nan_to_num(nan=0.0)  # unscorable: no signal, so no push either way
 
 
 # --- 4. The reference log-probs -------------------------------------------------------------------------------
@@ -261,15 +279,22 @@ class GRPOTrainer:
     """Sample groups with the LoRA hooks on, score, compute group advantages, then num_iterations updates.
 
     The reference is the LoRA model's own base module run without hooks; with beta == 0 it never runs.
+    `adapters` starts training from existing adapters (re-training them) instead of fresh ones (B = 0): an
+    nn.ModuleDict made for this model, or the path of a file written by Part 2's save_adapter, loaded into
+    adapters built from cfg's rank, alpha and targets.
     """
 
     TEXT_PROMPTS = ("This is", "The", "My friend", "We")
 
-    def __init__(self, cfg: GRPOConfig, model=None, reward_functions: list[RewardFunction] | None = None):
+    def __init__(self, cfg: GRPOConfig, model=None, reward_functions: list[RewardFunction] | None = None,
+                 adapters: nn.ModuleDict | str | Path | None = None):
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         base = model if model is not None else load_model(cfg.model, cfg.device)
-        adapters = make_adapters(base, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        if not isinstance(adapters, nn.ModuleDict):
+            path, adapters = adapters, make_adapters(base, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+            if path is not None:
+                load_adapter(adapters, path)
         self.trainable, self.total = freeze_base(base, adapters)
         self.model = LoRAModel(base, adapters)
         self.optimizer = torch.optim.AdamW(adapters.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -299,6 +324,26 @@ class GRPOTrainer:
     def evaluate(self) -> float:
         return addition_accuracy(self.model, self.held_out)
 
+    def clip_ratios(self, ratio: Tensor, advantages: Tensor, mask: Tensor) -> dict[str, float]:
+        """TRL's clip diagnostics over the masked tokens: "low", the ratio below 1 - epsilon where the advantage is
+        negative; "high", above 1 + epsilon_high where it is positive (where the clip takes the gradient away);
+        "region", either. ratio and mask are [batch, gen] (or [batch, 1] for one ratio per sequence)."""
+        epsilon_high = self.cfg.epsilon if self.cfg.epsilon_high is None else self.cfg.epsilon_high  # 0 is a value
+        low = (ratio < 1 - self.cfg.epsilon) & (advantages[:, None] < 0)
+        high = (ratio > 1 + epsilon_high) & (advantages[:, None] > 0)
+        count = mask.sum().clamp(min=1)
+        return {f"clip_ratio/{name}_mean": ((clipped & mask).sum() / count).item()
+                for name, clipped in (("low", low), ("high", high), ("region", low | high))}
+
+    def reward_metrics(self, rewards: Tensor, per_function: dict[str, Tensor]) -> dict[str, float]:
+        """Mean reward (of the scored completions) overall and per function, and the fraction of groups whose
+        scored rewards are all equal: their advantages are 0, so they teach nothing."""
+        groups = rewards.view(-1, self.cfg.group_size)
+        scored = ~groups.isnan()
+        spread = groups.masked_fill(~scored, -torch.inf).amax(1) - groups.masked_fill(~scored, torch.inf).amin(1)
+        return {"reward": rewards.nanmean().item(), "zero_std_fraction": (spread == 0).float().mean().item(),
+                **{f"reward/{name}": torch.nanmean(r).item() for name, r in per_function.items()}}
+
     def step(self, step: int) -> dict:
         cfg = self.cfg
         samples = sample_groups(self.model, self.next_prompts(), cfg.group_size, cfg.max_new_tokens, cfg.temperature)
@@ -312,7 +357,7 @@ class GRPOTrainer:
             with torch.no_grad():
                 old_lp = completion_logprobs(self.model, samples)
 
-        clip_fractions = []
+        clips = []
         for _ in range(cfg.num_iterations):
             logits = self.model(samples.ids, attention_mask=samples.attention_mask)
             logprobs = get_logprobs(logits, samples.ids, samples.prompt_len)
@@ -323,25 +368,21 @@ class GRPOTrainer:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.adapters.parameters(), cfg.max_grad_norm)
             self.optimizer.step()
-            with torch.no_grad():
-                ratio = torch.exp(logprobs - (old_lp if old_lp is not None else logprobs))
-                clipped = (ratio < 1 - cfg.epsilon) | (ratio > 1 + (cfg.epsilon_high or cfg.epsilon))
-                clip_fractions.append(masked_mean(clipped.float(), mask).item() if mask.any() else 0.0)
+            with torch.no_grad():  # the ratio this update saw (before its step); 1 on-policy
+                clips.append(self.clip_ratios(torch.exp(logprobs - (old_lp if old_lp is not None else logprobs)),
+                                              advantages, mask))
 
-        groups = rewards.view(-1, cfg.group_size)
-        metrics = {"reward": rewards.mean().item(), "loss": loss.item(),
-                   "clip_fraction": sum(clip_fractions) / len(clip_fractions),
+        metrics = {"loss": loss.item(), **self.reward_metrics(rewards, per_function),
+                   **{k: sum(c[k] for c in clips) / len(clips) for k in clips[0]},
                    "completion_length": samples.completion_mask.sum(1).float().mean().item(),
-                   "truncated_fraction": samples.truncated.float().mean().item(),
-                   "zero_std_fraction": (groups.std(dim=1) == 0).float().mean().item()}
-        metrics |= {f"reward/{name}": torch.nanmean(r).item() for name, r in per_function.items()}
+                   "truncated_fraction": samples.truncated.float().mean().item()}
         if ref_lp is not None:
             with torch.no_grad():
                 metrics["kl"] = masked_mean(kl_k3(logprobs, ref_lp, mask), mask).item() if mask.any() else 0.0
         if step % cfg.table_every == 0:
             rows = [{"reward": r.item(), "advantage": a.item(), "prompt": p, "completion": t}
                     for r, a, p, t in list(zip(rewards, advantages, samples.prompts, samples.texts))[:cfg.group_size]]
-            tqdm.write(f"\nstep {step}: mean reward {rewards.mean():.3f}\n" + samples_table(rows))
+            tqdm.write(f"\nstep {step}: mean reward {metrics['reward']:.3f}\n" + samples_table(rows))
         return metrics
 
     def train(self) -> RunLogger:

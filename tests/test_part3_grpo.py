@@ -5,7 +5,9 @@ The TRL comparison at the end runs only where `trl` is installed (pip install -r
 """
 
 import asyncio
+import inspect
 import itertools
+import textwrap
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -14,8 +16,9 @@ import torch
 
 from solutions import part3_grpo as ref
 from solutions.part0_warmup import completion_logprobs
-from solutions.part2_lora import LoRAModel, make_adapters
+from solutions.part2_lora import LoRAModel, lora_hooks, make_adapters
 from tests.helpers import active_hooks, assert_matches, run_script
+from utils.concurrency import run_sync
 from utils.sampling import Samples, completion_mask_from_ids, sample
 
 exercise = pytest.mark.exercise
@@ -115,6 +118,50 @@ def test_compose_rewards(impl):
         impl.compose_rewards([ref.RewardFunction("short", lambda p, c: [1.0])], prompts, completions)
 
 
+def _judges_additions(prompts, completions):
+    return [None if "+" not in p else 1.0 for p in prompts]
+
+
+def _judges_additions_too(prompts, completions):
+    return [None if "+" not in p else float(len(c)) for p, c in zip(prompts, completions)]
+
+
+@exercise("compose_rewards")
+def test_compose_rewards_marks_unscorable_completions_nan(impl):
+    fns = [ref.RewardFunction("exact", _judges_additions, 1.0), ref.RewardFunction("length", _judges_additions_too, 0.5)]
+    total, per_function = impl.compose_rewards(fns, ["1+1=", "Hello", "2+2="], ["2", "there", "44"])
+    assert torch.equal(total.isnan(), torch.tensor([False, True, False])), (
+        f"total {total.tolist()}: no function judged completion 1 (every one returned None), so its total must be "
+        "NaN (unscorable), not 0 (a verdict, which would also drag its group's mean down)")
+    assert_matches(total[[0, 2]], torch.tensor([1 + 0.5, 1 + 1.0]), "the totals of the judged completions")
+
+
+def handshake_rewards(timeout: float = 1.0) -> list:
+    """Two async rewards that can only finish if they run at the same time: each says that it started, then waits
+    (at most `timeout` seconds) for the other to start."""
+    started = {"first": asyncio.Event(), "second": asyncio.Event()}
+
+    def make(me, other):
+        async def reward(prompts, completions):
+            started[me].set()
+            await asyncio.wait_for(started[other].wait(), timeout)
+            return [1.0] * len(completions)
+        return reward
+
+    return [ref.RewardFunction("first", make("first", "second")),
+            ref.RewardFunction("second", make("second", "first"))]
+
+
+@exercise("compose_rewards")
+def test_compose_rewards_awaits_async_rewards_together(impl):
+    try:
+        total, _ = impl.compose_rewards(handshake_rewards(), ["p", "q"], ["a", "b"])
+    except (asyncio.TimeoutError, TimeoutError):
+        pytest.fail("two async rewards never ran at the same time: await them together (asyncio.gather), not one "
+                    "after the other, so that their waits overlap")
+    assert_matches(total, torch.tensor([2.0, 2.0]), "the total of two async rewards")
+
+
 # --- group_advantages ------------------------------------------------------------------------------------------
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.5, 3.0, 1.0])  # 3 groups of 4
@@ -138,6 +185,41 @@ def test_group_advantages_matches_reference(impl):
                            "centred on the batch mean, not each group's": (REWARDS - REWARDS.mean()) /
                                (groups.std(1).repeat_interleave(4) + 1e-4),
                        })
+
+
+NAN = float("nan")
+UNSCORED = torch.tensor([1.0, 0.0, NAN, 1.0,  NAN, NAN, NAN, NAN,  2.0, NAN, 0.0, 0.0,  5.0, NAN, NAN, NAN])
+
+
+def advantages_by_hand(rewards, group_size, scale, eps=1e-4):
+    """group_advantages, one number at a time: NaN rewards are left out of every mean and std, and get 0."""
+    import statistics
+
+    values = rewards.tolist()
+    scored_in_batch = [r for r in values if r == r]
+    out = []
+    for start in range(0, len(values), group_size):
+        group = values[start:start + group_size]
+        scored = [r for r in group if r == r]
+        mean = statistics.fmean(scored) if scored else 0.0
+        for r in group:
+            if r != r or len(scored) < 2:
+                out.append(0.0)
+                continue
+            std = {"group": statistics.stdev(scored), "batch": statistics.stdev(scored_in_batch), "none": None}[scale]
+            out.append((r - mean) if std is None else (r - mean) / (std + eps))
+    return torch.tensor(out)
+
+
+@exercise("group_advantages")
+def test_group_advantages_leave_unscorable_completions_out(impl):
+    for scale in ("group", "batch", "none"):
+        got = impl.group_advantages(UNSCORED, 4, scale)
+        assert_matches(got, advantages_by_hand(UNSCORED, 4, scale), f"group_advantages(scale={scale!r}) with NaN "
+                       "rewards (unscorable completions)", mistakes={
+                           "an unscorable completion (NaN reward) was counted as a reward of 0: leave it out of its "
+                           "group's mean and std, as TRL does, and give it advantage 0":
+                               ref.group_advantages(UNSCORED.nan_to_num(0.0), 4, scale)})
 
 
 @exercise("group_advantages")
@@ -225,33 +307,76 @@ def test_grpo_loss_ignores_padding(impl):
 
 def test_group_advantages_all_equal_rewards_and_bad_input():
     assert torch.equal(ref.group_advantages(torch.full((8,), 0.5), 4), torch.zeros(8))
+    assert torch.equal(ref.group_advantages(torch.full((8,), NAN), 4), torch.zeros(8)), "nothing scored: no signal"
     with pytest.raises(ValueError):
         ref.group_advantages(torch.ones(7), 4)
     with pytest.raises(ValueError):
-        ref.group_advantages(torch.tensor([1.0, float("nan"), 0.0, 1.0]), 2)
+        ref.group_advantages(torch.tensor([1.0, float("inf"), 0.0, 1.0]), 2)
+    with pytest.raises(ValueError):
+        ref.group_advantages(torch.ones(8), 4, scale="std")
 
 
 # --- the trainer (provided) --------------------------------------------------------------------------------------
 
+def count_forward_passes(base, adapters) -> list[bool]:
+    """A list that gets one entry per forward pass of `base` from now on: whether the LoRA hooks were on."""
+    passes = []
+    lora_points = {name for name, _ in lora_hooks(base, adapters)}
+    base.add_hook("hook_embed", lambda x, hook: passes.append(any(base.hook_dict[n].fwd_hooks for n in lora_points)))
+    return passes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_trainer_counts_reference_passes_and_trains_only_lora(beta):
+def test_trainer_runs_a_reference_pass_only_when_beta_is_not_zero(beta):
     from utils.models import load_model
 
     cfg = ref.GRPOConfig(steps=2, n_prompts=4, group_size=4, beta=beta, eval_every=0, table_every=100)
     base = load_model("tiny", device="cpu")
-    passes = []
-    base.add_hook("hook_embed", lambda x, hook: passes.append(x.shape[0]))
     trainer = ref.GRPOTrainer(cfg, model=base)
+    passes = count_forward_passes(base, trainer.model.adapters)
     weights = {k: v.clone() for k, v in base.state_dict().items()}
     logger = trainer.train()
     base.reset_hooks()
-    assert trainer.reference_forward_passes == (2 if beta else 0)
+    without_lora = passes.count(False)  # sampling and the policy's passes run with the hooks; the reference without
+    assert passes.count(True) > 0, "test set-up: the hook should see the policy's forward passes"
+    assert without_lora == (cfg.steps if beta else 0), (
+        f"beta={beta}: {without_lora} forward passes without the LoRA hooks in {cfg.steps} steps")
+    assert trainer.reference_forward_passes == without_lora, "the trainer's own count disagrees with the passes made"
     assert all(torch.equal(v, base.state_dict()[k]) for k, v in weights.items()), "base weights changed"
     logged = {k for h in logger.history for k in h}
-    assert {"reward", "reward/exact_answer", "reward/format", "clip_fraction", "completion_length",
-            "zero_std_fraction"} <= logged
+    assert {"reward", "reward/exact_answer", "reward/format", "clip_ratio/low_mean", "clip_ratio/high_mean",
+            "clip_ratio/region_mean", "completion_length", "zero_std_fraction"} <= logged
     assert ("kl" in logged) == bool(beta)
+
+
+@pytest.mark.slow
+def test_trainer_off_policy_with_clip_higher_and_truncation_masking():
+    from utils.models import load_model
+
+    cfg = ref.GRPOConfig(steps=2, n_prompts=4, group_size=4, num_iterations=2, epsilon_high=0.28,
+                         mask_truncated_completions=True, max_new_tokens=3, beta=0.04, eval_every=0, table_every=100)
+    trainer = ref.GRPOTrainer(cfg, model=load_model("tiny", device="cpu"))
+    logger = trainer.train()
+    updates = {state["step"].item() for state in trainer.optimizer.state.values()}
+    assert updates == {cfg.steps * cfg.num_iterations}, f"optimizer steps per parameter: {updates}"
+    metrics = [h for h in logger.history if "loss" in h]
+    assert len(metrics) == cfg.steps
+    for h in metrics:
+        assert all(torch.isfinite(torch.tensor(v)) for k, v in h.items() if k != "step"), h
+        assert 0 <= h["clip_ratio/region_mean"] <= 1 and h["clip_ratio/region_mean"] == pytest.approx(
+            h["clip_ratio/low_mean"] + h["clip_ratio/high_mean"]), "a token is clipped low or high, never both"
+
+
+def test_trainer_clip_ratios_follow_trl():
+    cfg = ref.GRPOConfig(epsilon=0.2, epsilon_high=0.0)  # 0 is a valid epsilon_high, not "unset"
+    trainer = SimpleNamespace(cfg=cfg)
+    ratio = torch.tensor([[0.7, 1.1, 1.3], [0.7, 1.1, 1.3]])
+    advantages, mask = torch.tensor([-1.0, 1.0]), torch.tensor([[True, True, True], [True, True, False]])
+    got = ref.GRPOTrainer.clip_ratios(trainer, ratio, advantages, mask)
+    # row 0 (A < 0): 0.7 is clipped low; row 1 (A > 0): 1.1 > 1 + 0 is clipped high (1.3 is masked out)
+    assert got == pytest.approx({"clip_ratio/low_mean": 1 / 5, "clip_ratio/high_mean": 1 / 5,
+                                 "clip_ratio/region_mean": 2 / 5})
 
 
 @pytest.mark.slow
@@ -303,18 +428,61 @@ def test_grpo_loss_agrees_with_trl():
         assert torch.allclose(our_grad, their_grad, atol=1e-5), f"{settings}, on_policy={on_policy}: gradients"
 
 
-def test_group_advantages_agree_with_trls_definition():
-    trl_utils = pytest.importorskip("trl.trainer.utils", reason="pip install -r requirements-bench.txt")
+def trl_source_lines(method, first: str, last: str) -> str:
+    """The lines of one of TRL's methods from the one containing `first` to the one containing `last`, dedented.
+
+    TRL computes advantages in the middle of `_generate_and_score_completions`, which also generates and scores
+    the completions, so it cannot be called on rewards alone; its own lines can be run on them instead."""
+    lines = inspect.getsource(method).splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if first in line)
+        end = next(i for i in range(start, len(lines)) if last in lines[i])
+    except StopIteration:
+        import trl
+
+        pytest.fail(f"trl {trl.__version__}: {method.__qualname__} no longer has the lines from {first!r} to "
+                    f"{last!r} that this test runs (written against trl 1.16)")
+    return textwrap.dedent("\n".join(lines[start:end + 1]))
+
+
+def trl_grpo_advantages(rewards_per_func, weights, group_size, scale):
+    """TRL's own lines, from marking unscorable completions to zeroing their advantages."""
+    from trl import GRPOTrainer
+    from trl.trainer.utils import nanstd
+
+    code = trl_source_lines(GRPOTrainer._generate_and_score_completions,
+                            "unscorable_mask = torch.isnan(rewards_per_func)", "advantages = torch.nan_to_num(")
+    trainer = SimpleNamespace(multi_objective_aggregation="sum_then_normalize", scale_rewards=scale,
+                              reward_weights=torch.tensor(weights))
+    scope = {"torch": torch, "nanstd": nanstd, "self": trainer, "rewards_per_func": rewards_per_func,
+             "num_generations": group_size, "device": "cpu"}
+    exec(code, scope)
+    return scope["advantages"]
+
+
+def columns_as_rewards(rewards_per_func, weights):
+    """RewardFunctions that return the columns of rewards_per_func (NaN as None), for compose_rewards."""
+    def column(i):
+        return lambda prompts, completions: [None if v != v else v for v in rewards_per_func[:, i].tolist()]
+    return [ref.RewardFunction(f"f{i}", column(i), w) for i, w in enumerate(weights)]
+
+
+def test_compose_rewards_and_group_advantages_agree_with_trl():
+    """compose_rewards then group_advantages against TRL's own code for the same step (trl 1.16's lines, run by
+    trl_grpo_advantages), with completions that one function or no function judged."""
+    pytest.importorskip("trl", reason="pip install -r requirements-bench.txt to compare with TRL")
     g = torch.Generator().manual_seed(0)
-    rewards = torch.cat([torch.randint(0, 3, (12,), generator=g).float(), torch.ones(4)])  # last group: no spread
-    groups = rewards.view(-1, 4)
-    centred = rewards - groups.mean(1).repeat_interleave(4)
-    # TRL 1.x, _generate_and_score_completions: std by trl.trainer.utils.nanstd, divided after adding 1e-4
-    trl_std = {"group": trl_utils.nanstd(groups, dim=1).repeat_interleave(4),
-               "batch": trl_utils.nanstd(rewards).expand_as(rewards)}
-    for scale in ("group", "batch", "none"):
-        expected = centred if scale == "none" else centred / (trl_std[scale] + 1e-4)
-        assert torch.allclose(ref.group_advantages(rewards, 4, scale), expected, atol=1e-5), scale
+    per_func = torch.randint(0, 3, (20, 2), generator=g).float()
+    per_func[16:] = 1.0                                  # the last group has no spread
+    per_func[[1, 5, 6, 9], 1] = NAN                      # judged by one function only
+    per_func[[2, 12, 13, 14], :] = NAN                   # judged by none: unscorable (group 3 keeps one scored)
+    weights = [1.0, 0.1]
+    for rewards_per_func in (per_func, per_func.nan_to_num(0.5)):  # ... and the same with every reward finite
+        total, _ = ref.compose_rewards(columns_as_rewards(rewards_per_func, weights), ["p"] * 20, ["c"] * 20)
+        for scale in ("group", "batch", "none"):
+            theirs = trl_grpo_advantages(rewards_per_func, weights, 4, scale)
+            ours = ref.group_advantages(total, 4, scale)
+            assert torch.allclose(ours, theirs, atol=1e-5), f"scale={scale}: {ours} vs TRL {theirs}"
 
 
 # --- mutants: the mistakes these tests catch ---------------------------------------------------------------
@@ -374,6 +542,24 @@ def _compose_ignores_weights(reward_functions, prompts, completions):
     return ref.compose_rewards(unweighted, prompts, completions)
 
 
+def _compose_unscorable_zero(reward_functions, prompts, completions):
+    """Gives a completion that no function judged a total of 0."""
+    total, per_function = ref.compose_rewards(reward_functions, prompts, completions)
+    return total.nan_to_num(0.0), per_function
+
+
+def _compose_awaits_one_by_one(reward_functions, prompts, completions):
+    """Awaits the async rewards one after the other, so that their waits add up."""
+    async def one_by_one(fns):
+        return [await f.fn(prompts, completions) for f in fns]
+
+    async_fns = [f for f in reward_functions if inspect.iscoroutinefunction(f.fn)]
+    results = dict(zip((f.name for f in async_fns), run_sync(one_by_one(async_fns))))
+    judged = [ref.RewardFunction(f.name, (lambda p, c, r=results[f.name]: r) if f.name in results else f.fn,
+                                 f.weight) for f in reward_functions]
+    return ref.compose_rewards(judged, prompts, completions)
+
+
 def _compose_not_awaited(reward_functions, prompts, completions):
     """Calls async functions without awaiting them."""
     per_function, total = {}, torch.zeros(len(completions))
@@ -410,6 +596,11 @@ def _adv_no_eps(rewards, group_size, scale="group", eps=1e-4):
     if scale == "none":
         return centred
     return centred / (groups.std(1).repeat_interleave(group_size) if scale == "group" else rewards.std())
+
+
+def _adv_unscorable_as_zero(rewards, group_size, scale="group", eps=1e-4):
+    """Counts an unscorable completion (NaN) as a reward of 0."""
+    return ref.group_advantages(rewards.nan_to_num(0.0), group_size, scale, eps)
 
 
 def _adv_batch_mean(rewards, group_size, scale="group", eps=1e-4):
@@ -499,8 +690,9 @@ MUTANTS = {
     "completion_loss_mask": [_loss_mask_ignores_flag, _loss_mask_only_truncated_tokens],
     "reward_exact_answer": [_exact_answer_substring, _exact_answer_zero_not_none],
     "reward_format": [_format_any_digit],
-    "compose_rewards": [_compose_nan_propagates, _compose_ignores_weights, _compose_not_awaited],
-    "group_advantages": [_adv_batch_std, _adv_population_std, _adv_no_eps, _adv_batch_mean],
+    "compose_rewards": [_compose_nan_propagates, _compose_ignores_weights, _compose_not_awaited,
+                        _compose_unscorable_zero, _compose_awaits_one_by_one],
+    "group_advantages": [_adv_batch_std, _adv_population_std, _adv_no_eps, _adv_batch_mean, _adv_unscorable_as_zero],
     "reference_logprobs": [_reference_with_hooks, _reference_always_runs],
     "grpo_loss": [_loss_ratio_sign, _loss_one_sided_clip, _loss_kl_reversed, _loss_unmasked,
                   _loss_constant_ratio_on_policy, _loss_dr_grpo_token_mean],

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn as nn
 from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -42,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 from solutions.part0_warmup import completion_logprobs, get_logprobs           # Part 0, solved
 from solutions.part1_ppo import kl_exact, kl_k3, reward_char_count             # Part 1, solved
-from solutions.part2_lora import LoRAModel, freeze_base, make_adapters         # Part 2, solved
+from solutions.part2_lora import LoRAModel, freeze_base, load_adapter, make_adapters  # Part 2, solved
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
 from utils.harness import check
 from utils.concurrency import run_sync
@@ -85,8 +86,11 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 # %% [markdown]
 # Real set-ups combine several rewards. `compose_rewards` takes `RewardFunction`s (a name, a callable, a weight)
 # and returns the weighted total and each function's raw rewards by name, for the logs. A `None` becomes NaN in its
-# function's row and counts as nothing in the total. Some rewards call a remote judge and are `async def`: detect
-# them with `inspect.iscoroutinefunction` and await them together with `asyncio.gather`, so their waits overlap.
+# function's row and counts as nothing in the total — unless *every* function returned `None` for a completion:
+# then nobody judged it, and its total is NaN too. A total of 0 would be a verdict ("wrong") that drags its group's
+# mean down; NaN says "unscorable", and the advantages below leave it out (TRL does the same). Some rewards call a
+# remote judge and are `async def`: detect them with `inspect.iscoroutinefunction` and await them together with
+# `asyncio.gather`, so their waits overlap (a check makes two of them wait for each other).
 # Run that coroutine with `run_sync` (from `utils.concurrency`): `asyncio.run` fails inside Jupyter, whose own
 # event loop is already running.
 
@@ -107,6 +111,11 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 #
 # Use `torch.std`'s default, Bessel's correction ($n-1$), as TRL does, and add `eps` to the std. A group whose
 # completions all got the same reward teaches nothing; its advantages must come out as **exactly 0**, never NaN.
+#
+# A NaN reward is an unscorable completion (from `compose_rewards`). Leave it out of its group's mean and standard
+# deviation (`torch.nanmean` helps; `torch.std` has no NaN-skipping twin, so count the scored rewards yourself) and
+# give it an advantage of 0: it carries no signal, so it should push the policy neither way. That is TRL's rule
+# too (`GRPOTrainer._generate_and_score_completions`, where it marks an `unscorable_mask`).
 
 # %% [exercise] group_advantages
 
@@ -164,9 +173,13 @@ print(samples_table([{"rewards": str(rewards[i:i + 4].tolist()),
 # Read `GRPOConfig` and `GRPOTrainer`: a step samples the groups (LoRA on), composes the rewards, computes the
 # advantages and the loss mask, gets the reference log-probs (or `None`), then makes `num_iterations` updates —
 # storing the old log-probs at sampling time when there is more than one. It logs the reward per function, the
-# clip fraction, the completion length, the fraction of groups with zero reward spread (those teach nothing), the
-# KL when `beta > 0`, and every `eval_every` steps the **greedy accuracy on held-out additions**, problems it never
-# trains on. It counts its reference forward passes: with `beta = 0` the count stays at 0.
+# clip ratios under TRL's names (`clip_ratio/low_mean`: the share of tokens whose ratio fell below $1-\epsilon$
+# *where the advantage is negative*, `high_mean` above $1+\epsilon_\text{high}$ where it is positive — the tokens
+# whose gradient the clip took away — and `region_mean`, either), the completion length, the fraction of groups
+# with zero reward spread (those teach nothing), the KL when `beta > 0`, and every `eval_every` steps the **greedy
+# accuracy on held-out additions**, problems it never trains on. It counts its reference forward passes: with
+# `beta = 0` the count stays at 0. Pass `adapters=` (a `ModuleDict`, or a file from Part 2's `save_adapter`) to
+# continue training an adapter instead of starting a fresh one; Part 4 is about what the reference should be then.
 
 # %% [provided] GRPOConfig
 
