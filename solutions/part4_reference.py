@@ -12,8 +12,12 @@ The cases (the table of ../shared/CURRICULUM.md):
     LoRA (hooks)              the same module with the LoRA hooks removed
     full fine-tuning          a frozen copy of the starting weights
     re-training an adapter    the base with a frozen copy of the *old* adapter's hooks
-    precomputed               reference log-probs computed once over a fixed dataset; no reference model after
+    precomputed               any of the three above, its log-probs computed once over a fixed dataset before
+                              training; no reference model (no copy, no old adapter) after that
     synced (TR-DPO style)     every tau steps ref <- alpha * policy + (1 - alpha) * ref (Gorbatovski et al. 2024)
+
+`reference_kind` decides, in one place, which model the reference is and whether it is precomputed; `Reference`
+builds what that answer needs, and every trainer asks it (Part 5's too).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import copy
 import os
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -36,9 +41,9 @@ from utils.logger import print_figures
 from utils.sampling import Samples
 
 # Not exercises: the notebook shows them in full for the learner to read and run.
-PROVIDED = ("ReferenceSettings", "Reference", "SyncedGRPOTrainer", "plot_sync_experiment")
+PROVIDED = ("ReferenceSettings", "sync_old_adapter", "Reference", "SyncedGRPOTrainer", "plot_sync_experiment")
 
-KINDS = ("none", "hooks_removed", "frozen_copy", "old_adapter", "precomputed")
+KINDS = ("none", "hooks_removed", "frozen_copy", "old_adapter")  # which model the reference is
 
 
 # --- 1. One function decides ---------------------------------------------------------------------------------
@@ -55,19 +60,21 @@ class ReferenceSettings:
     sync_alpha: float = 0.0           # alpha: how far each sync moves the reference towards the policy
 
 
-def reference_kind(settings: ReferenceSettings) -> str:
-    """The one decision: which reference a run uses, as one of KINDS.
+def reference_kind(settings: ReferenceSettings) -> tuple[str, bool]:
+    """The one decision: (kind, precomputed). kind, one of KINDS, is which model the reference is; precomputed
+    says whether its log-probs are computed once, before training, over a fixed dataset, instead of at every step.
 
-    "none" when beta == 0 (whatever else is set); else "precomputed" if asked; else "old_adapter" when re-training
-    an adapter; else "hooks_removed" for LoRA and "frozen_copy" for full fine-tuning. Raises ValueError for settings
-    that contradict each other: syncing precomputed log-probs, re-training an adapter without LoRA, a sync with
-    alpha outside (0, 1], a negative beta.
+    kind is "none" when beta == 0 (whatever else is set, and then precomputed is False: there is nothing to
+    compute); else "old_adapter" when re-training an adapter; else "hooks_removed" for LoRA and "frozen_copy" for
+    full fine-tuning. Precomputing changes when the reference runs, not which model it is. Raises ValueError for
+    settings that contradict each other: syncing precomputed log-probs, re-training an adapter without LoRA, a
+    sync with alpha outside (0, 1], a negative beta.
     """
     s = settings
     if s.beta < 0:
         raise ValueError(f"beta must be >= 0, got {s.beta}")
     if s.beta == 0:
-        return "none"
+        return "none", False
     if s.retraining_adapter and not s.lora:
         raise ValueError("retraining_adapter needs lora=True: an adapter is a LoRA")
     if s.sync_every:
@@ -75,11 +82,9 @@ def reference_kind(settings: ReferenceSettings) -> str:
             raise ValueError("precomputed reference log-probs cannot be synced: they come from a model that is gone")
         if not 0 < s.sync_alpha <= 1:
             raise ValueError(f"sync_alpha must be in (0, 1] when sync_every > 0, got {s.sync_alpha}")
-    if s.precomputed:
-        return "precomputed"
     if s.retraining_adapter:
-        return "old_adapter"
-    return "hooks_removed" if s.lora else "frozen_copy"
+        return "old_adapter", s.precomputed
+    return ("hooks_removed" if s.lora else "frozen_copy"), s.precomputed
 
 
 # --- 2. Re-training an adapter: the reference keeps the old adapter ----------------------------------------------
@@ -102,10 +107,22 @@ def old_adapter_logprobs(lora_model: LoRAModel, old_adapters: nn.ModuleDict, sam
 # --- 3. Precomputed reference log-probs ---------------------------------------------------------------------------
 
 @torch.no_grad()
-def precompute_reference_logprobs(lora_model: LoRAModel, dataset: list[Samples]) -> list[Float[Tensor, "batch gen"]]:
-    """Reference log-probs of every batch of a fixed dataset, computed once before training (with no hooks:
-    the reference is the base model), so that no reference model is needed afterwards."""
-    return [completion_logprobs(lora_model.base, batch) for batch in dataset]
+def precompute_reference_logprobs(model, kind: str, dataset: list[Samples]) -> list[Float[Tensor, "batch gen"]]:
+    """The log-probs of every batch of a fixed dataset under the reference of `kind` (one of KINDS but "none"),
+    computed once, before training and without gradients, so that no reference model is needed afterwards.
+
+    Before the first update every form of the reference is at hand without a copy: "hooks_removed" is model.base
+    run with no hooks; "old_adapter" is the base with the adapters as they are now (until training starts they
+    *are* the old adapter: old_adapter_logprobs with model.adapters); "frozen_copy" is `model` itself, a plain
+    model that full fine-tuning has not changed yet.
+    """
+    if kind == "hooks_removed":
+        return [completion_logprobs(model.base, batch) for batch in dataset]
+    if kind == "old_adapter":
+        return [old_adapter_logprobs(model, model.adapters, batch) for batch in dataset]
+    if kind == "frozen_copy":
+        return [completion_logprobs(model, batch) for batch in dataset]
+    raise ValueError(f"kind must be one of {KINDS[1:]} to precompute a reference, got {kind!r}")
 
 
 # --- 4. Syncing the reference -------------------------------------------------------------------------------------
@@ -130,35 +147,64 @@ def sync_lora(lora_model: LoRAModel, alpha: float) -> None:
         adapter.B.mul_(1 - alpha)
 
 
+@torch.no_grad()
+def sync_old_adapter(old_adapters: nn.ModuleDict, adapters: nn.ModuleDict, alpha: float) -> nn.ModuleDict:
+    """Re-training an adapter: the reference is base + old adapter, so move the *old adapter* alpha of the way to
+    the policy's adapters, exactly. Its update must become alpha * s B A + (1 - alpha) * s_old B_old A_old, and
+    mixing A and B separately would not give that (B A is not linear in A and B together). It is one LoRA of
+    rank r + r_old: A = [A; A_old] stacked, B = [alpha * s * B, (1 - alpha) * s_old * B_old] side by side, scale 1.
+    So each sync with alpha < 1 adds r to the old adapter's rank (still tiny next to a model); alpha = 1 makes it
+    a plain frozen copy of the policy's adapters. Returns the new old adapters, frozen; changes neither input."""
+    if alpha == 1:
+        return frozen_adapter_copy(adapters)
+    mixed = nn.ModuleDict()
+    for key, new in adapters.items():
+        old = old_adapters[key]
+        lora = copy.deepcopy(new)  # a LoRA of the right class and dimensions; its tensors are replaced below
+        lora.A = nn.Parameter(torch.cat([new.A, old.A], dim=0))                                  # [r + r_old, d_in]
+        lora.B = nn.Parameter(torch.cat([alpha * new.scale * new.B, (1 - alpha) * old.scale * old.B], dim=1))
+        lora.scale = 1.0                                                                          # in B already
+        mixed[key] = lora
+    return mixed.requires_grad_(False)
+
+
 # --- 5. Everything downstream asks one object -----------------------------------------------------------------------
 
 class Reference:
     """The reference a run decided on (by reference_kind), serving log-probs and counting its forward passes.
 
-    Build it at the start of training: for "frozen_copy" it copies the model's weights, for "old_adapter" the
-    adapter's, for "precomputed" it computes the table for `dataset`.
+    Build it at the start of training, before the first update: for "frozen_copy" it copies the model's weights,
+    for "old_adapter" the adapter's; precomputed, it computes the table for `dataset` under the reference of its
+    kind and keeps nothing else. The table is looked up by the batch's position in `dataset`.
     """
 
     def __init__(self, settings: ReferenceSettings, model, dataset: list[Samples] | None = None):
-        self.settings, self.kind = settings, reference_kind(settings)
+        self.settings = settings
+        self.kind, self.precomputed = reference_kind(settings)
         self.model, self.forward_passes = model, 0
         self.copy = self.old_adapters = self.table = None
-        if self.kind == "frozen_copy":
+        if self.precomputed:
+            if dataset is None:
+                raise ValueError("a precomputed reference needs the dataset it will be asked about")
+            self.table = precompute_reference_logprobs(model, self.kind, dataset)
+            self.table_ids = [batch.ids for batch in dataset]  # to refuse a batch that is not the one at its index
+        elif self.kind == "frozen_copy":
             self.copy = copy.deepcopy(model).requires_grad_(False)
         elif self.kind == "old_adapter":
             self.old_adapters = frozen_adapter_copy(model.adapters)
-        elif self.kind == "precomputed":
-            if dataset is None:
-                raise ValueError("a precomputed reference needs the dataset it will be asked about")
-            self.table = {id(batch): lp for batch, lp in zip(dataset, precompute_reference_logprobs(model, dataset))}
 
-    def logprobs(self, samples: Samples) -> Tensor | None:
+    def logprobs(self, samples: Samples, index: int | None = None) -> Tensor | None:
+        """Reference log-probs of the samples' completions, or None when there is no reference. A precomputed
+        reference needs `index`, the batch's position in the dataset it was built with."""
         if self.kind == "none":
             return None
-        if self.kind == "precomputed":
-            if id(samples) not in self.table:
-                raise KeyError("precomputed reference log-probs exist only for the dataset given at the start")
-            return self.table[id(samples)]
+        if self.precomputed:
+            if index is None or not 0 <= index < len(self.table):
+                raise ValueError(f"a precomputed reference is looked up by the batch's index in the dataset given at "
+                                 f"the start (0 to {len(self.table) - 1}): call logprobs(samples, index=i)")
+            if not torch.equal(samples.ids, self.table_ids[index]):
+                raise ValueError(f"these samples are not batch {index} of the dataset the table was computed for")
+            return self.table[index]
         self.forward_passes += 1
         with torch.no_grad():
             if self.kind == "hooks_removed":
@@ -176,17 +222,34 @@ class Reference:
             sync_lora(self.model, alpha)
         elif self.kind == "frozen_copy":
             sync_full(self.model, self.copy, alpha)
-        elif self.kind == "old_adapter":  # the reference is base + old adapter: move the old adapter instead
-            for old, new in zip(self.old_adapters.parameters(), self.model.adapters.parameters()):
-                old.lerp_(new, alpha)  # approximately alpha of the way: B A is not linear in (A, B) jointly
+        else:  # the reference is base + old adapter: move the old adapter
+            self.old_adapters = sync_old_adapter(self.old_adapters, self.model.adapters, alpha)
         return True
 
 
 class SyncedGRPOTrainer(GRPOTrainer):
-    """Part 3's trainer, with its reference decided by `Reference` and synced as the settings say."""
+    """Part 3's trainer, with its reference decided by `Reference` and synced as the settings say.
 
-    def __init__(self, cfg: GRPOConfig, settings: ReferenceSettings, model=None):
-        super().__init__(replace(cfg, beta=settings.beta), model=model)
+    It trains a LoRA, so settings.lora must be True. To re-train an adapter (retraining_adapter=True), pass it as
+    `adapters` (an nn.ModuleDict, or a file written by Part 2's save_adapter): it is loaded before the Reference
+    is built, so that the reference keeps a frozen copy of it. Precomputed log-probs need a fixed dataset, and
+    GRPO samples new completions at every step, so they are refused here (Part 5's DPO precomputes).
+    """
+
+    def __init__(self, cfg: GRPOConfig, settings: ReferenceSettings | None = None, model=None,
+                 adapters: nn.ModuleDict | str | Path | None = None):
+        settings = settings if settings is not None else ReferenceSettings(beta=cfg.beta)
+        if not settings.lora:
+            raise ValueError("SyncedGRPOTrainer trains a LoRA, so lora=False (full fine-tuning) does not apply: "
+                             "Part 1's PPOTrainer fine-tunes every weight, and Reference(settings, model) serves a "
+                             "frozen copy for a model of your own")
+        if settings.retraining_adapter and adapters is None:
+            raise ValueError("retraining_adapter=True needs the adapter to re-train: pass adapters= (a ModuleDict or "
+                             "a save_adapter file). Fresh adapters have B = 0, so their 'old adapter' is the bare base")
+        if reference_kind(settings)[1]:
+            raise ValueError("a precomputed reference needs a fixed dataset, and GRPO samples new completions at "
+                             "every step: there is nothing to precompute")
+        super().__init__(replace(cfg, beta=settings.beta), model=model, adapters=adapters)
         self.ref = Reference(settings, self.model)
 
     def reference(self, samples: Samples) -> Tensor | None:

@@ -13,7 +13,7 @@
 # | LoRA (hooks) | the same module with the LoRA hooks removed | 1× |
 # | full fine-tuning | a frozen copy of the starting weights | 2× |
 # | re-training an existing adapter | the base with a frozen copy of the *old* adapter's hooks | 1× + adapter |
-# | precomputed | reference log-probs computed once before training, then no reference model | 1× |
+# | precomputed | the log-probs of one of the three above, computed once before training; then no reference model | 1× |
 # | periodically synced (TR-DPO) | every τ steps `ref ← α·policy + (1−α)·ref` | as its base case |
 
 # %% [colab]
@@ -49,12 +49,16 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 #
 # A run's settings say what it needs: `beta`, LoRA or full fine-tuning, whether it re-trains an adapter, whether
 # the reference log-probs are precomputed, whether (and how) the reference is synced. `reference_kind` turns them
-# into one of `KINDS`, and nothing downstream decides again. The order of the questions matters:
+# into one answer, `(kind, precomputed)`, and nothing downstream decides again. `kind`, one of `KINDS`, is *which
+# model* the reference is; `precomputed` is *when* it runs: at every step, or once over a fixed dataset before
+# training. The two are separate questions — a precomputed table is still the log-probs of some model, and it must
+# be the right one. The order of the questions matters:
 #
-# 1. `beta == 0`: `"none"`, whatever else is set — there is no KL term, so any reference computation is waste.
-# 2. Precomputed: `"precomputed"` — the table replaces the model, whichever model it came from.
-# 3. Re-training an adapter: `"old_adapter"` (below: why not the bare base).
-# 4. Otherwise `"hooks_removed"` for LoRA, `"frozen_copy"` for full fine-tuning.
+# 1. `beta == 0`: `("none", False)`, whatever else is set — there is no KL term, so any reference computation
+#    (a precomputed table included) is waste.
+# 2. Re-training an adapter: `"old_adapter"` (below: why not the bare base).
+# 3. Otherwise `"hooks_removed"` for LoRA, `"frozen_copy"` for full fine-tuning.
+# 4. `precomputed` is what the settings ask for.
 #
 # And it refuses settings that contradict each other, with a `ValueError` that says which: syncing precomputed
 # log-probs (the model they came from is gone), re-training an adapter without LoRA, a sync with `alpha` outside
@@ -87,8 +91,13 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 #
 # When the data is fixed — DPO's preference pairs, a supervised dataset — the reference log-probs of every example
 # can be computed **once**, before training, and the reference model then need not exist at all (TRL's
-# `precompute_ref_log_probs`). With hook-LoRA the reference is the base without hooks: compute the table with the
-# adapter **off**, and without gradients.
+# `precompute_ref_log_probs`): no frozen copy, no old adapter, just a table.
+#
+# The table must hold the log-probs of the reference the run would otherwise use — the `kind` decided above. Before
+# the first update, each is at hand without making a copy: for `"hooks_removed"` the base with the adapter
+# **off**; for `"old_adapter"` the base with the adapter as it is now (until training starts it *is* the old
+# adapter; computing it from the bare base instead would make the KL pull the policy away from where it starts);
+# for `"frozen_copy"` the plain model itself, not yet fine-tuned. Compute them without gradients.
 
 # %% [exercise] precompute_reference_logprobs
 
@@ -105,18 +114,29 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 # With hook-LoRA the reference *is* the base, and the policy is base + `scale·B·A`. Moving the base α of the way
 # means adding `α·scale·B·A` to the base weights (Part 2's merge, of a fraction). For the policy not to change, the
 # adapter must now carry only the rest: `B ← (1−α)·B`. Check: base + α·s·BA + s·(1−α)BA = base + s·BA.
+#
+# When re-training an adapter, the reference is base + old adapter, and a sync moves the *old adapter* instead
+# (`sync_old_adapter`, provided). Mixing its `A` and `B` with the policy's one by one would not do: α·B + (1−α)·B_old
+# times α·A + (1−α)·A_old is not α·BA + (1−α)·B_old·A_old. The exact mix is a LoRA of twice the rank — `A` and
+# `A_old` stacked, `α·s·B` and `(1−α)·s_old·B_old` side by side — so the old adapter grows by one rank-r adapter
+# per sync (α = 1 simply copies the policy's adapter).
 
 # %% [exercise] sync_full
 
 # %% [exercise] sync_lora
 
+# %% [provided] sync_old_adapter
+
 # %% [markdown]
 # ## 5. Everything downstream asks one object
 #
-# `Reference` is built once from the settings: it calls `reference_kind`, prepares what the kind needs (a copy, a
-# frozen old adapter, a table), serves `logprobs(samples)` (or `None`), syncs when the settings say so, and counts
-# its forward passes. `SyncedGRPOTrainer` is Part 3's trainer with its one `reference(samples)` method pointed at
-# it.
+# `Reference` is built once from the settings: it calls `reference_kind`, prepares what the answer needs (a copy, a
+# frozen old adapter, or a table and nothing else), serves `logprobs(samples)` (or `None`; a table is looked up by
+# the batch's index in its dataset, and refuses a batch that is not the one at that index), syncs when the
+# settings say so, and counts its forward passes. `SyncedGRPOTrainer` is Part 3's trainer with its one
+# `reference(samples)` method pointed at it. It trains a LoRA, so it refuses `lora=False`; to re-train an adapter,
+# give it the adapter (`adapters=`, a `ModuleDict` or a `save_adapter` file), which it loads *before* the
+# `Reference` takes its frozen copy. Part 5's trainers ask the same `Reference`.
 
 # %% [provided] Reference
 
@@ -132,14 +152,21 @@ with torch.no_grad():
 lora_model = LoRAModel(model, adapters)
 batch = sample(lora_model, ["12+34=", "This is", "The"], max_new_tokens=8)
 rows = []
-for settings in [ReferenceSettings(beta=0.0), ReferenceSettings(beta=0.1),
-                 ReferenceSettings(beta=0.1, retraining_adapter=True), ReferenceSettings(beta=0.1, precomputed=True)]:
-    r = Reference(settings, lora_model, dataset=[batch])
-    lp = r.logprobs(batch)
+for settings, policy in [(ReferenceSettings(beta=0.0), lora_model), (ReferenceSettings(beta=0.1), lora_model),
+                         (ReferenceSettings(beta=0.1, retraining_adapter=True), lora_model),
+                         (ReferenceSettings(beta=0.1, precomputed=True), lora_model),
+                         (ReferenceSettings(beta=0.1, precomputed=True, retraining_adapter=True), lora_model),
+                         (ReferenceSettings(beta=0.1, lora=False), model)]:  # full fine-tuning: the plain model
+    r = Reference(settings, policy, dataset=[batch])
+    lp = r.logprobs(batch, index=0)
     rows.append({"settings": str({k: v for k, v in vars(settings).items() if v}), "kind": r.kind,
-                 "ref log-prob of the batch": None if lp is None else lp.sum().item(),
+                 "precomputed": r.precomputed, "ref log-prob of the batch": None if lp is None else lp.sum().item(),
                  "forward passes": r.forward_passes})
 print(samples_table(rows, max_chars=70))
+
+# %% [markdown]
+# The precomputed rows match the live ones of the same kind: the old-adapter reference gives the same numbers
+# whether it runs every step or once before training, and neither is the bare base's.
 
 # %% [markdown]
 # ## 6. The experiment: a static reference against synced ones
