@@ -12,7 +12,8 @@ rejected one's. RLOO (Ahmadian et al. 2024, after Kool et al. 2019) is REINFORCE
 each completion is measured against the mean reward of the other completions of its prompt.
 
 `dpo_loss` follows TRL's DPOTrainer and `rloo_advantages`, `kl_penalized_rewards` and `rloo_loss` follow TRL's
-RLOOTrainer (trl 1.x); tests/test_part5_dpo_rloo.py checks them against TRL when it is installed.
+RLOOTrainer (trl 1.x); tests/test_part5_dpo_rloo.py checks them against TRL's own code when it is installed. Both
+trainers take their reference from Part 4's one decision (`reference_kind`, and RLOO's `Reference`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs, get_logprobs
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
-from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, completion_loss_mask, compose_rewards,
-                                  reference_logprobs, sample_groups)
+from solutions.part3_grpo import GRPOConfig, GRPOTrainer, completion_loss_mask, compose_rewards, sample_groups
+from solutions.part4_reference import ReferenceSettings, SyncedGRPOTrainer, reference_kind
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
 from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean
@@ -182,14 +183,19 @@ class DPOConfig:
 
 
 class DPOTrainer:
-    """DPO on preference pairs of additions, training a LoRA; the reference is the same module without hooks,
-    run on each batch ("implicit") or once over all pairs before training ("precomputed")."""
+    """DPO on preference pairs of additions, training a LoRA. Which reference, and when it runs, is Part 4's
+    reference_kind's answer: the same module without hooks, run on each batch ("implicit") or once over all
+    pairs before training ("precomputed")."""
 
     def __init__(self, cfg: DPOConfig, model=None, triples: list[tuple[str, str, str]] | None = None):
         if cfg.reference not in ("precomputed", "implicit"):
             raise ValueError(f"reference must be 'precomputed' or 'implicit', got {cfg.reference!r}")
         if cfg.loss_type not in DPO_LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {cfg.loss_type!r}")
+        self.reference_kind, self.precomputed = reference_kind(
+            ReferenceSettings(beta=cfg.beta, precomputed=cfg.reference == "precomputed"))
+        if self.reference_kind != "hooks_removed":  # "none": beta == 0, where every pair's loss is log 2
+            raise ValueError(f"DPO needs beta > 0 (its reference is the base without hooks), got beta={cfg.beta}")
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         base = model if model is not None else load_model(cfg.model, cfg.device)
@@ -206,7 +212,7 @@ class DPOTrainer:
         self.average = cfg.loss_type == "ipo"  # TRL's IPO compares per-token means
         self.logger = RunLogger(use_wandb=cfg.wandb, config=asdict(cfg), run_name=f"dpo-{cfg.model}-{cfg.reference}")
         self.reference_rows = 0  # sequences the reference has scored: once each, or every batch again
-        if cfg.reference == "precomputed":
+        if self.precomputed:
             self.ref_chosen, self.ref_rejected = precompute_reference_logps(self.model, triples, self.average)
             self.reference_rows += 2 * len(triples)
 
@@ -221,7 +227,7 @@ class DPOTrainer:
         token_logps = completion_logprobs(self.model, batch)
         logps = sequence_logps(token_logps, batch.completion_mask, self.average)
         chosen, rejected = logps.chunk(2)
-        if cfg.reference == "precomputed":
+        if self.precomputed:
             ref_chosen, ref_rejected = self.ref_chosen[idx], self.ref_rejected[idx]
         else:
             ref_chosen, ref_rejected = precompute_reference_logps(self.model, triples, self.average)
@@ -269,18 +275,25 @@ def rloo_advantages(
 
     With `normalize` (TRL's normalize_advantages), the advantages are then centred on their batch mean and
     divided by their batch std (Bessel-corrected) + 1e-4.
+
+    A NaN reward marks an unscorable completion (no reward function judged it; Part 3's compose_rewards). As in
+    TRL's RLOOTrainer (`_generate_and_score_completions`, trl 1.16: `unscorable_mask`, nansum over the scored
+    siblings, then nan_to_num), it is left out of the others' means and of the normalisation, and its advantage is
+    0; so is the advantage of a completion that has no scored sibling to be compared with.
     """
     if group_size < 2 or rewards.dim() != 1 or len(rewards) % group_size != 0:
         raise ValueError(f"rewards must be [n_prompts * group_size] with group_size >= 2; got shape "
                          f"{tuple(rewards.shape)} with group_size {group_size}")
-    if not torch.isfinite(rewards).all():
-        raise ValueError("rewards contain NaN or inf: every completion needs a finite reward")
+    if rewards.isinf().any():
+        raise ValueError("rewards contain inf: every completion needs a finite reward (or NaN: unscorable)")
     groups = rewards.view(-1, group_size)
-    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)  # the others' mean
+    scored = (~groups.isnan()).sum(dim=1, keepdim=True)
+    baseline = (groups.nansum(dim=1, keepdim=True) - groups) / (scored - 1)  # the others' mean; 0 / 0 if none
     advantages = (groups - baseline).view(-1)
     if normalize:
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-4)
-    return advantages
+        valid = advantages[~advantages.isnan()]
+        advantages = (advantages - valid.mean()) / (valid.std() + 1e-4)
+    return advantages.nan_to_num(nan=0.0)  # no signal, no push
 
 
 # --- 7. The KL penalty, folded into the reward -----------------------------------------------------------------
@@ -327,9 +340,11 @@ class RLOOConfig(GRPOConfig):
     normalize_advantages: bool = False     # TRL's default
 
 
-class RLOOTrainer(GRPOTrainer):
-    """Part 3's trainer with another step: the KL folded into the reward, leave-one-out advantages, and a
-    sequence-level clipped loss. Everything else (LoRA, rewards, prompts, evaluation, the loop) is Part 3's."""
+class RLOOTrainer(SyncedGRPOTrainer):
+    """Part 4's trainer (Part 3's, its reference served by Part 4's Reference) with another step: the KL folded
+    into the reward, leave-one-out advantages, and a sequence-level clipped loss. Everything else (LoRA, rewards,
+    prompts, evaluation, the loop, the reference and its syncs) is Parts 3 and 4's. Its settings default to
+    ReferenceSettings(beta=cfg.beta): the base without hooks."""
 
     def step(self, step: int) -> dict:
         cfg = self.cfg
@@ -339,14 +354,14 @@ class RLOOTrainer(GRPOTrainer):
         with torch.no_grad():  # the policy at sampling time: for the KL penalty and the ratio's denominator
             old_lp = completion_logprobs(self.model, samples)
         old_seq = sequence_logps(old_lp, mask)
-        ref_lp = reference_logprobs(self.model, samples, cfg.beta)  # Part 3's: None when beta == 0
+        ref_lp = self.reference(samples)  # Part 4's Reference: None when beta == 0
         self.reference_forward_passes += ref_lp is not None
         task_rewards = rewards
         if ref_lp is not None:
             rewards = kl_penalized_rewards(rewards, old_lp, ref_lp, mask, cfg.beta)
         advantages = rloo_advantages(rewards.to(old_seq.device), cfg.group_size, cfg.normalize_advantages)
 
-        clip_fractions = []
+        clips = []
         for _ in range(cfg.num_iterations):
             logits = self.model(samples.ids, attention_mask=samples.attention_mask)
             seq = sequence_logps(get_logprobs(logits, samples.ids, samples.prompt_len), mask)
@@ -355,23 +370,20 @@ class RLOOTrainer(GRPOTrainer):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.adapters.parameters(), cfg.max_grad_norm)
             self.optimizer.step()
-            with torch.no_grad():
-                ratio = torch.exp(seq - old_seq)
-                clip_fractions.append(((ratio < 1 - cfg.epsilon) | (ratio > 1 + (cfg.epsilon_high or cfg.epsilon)))
-                                      .float().mean().item())
+            with torch.no_grad():  # one ratio per sequence, as TRL's RLOO counts them
+                ratio = torch.exp(seq - old_seq)[:, None]
+                clips.append(self.clip_ratios(ratio, advantages, torch.ones_like(ratio, dtype=torch.bool)))
 
-        groups = task_rewards.view(-1, cfg.group_size)
-        metrics = {"reward": task_rewards.mean().item(), "loss": loss.item(),
-                   "clip_fraction": sum(clip_fractions) / len(clip_fractions),
-                   "completion_length": samples.completion_mask.sum(1).float().mean().item(),
-                   "zero_std_fraction": (groups.std(dim=1) == 0).float().mean().item()}
-        metrics |= {f"reward/{name}": torch.nanmean(r).item() for name, r in per_function.items()}
+        metrics = {"loss": loss.item(), **self.reward_metrics(task_rewards, per_function),
+                   **{k: sum(c[k] for c in clips) / len(clips) for k in clips[0]},
+                   "completion_length": samples.completion_mask.sum(1).float().mean().item()}
         if ref_lp is not None:
             metrics["kl"] = masked_mean(old_lp - ref_lp, mask).item() if mask.any() else 0.0
         if step % cfg.table_every == 0:
             rows = [{"reward": r.item(), "advantage": a.item(), "prompt": p, "completion": t}
                     for r, a, p, t in list(zip(rewards, advantages, samples.prompts, samples.texts))[:cfg.group_size]]
-            tqdm.write(f"\nRLOO step {step}: mean reward {task_rewards.mean():.3f}\n" + samples_table(rows))
+            tqdm.write(f"\nRLOO step {step}: mean reward {metrics['reward']:.3f}\n" + samples_table(rows))
+        metrics["synced"] = float(self.ref.maybe_sync(step))
         return metrics
 
 

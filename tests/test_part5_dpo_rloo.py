@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from solutions import part5_dpo_rloo as ref
 from solutions.part0_warmup import completion_logprobs
 from solutions.part2_lora import LoRAModel, make_adapters
+from solutions.part3_grpo import compose_rewards
 from tests.helpers import active_hooks, assert_matches, run_script
+from tests.test_part3_grpo import columns_as_rewards, trl_source_lines
 
 exercise = pytest.mark.exercise
 
@@ -227,10 +229,43 @@ def test_rloo_advantages_pairs_and_equal_groups(impl):
         "a group whose rewards are all equal gets advantages of exactly 0")
 
 
+NAN = float("nan")
+UNSCORED = torch.tensor([1.0, 0.0, NAN, 1.0,  NAN, NAN, NAN, NAN,  2.0, NAN, 0.0, 0.5,  5.0, NAN, NAN, NAN])
+
+
+def rloo_by_hand(rewards, group_size, normalize=False):
+    """rloo_advantages, one number at a time: NaN rewards are left out, and get 0 (as does a lone scored one)."""
+    import statistics
+
+    values, out = rewards.tolist(), []
+    for start in range(0, len(values), group_size):
+        group = values[start:start + group_size]
+        scored = [r for r in group if r == r]
+        for r in group:
+            others = len(scored) - 1
+            out.append(NAN if r != r or others == 0 else r - (sum(scored) - r) / others)
+    if normalize:
+        valid = [a for a in out if a == a]
+        mean, std = statistics.fmean(valid), statistics.stdev(valid)
+        out = [(a - mean) / (std + 1e-4) for a in out]
+    return torch.tensor(out).nan_to_num(0.0)
+
+
+@exercise("rloo_advantages")
+def test_rloo_advantages_leave_unscorable_completions_out(impl):
+    for normalize in (False, True):
+        assert_matches(impl.rloo_advantages(UNSCORED, 4, normalize), rloo_by_hand(UNSCORED, 4, normalize),
+                       f"rloo_advantages(normalize={normalize}) with NaN rewards (unscorable completions)", mistakes={
+                           "an unscorable completion (NaN reward) was counted as a reward of 0: leave it out of the "
+                           "others' mean (divide by the scored siblings) and give it advantage 0, as TRL does":
+                               ref.rloo_advantages(UNSCORED.nan_to_num(0.0), 4, normalize)})
+
+
 def test_rloo_advantages_bad_input():
-    for rewards, group_size in ((torch.ones(7), 4), (torch.ones(4), 1), (torch.tensor([1.0, float("nan")]), 2)):
+    for rewards, group_size in ((torch.ones(7), 4), (torch.ones(4), 1), (torch.tensor([1.0, float("inf")]), 2)):
         with pytest.raises(ValueError):
             ref.rloo_advantages(rewards, group_size)
+    assert torch.equal(ref.rloo_advantages(torch.full((4,), NAN), 2), torch.zeros(4)), "nothing scored: no signal"
 
 
 # --- kl_penalized_rewards ----------------------------------------------------------------------------------------
@@ -374,8 +409,10 @@ def test_dpo_trainer_reference_forms_agree_and_train_only_lora():
     assert losses["implicit"] == pytest.approx(losses["precomputed"], abs=1e-5), losses
     assert rows == {"implicit": 2 * 2 * 8, "precomputed": 2 * 64}
     assert all(torch.equal(v, base.state_dict()[k]) for k, v in weights.items()), "base weights changed"
-    with pytest.raises(ValueError):
-        ref.DPOTrainer(ref.DPOConfig(reference="cached"), model=base, triples=triples)
+    assert (trainer.reference_kind, trainer.precomputed) == ("hooks_removed", True), "Part 4's decision, answered"
+    for cfg in (ref.DPOConfig(reference="cached"), ref.DPOConfig(beta=0.0)):
+        with pytest.raises(ValueError):
+            ref.DPOTrainer(cfg, model=base, triples=triples)
 
 
 @pytest.mark.slow
@@ -385,9 +422,11 @@ def test_rloo_trainer_runs_with_the_kl_in_the_reward():
     cfg = ref.RLOOConfig(steps=2, n_prompts=4, group_size=4, beta=0.05, eval_every=0, table_every=100)
     trainer = ref.RLOOTrainer(cfg, model=load_model("tiny", device="cpu"))
     logger = trainer.train()
-    assert trainer.reference_forward_passes == 2
+    assert trainer.ref.kind == "hooks_removed", "the reference is Part 4's Reference, decided by reference_kind"
+    assert trainer.reference_forward_passes == trainer.ref.forward_passes == 2, "the reference is asked through Reference"
     logged = {k for h in logger.history for k in h}
-    assert {"reward", "reward/exact_answer", "kl", "clip_fraction", "loss"} <= logged
+    assert {"reward", "reward/exact_answer", "kl", "clip_ratio/region_mean", "clip_ratio/low_mean",
+            "clip_ratio/high_mean", "loss"} <= logged
 
 
 @pytest.mark.slow
@@ -474,22 +513,41 @@ def test_rloo_loss_agrees_with_trl():
         assert torch.allclose(our_grad, their_grad, atol=1e-5), f"epsilon_high={epsilon_high}: gradients"
 
 
-def test_rloo_advantages_and_kl_penalty_agree_with_trls_definition():
-    trl_utils = pytest.importorskip("trl.trainer.utils", reason="pip install -r requirements-bench.txt")
-    rewards, old_lp, ref_lp, mask = kl_inputs(seed=5)
-    rewards = torch.cat([rewards, rewards.flip(0)])
-    old_lp, ref_lp, mask = torch.cat([old_lp, old_lp]), torch.cat([ref_lp, ref_lp]), torch.cat([mask, mask])
-    # TRL 1.x, RLOOTrainer._generate_and_score_completions: k1 summed per sequence, subtracted from the reward; the
-    # leave-one-out baseline; optionally normalised by trl.trainer.utils.nanstd + 1e-4
-    beta, G = 0.05, 4
-    penalised = rewards - beta * ((old_lp - ref_lp) * mask).sum(-1)
-    grouped = penalised.view(-1, G)
-    advantages = penalised - ((grouped.sum(1, keepdim=True) - grouped) / (G - 1)).view(-1)
-    normalized = (advantages - advantages.mean()) / (trl_utils.nanstd(advantages) + 1e-4)
-    ours = ref.kl_penalized_rewards(rewards, old_lp, ref_lp, mask, beta)
-    assert torch.allclose(ours, penalised, atol=1e-5)
-    assert torch.allclose(ref.rloo_advantages(ours, G), advantages, atol=1e-5)
-    assert torch.allclose(ref.rloo_advantages(ours, G, normalize=True), normalized, atol=1e-5)
+def trl_rloo_advantages(rewards_per_func, weights, old_lp, ref_lp, mask, beta, group_size, normalize):
+    """TRL's own lines of RLOOTrainer._generate_and_score_completions, from marking unscorable completions to
+    zeroing their advantages: the KL penalty in the reward, the leave-one-out baseline, the normalisation."""
+    from trl import RLOOTrainer
+    from trl.trainer.utils import nanstd
+
+    code = trl_source_lines(RLOOTrainer._generate_and_score_completions,
+                            "unscorable_mask = torch.isnan(rewards_per_func)", "advantages = torch.nan_to_num(")
+    trainer = SimpleNamespace(reward_weights=torch.tensor(weights), reward_clip_range=None, beta=beta,
+                              normalize_advantages=normalize)
+    scope = {"torch": torch, "nanstd": nanstd, "gather": lambda t: t, "self": trainer, "device": "cpu",
+             "rewards_per_func": rewards_per_func, "old_per_token_logps": old_lp, "ref_per_token_logps": ref_lp,
+             "completion_mask": mask.long(), "num_generations": group_size}
+    exec(code, scope)
+    return scope["advantages"]
+
+
+def test_rloo_advantages_and_kl_penalty_agree_with_trl():
+    """compose_rewards, kl_penalized_rewards and rloo_advantages against TRL's own code for the same step (trl
+    1.16's lines, run by trl_rloo_advantages), with completions that one function or no function judged."""
+    pytest.importorskip("trl", reason="pip install -r requirements-bench.txt to compare with TRL")
+    _, old_lp, ref_lp, mask = kl_inputs(seed=5)
+    old_lp, ref_lp, mask = torch.cat([old_lp] * 3), torch.cat([ref_lp] * 3), torch.cat([mask] * 3)  # 18 rows
+    g = torch.Generator().manual_seed(5)
+    per_func = torch.randint(0, 3, (18, 2), generator=g).float()
+    per_func[[1, 7], 1] = NAN                        # judged by one function only
+    per_func[[3, 10, 11, 15, 16, 17], :] = NAN       # unscorable: row 9 has no scored sibling, rows 15-17 none at all
+    weights, G = [1.0, 0.1], 3
+    for rewards_per_func in (per_func, per_func.nan_to_num(0.5)):  # ... and the same with every reward finite
+        total, _ = compose_rewards(columns_as_rewards(rewards_per_func, weights), ["p"] * 18, ["c"] * 18)
+        for beta, normalize in itertools.product([0.0, 0.05], [False, True]):
+            penalised = ref.kl_penalized_rewards(total, old_lp, ref_lp, mask, beta)
+            ours = ref.rloo_advantages(penalised, G, normalize)
+            theirs = trl_rloo_advantages(rewards_per_func, weights, old_lp, ref_lp, mask, beta, G, normalize)
+            assert torch.allclose(ours, theirs, atol=1e-5), f"beta={beta}, normalize={normalize}: {ours} vs {theirs}"
 
 
 # --- mutants: the mistakes these tests catch ---------------------------------------------------------------------
@@ -559,6 +617,11 @@ def _loo_population_std(rewards, group_size, normalize=False):
     return (adv - adv.mean()) / (adv.std(unbiased=False) + 1e-4) if normalize else adv
 
 
+def _loo_unscorable_as_zero(rewards, group_size, normalize=False):
+    """Counts an unscorable completion (NaN) as a reward of 0."""
+    return ref.rloo_advantages(rewards.nan_to_num(0.0), group_size, normalize)
+
+
 def _loo_ignores_normalize(rewards, group_size, normalize=False):
     """Never normalises."""
     return ref.rloo_advantages(rewards, group_size)
@@ -596,7 +659,8 @@ MUTANTS = {
     "dpo_loss": list(DPO_MISTAKES.values()),
     "precompute_reference_logps": [_reference_with_hooks, _reference_ignores_average, _reference_first_chunk_only,
                                    _reference_swapped],
-    "rloo_advantages": [_loo_includes_self, _loo_divides_by_g, _loo_population_std, _loo_ignores_normalize],
+    "rloo_advantages": [_loo_includes_self, _loo_divides_by_g, _loo_population_std, _loo_ignores_normalize,
+                        _loo_unscorable_as_zero],
     "kl_penalized_rewards": [_kl_sign, _kl_k3, _kl_token_mean, _kl_unmasked, _kl_not_detached],
     "rloo_loss": [_rloo_ratio_sign, _rloo_one_sided, _rloo_max, _rloo_summed, _rloo_constant_ratio,
                   _rloo_ignores_epsilon_high],

@@ -45,7 +45,8 @@ if str(ROOT) not in sys.path:
 from solutions.part0_warmup import completion_logprobs, get_logprobs           # Part 0, solved
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters         # Part 2, solved
 from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, completion_loss_mask, compose_rewards,  # Part 3
-                                  group_advantages, reference_logprobs, sample_groups)
+                                  group_advantages, sample_groups)
+from solutions.part4_reference import ReferenceSettings, SyncedGRPOTrainer, reference_kind       # Part 4
 from solutions.part5_dpo_rloo import DPO_LOSS_TYPES
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
 from utils.harness import check
@@ -115,7 +116,8 @@ plot_curves(curves, list(DPO_LOSS_TYPES), title="loss against the margin d (beta
 #
 # Write `precompute_reference_logps`: the (chosen, rejected) sequence log-probs of every pair under the reference,
 # `batch_size` pairs at a time, without gradients. The trainer also calls it on each batch for the implicit
-# reference — the same numbers, computed again every step.
+# reference — the same numbers, computed again every step. Which of the two it does is not the trainer's own
+# decision: it asks Part 4's `reference_kind`, which answers `("hooks_removed", precomputed)`.
 
 # %% [exercise] precompute_reference_logps
 
@@ -175,6 +177,10 @@ print(sample(no_sft.model, [addition_prompt(a, b) for a, b in addition_pairs("he
 # (Equal to $\frac{G}{G-1}(r_i - \bar r)$: GRPO's centred reward, scaled up a little, and never divided by a
 # standard deviation.) With `normalize`, TRL's `normalize_advantages`, the advantages are then standardised over
 # the batch (mean 0, Bessel-corrected std + 1e-4).
+#
+# As in Part 3, a NaN reward is an unscorable completion. Leave it out: the others' mean is over the *scored*
+# others (their sum, `torch.nansum`, over their count), the normalisation ignores it, and its advantage is 0. A
+# completion with no scored sibling has no baseline at all, and gets 0 too. TRL's `RLOOTrainer` does exactly this.
 
 # %% [exercise] rloo_advantages
 
@@ -208,10 +214,12 @@ print(samples_table([{"rewards": str(rewards[i:i + 4].tolist()),
 # %% [markdown]
 # ## 9. RLOO against GRPO
 #
-# `RLOOTrainer` is Part 3's `GRPOTrainer` with one method replaced: `step` scores the samples, stores the
-# sampling-time log-probs, folds the KL into the reward (`beta = 0.05`, TRL's default for RLOO, so the reference
-# runs once per step), takes leave-one-out advantages and the sequence-level loss. Prompts, rewards, LoRA,
-# evaluation and the loop are Part 3's. `rloo_vs_grpo` trains both from the same model and seed for the same
+# `RLOOTrainer` is Part 4's `SyncedGRPOTrainer` (Part 3's trainer, its reference served by Part 4's `Reference`)
+# with one method replaced: `step` scores the samples, stores the sampling-time log-probs, asks `self.reference`
+# for the reference log-probs and folds the KL into the reward (`beta = 0.05`, TRL's default for RLOO, so the
+# reference runs once per step), takes leave-one-out advantages and the sequence-level loss. Prompts, rewards,
+# LoRA, evaluation and the loop are Part 3's; the reference, in whichever form `ReferenceSettings` asks for (an
+# old adapter, a synced one), is Part 4's. `rloo_vs_grpo` trains both from the same model and seed for the same
 # number of steps; GRPO keeps its `beta = 0`.
 
 # %% [provided] RLOOConfig
