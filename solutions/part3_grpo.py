@@ -280,8 +280,8 @@ class GRPOTrainer:
 
     The reference is the LoRA model's own base module run without hooks; with beta == 0 it never runs.
     `adapters` starts training from existing adapters (re-training them) instead of fresh ones (B = 0): an
-    nn.ModuleDict made for this model, or the path of a file written by Part 2's save_adapter, loaded into
-    adapters built from cfg's rank, alpha and targets.
+    nn.ModuleDict made for this model (trained in place), or the path of a file written by Part 2's save_adapter,
+    loaded into adapters built from cfg's rank, alpha and targets.
     """
 
     TEXT_PROMPTS = ("This is", "The", "My friend", "We")

@@ -182,7 +182,7 @@ class Reference:
         self.settings = settings
         self.kind, self.precomputed = reference_kind(settings)
         self.model, self.forward_passes = model, 0
-        self.copy = self.old_adapters = self.table = None
+        self.copy = self.old_adapters = self.table = self.table_ids = None
         if self.precomputed:
             if dataset is None:
                 raise ValueError("a precomputed reference needs the dataset it will be asked about")
