@@ -148,7 +148,9 @@ def group_advantages(
 ) -> Float[Tensor, "batch"]:
     """Each reward minus its group's mean, divided by a standard deviation (+ eps) chosen by `scale`:
     "group" (the group's), "batch" (all rewards'), or "none" (no division). Standard deviations use Bessel's
-    correction, as TRL does. A group whose rewards are all equal gets advantages of exactly 0.
+    correction, as TRL does. A group whose rewards are all equal gets advantages of exactly 0 (TRL leaves float
+    rounding there: eight rewards of 0.1 have a float32 mean a hair off 0.1, which its division by std + eps
+    blows up to about 1e-4; a group with no spread carries no signal, so we return 0 exactly).
 
     A NaN reward marks an unscorable completion (no reward function judged it; see compose_rewards). As in TRL's
     GRPOTrainer (`_generate_and_score_completions`, trl 1.16: `unscorable_mask`, then nanmean / nanstd, then
@@ -174,7 +176,10 @@ def group_advantages(
         advantages = advantages / (std.repeat_interleave(group_size) + eps)
     elif scale == "batch":
         advantages = advantages / (rewards[~rewards.isnan()].std() + eps)
-    return advantages.nan_to_num(nan=0.0)  # unscorable: no signal, so no push either way
+    highest = torch.where(scored, groups, -torch.inf).amax(dim=1)
+    lowest = torch.where(scored, groups, torch.inf).amin(dim=1)
+    flat = (highest <= lowest).repeat_interleave(group_size)  # all scored rewards equal (or fewer than two)
+    return advantages.masked_fill(flat, 0.0).nan_to_num(nan=0.0)  # unscorable: no signal, no push either way
 
 
 # --- 4. The reference log-probs -------------------------------------------------------------------------------

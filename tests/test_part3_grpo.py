@@ -228,6 +228,13 @@ def test_group_advantages_zero_spread_group_is_exactly_zero(impl):
     assert torch.isfinite(out).all(), "a group whose rewards are all equal must not give NaN: add eps to the std"
     assert torch.equal(out[4:8], torch.zeros(4)), "a group whose rewards are all equal gets advantages of exactly 0"
     assert torch.allclose(out.view(-1, 4).sum(1), torch.zeros(3), atol=1e-5), "advantages sum to 0 in each group"
+    # The addition task's rewards (1 for the answer + 0.1 for the format) are not exact in float32: the mean of a
+    # group of equal 1.1s is a hair off 1.1, and dividing by (std + eps) would blow that up to ~1e-4.
+    for value in (0.1, 1.1):
+        flat = impl.group_advantages(torch.full((16,), value), 8, "group")
+        assert torch.equal(flat, torch.zeros(16)), (
+            f"eight rewards of {value}: advantages {flat[:3].tolist()}... must be exactly 0 (a group without spread "
+            "carries no signal; float rounding of its mean must not become one)")
 
 
 # --- reference_logprobs ----------------------------------------------------------------------------------------
