@@ -503,7 +503,8 @@ def test_make_optimizer_groups_and_schedule(impl, tiny_model):
             lrs.append(opt.param_groups[0]["lr"])
             opt.step()
             sched.step()
-        assert opt.param_groups[1]["initial_lr"] == 1e-2 and opt.param_groups[0]["initial_lr"] == 1e-4
+        got = (opt.param_groups[0]["initial_lr"], opt.param_groups[1]["initial_lr"])
+        assert got == (1e-4, 1e-2), f"learning rates (model, head) {got}: expected (lr_model, lr_head) = (1e-4, 1e-2)"
         expected = [1e-4 * ref_multiplier(s, 4, 14, 0.1) for s in range(15)]
         assert torch.allclose(torch.tensor(lrs), torch.tensor(expected), rtol=1e-4), (
             f"learning rates {lrs} differ from the expected warm-up then linear decay {expected}")
