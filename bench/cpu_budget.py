@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -32,20 +33,17 @@ def run_notebook(part: str, smoke: bool) -> float:
     """Seconds to execute the solutions-filled notebook of `part` in a fresh kernel."""
     from nbclient import NotebookClient
 
-    env = {"RLHF_SMOKE": "1"} if smoke else {}
-    saved = dict(os.environ)
-    os.environ.update({"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "MPLBACKEND": "Agg", **env})
-    if not smoke:
-        os.environ.pop("RLHF_SMOKE", None)
-    try:
+    # The kernel inherits this process's environment; patch.dict puts it back as it was afterwards.
+    with mock.patch.dict(os.environ, {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "MPLBACKEND": "Agg"}):
+        if smoke:
+            os.environ["RLHF_SMOKE"] = "1"
+        else:
+            os.environ.pop("RLHF_SMOKE", None)
         nb = notebooks.with_solutions(part)
         start = time.perf_counter()
         NotebookClient(nb, timeout=1800, kernel_name="python3",
                        resources={"metadata": {"path": str(harness.CHAPTERS)}}).execute()
         return time.perf_counter() - start
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def test_command() -> str:

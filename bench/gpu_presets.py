@@ -30,19 +30,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.grpo_vs_trl import Setting, load_hf  # noqa: E402
+from bench.grpo_vs_trl import Setting, load_hf, sync  # noqa: E402
 from utils.models import bridge_from_hf  # noqa: E402
 
 
 def timed_updates(update, n: int, device: torch.device) -> list[float]:
     times = []
     for i in range(n):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         start = time.perf_counter()
         update(i)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - start)
     return times
 

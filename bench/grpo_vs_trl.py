@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -46,8 +47,8 @@ from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, reward_char_count, re
 from utils.data import addition_accuracy, addition_pairs, addition_prompt  # noqa: E402
 from utils.models import bridge_from_hf, load_tiny_hf, require_hub_model, set_cpu_threads, tiny_hf_config  # noqa: E402
 
-# Our LoRA target -> the Hugging Face GPT-2 module peft adapts (a regular expression on the module's full name).
-PEFT_MODULES = {"o": r".*\.attn\.c_proj", "mlp_in": r".*\.mlp\.c_fc", "mlp_out": r".*\.mlp\.c_proj"}
+# Our LoRA target -> the Hugging Face GPT-2 module peft adapts (the end of its name inside each block).
+HF_MODULES = {"o": "attn.c_proj", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
 
 
 @dataclass
@@ -169,12 +170,11 @@ def run_ours(setting: Setting, hf_model, tokenizer, device: torch.device, evalua
 def lora_pairs(peft_model, adapters) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
     """(peft weight, our weight, name) for every A and B: peft's lora_A is [rank, d_in] and lora_B [d_out, rank],
     exactly our A and B, whatever GPT-2's Conv1D stores."""
-    names = {"o": "attn.c_proj", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
     modules = dict(peft_model.named_modules())
     pairs = []
     for key, adapter in adapters.items():
         layer, target = key[1:].split("_", 1)
-        module = next(m for name, m in modules.items() if name.endswith(f"h.{layer}.{names[target]}"))
+        module = next(m for name, m in modules.items() if name.endswith(f"h.{layer}.{HF_MODULES[target]}"))
         pairs += [(module.lora_A["default"].weight, adapter.A, f"{key}.A"),
                   (module.lora_B["default"].weight, adapter.B, f"{key}.B")]
     return pairs
@@ -188,12 +188,12 @@ def run_trl(setting: Setting, hf_model, tokenizer, device: torch.device, initial
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
-    unknown = set(setting.lora_targets) - set(PEFT_MODULES)
+    unknown = set(setting.lora_targets) - set(HF_MODULES)
     if unknown:
         raise ValueError(f"targets {sorted(unknown)} are fused in Hugging Face's GPT-2 (c_attn holds q, k and v), so "
-                         f"peft cannot adapt them alone; compare on {sorted(PEFT_MODULES)}")
+                         f"peft cannot adapt them alone; compare on {sorted(HF_MODULES)}")
     peft_config = LoraConfig(r=setting.lora_rank, lora_alpha=setting.lora_alpha, lora_dropout=0.0, bias="none",
-                             target_modules="|".join(PEFT_MODULES[t] for t in setting.lora_targets),
+                             target_modules="|".join(rf".*\.{re.escape(HF_MODULES[t])}" for t in setting.lora_targets),
                              fan_in_fan_out=True, task_type="CAUSAL_LM")
     model = get_peft_model(copy.deepcopy(hf_model).to(device), peft_config)
     our_initial = copy.deepcopy(eval_adapters)
@@ -271,9 +271,8 @@ def run_trl(setting: Setting, hf_model, tokenizer, device: torch.device, initial
 
 # --- the comparison ---------------------------------------------------------------------------------------------
 
-def check_same_model(hf_model, tokenizer, device: torch.device) -> float:
-    """Max |logit difference| between the Hugging Face model and our bridge over a copy of it, on a few prompts."""
-    bridge = bridge_from_hf(copy.deepcopy(hf_model), tokenizer, device)
+def check_same_model(hf_model, bridge, tokenizer, device: torch.device) -> float:
+    """Max |logit difference| between the Hugging Face model and our bridge over a copy of it, on a prompt."""
     ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer("12+34=", add_special_tokens=False).input_ids],
                        device=device)
     with torch.no_grad():
@@ -299,8 +298,8 @@ def summarise(name: str, run: dict, setting: Setting) -> dict:
     return out
 
 
-def profiled(on: bool, name: str, fn, *args):
-    """fn(*args), and with `on`, the 25 functions it spent the most cumulative time in."""
+def profiled(on: bool, name: str, fn, *args, sort: str = "cumulative", lines: int = 25):
+    """fn(*args), and with `on`, the `lines` functions it spent the most time in (cProfile, sorted by `sort`)."""
     if not on:
         return fn(*args)
     import cProfile
@@ -309,7 +308,7 @@ def profiled(on: bool, name: str, fn, *args):
     profile = cProfile.Profile()
     result = profile.runcall(fn, *args)
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+    pstats.Stats(profile, stream=text).sort_stats(sort).print_stats(lines)
     print(f"--- where {name} spends its time ---\n{text.getvalue()}")
     return result
 
@@ -340,11 +339,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     hf_model, tokenizer = load_hf(setting, args.random_weights)
     hf_model.eval()
-    logit_diff = check_same_model(hf_model, tokenizer, device)
+    eval_base = bridge_from_hf(copy.deepcopy(hf_model), tokenizer, device)  # scores both sides' adapters
+    logit_diff = check_same_model(hf_model, eval_base, tokenizer, device)
     if logit_diff > 1e-3:
         raise RuntimeError(f"the bridge and the Hugging Face model disagree by {logit_diff:.2e} in their logits")
-
-    eval_base = bridge_from_hf(copy.deepcopy(hf_model), tokenizer, device)
     eval_model = LoRAModel(eval_base, make_adapters(eval_base, setting.lora_rank, setting.lora_alpha,
                                                     setting.lora_targets))
     held_out = addition_pairs("held_out")

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import cProfile
-import io
 import json
-import pstats
 import statistics
 import sys
 import time
@@ -33,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.grpo_vs_trl import Setting, load_hf, prompt_stream, sync  # noqa: E402
+from bench.grpo_vs_trl import Setting, load_hf, profiled, prompt_stream, sync  # noqa: E402
 from utils.models import bridge_from_hf, set_cpu_threads  # noqa: E402
 from utils.sampling import completion_mask_from_ids, sample, tokenize_prompts  # noqa: E402
 
@@ -113,11 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{', stop at EOS' if stop else ''}", "ours tokens/s": round(ours_tps),
                      "HF generate tokens/s": round(hf_tps), "ratio": round(ours_tps / hf_tps, 3)})
         if args.profile:
-            profile = cProfile.Profile()
-            profile.runcall(run_ours)
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
-            print(f"--- where our sampler spends its time ({name}) ---\n{text.getvalue()}")
+            profiled(True, f"our sampler ({name})", run_ours, sort="tottime", lines=12)
 
     from tabulate import tabulate
     print(tabulate(rows, headers="keys", tablefmt="simple_outline"))

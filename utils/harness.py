@@ -27,6 +27,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS, SOLUTIONS, TESTS = ROOT / "chapters", ROOT / "solutions", ROOT / "tests"
@@ -207,19 +208,18 @@ def run_exercise_tests(part: str, name: str, obj: object) -> Outcome:
 
     OVERRIDES[part] = {name: obj}
     outcome = Outcome(name)
-    saved_environ = dict(os.environ)  # conftest.py sets HF_HUB_OFFLINE and WANDB_MODE for test runs only
     try:
         # pytest's report goes to a buffer, not the notebook: the Collector keeps what the learner needs. (Turning
-        # the terminal plugin off instead would break pytest's explanation of a failed `assert a == b`.)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        # the terminal plugin off instead would break pytest's explanation of a failed `assert a == b`.) patch.dict
+        # undoes what conftest.py sets for test runs only (HF_HUB_OFFLINE, WANDB_MODE) in the learner's session.
+        with mock.patch.dict(os.environ), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
             pytest.main([str(TESTS / f"test_{part}.py"), "--impl", "memory", "--exercise", name, "-q",
                          "-p", "no:cacheprovider", "-p", "no:unraisableexception",
                          "-W", "ignore::pytest.PytestAssertRewriteWarning"],
                         plugins=[_Collector(outcome)])
     finally:
         OVERRIDES.pop(part, None)
-        os.environ.clear()
-        os.environ.update(saved_environ)
     return outcome
 
 
