@@ -610,6 +610,20 @@ def _adv_unscorable_as_zero(rewards, group_size, scale="group", eps=1e-4):
     return ref.group_advantages(rewards.nan_to_num(0.0), group_size, scale, eps)
 
 
+def _adv_rounding_left_in_flat_groups(rewards, group_size, scale="group", eps=1e-4):
+    """Right everywhere but in a group whose rewards are all equal, where it keeps TRL's arithmetic: the float
+    rounding of the mean of eight 0.1s, divided by std + eps, becomes an advantage of ~7e-5."""
+    adv = ref.group_advantages(rewards, group_size, scale, eps)
+    groups = rewards.view(-1, group_size)
+    flat = (groups == groups[:, :1]).all(1).repeat_interleave(group_size)
+    naive = (groups - groups.mean(1, keepdim=True)).view(-1)
+    if scale == "group":
+        naive = naive / (groups.std(1).repeat_interleave(group_size) + eps)
+    elif scale == "batch":
+        naive = naive / (rewards.std() + eps)
+    return torch.where(flat, naive, adv)
+
+
 def _adv_batch_mean(rewards, group_size, scale="group", eps=1e-4):
     """Centres on the batch mean."""
     adv = ref.group_advantages(rewards, group_size, scale, eps)
@@ -699,7 +713,8 @@ MUTANTS = {
     "reward_format": [_format_any_digit],
     "compose_rewards": [_compose_nan_propagates, _compose_ignores_weights, _compose_not_awaited,
                         _compose_unscorable_zero, _compose_awaits_one_by_one],
-    "group_advantages": [_adv_batch_std, _adv_population_std, _adv_no_eps, _adv_batch_mean, _adv_unscorable_as_zero],
+    "group_advantages": [_adv_batch_std, _adv_population_std, _adv_no_eps, _adv_batch_mean, _adv_unscorable_as_zero,
+                         _adv_rounding_left_in_flat_groups],
     "reference_logprobs": [_reference_with_hooks, _reference_always_runs],
     "grpo_loss": [_loss_ratio_sign, _loss_one_sided_clip, _loss_kl_reversed, _loss_unmasked,
                   _loss_constant_ratio_on_policy, _loss_dr_grpo_token_mean],
