@@ -143,6 +143,21 @@ class LoRAModel(nn.Module):
         with self.adapted():
             return self.base.generate(*args, **kwargs)
 
+    def weight_updates(self) -> dict[str, Tensor]:
+        """What the hooks add to each adapted weight, as {"blocks.{layer}.{module}": [d_in, d_out] matrix}.
+
+        An adapter is linear, so its matrix is its output on the identity (row i: the image of basis vector i).
+        `utils.sampling.sample` merges these into a copy of the weights and decodes without hooks, which is the
+        same function, in far fewer operations per token.
+        """
+        updates = {}
+        for key, adapter in self.adapters.items():
+            layer, target = key[1:].split("_", 1)
+            module = TARGETS[target][0].removesuffix(".hook_in")  # "attn.q.hook_in" -> "attn.q"
+            eye = torch.eye(adapter.A.shape[1], device=adapter.A.device, dtype=adapter.A.dtype)
+            updates[f"blocks.{layer}.{module}"] = adapter(eye).detach()
+        return updates
+
     def hooks(self, *args, **kwargs):
         return self.base.hooks(*args, **kwargs)  # more hooks (e.g. a value head's); forward adds the LoRA ones
 

@@ -124,6 +124,141 @@ def test_sample_greedy_is_deterministic_and_honours_hooks(tiny_model):
     assert (c.completion_ids == word).all(), "hooks added with model.hooks() must act during sampling"
 
 
+# --- the lean decoder (sample's fast path) ---------------------------------------------------------------------
+
+PADDED_PROMPTS = ["12+34=", "This is a much longer prompt", "12+34=", "The", "71+18=", "The"]  # repeats + padding
+
+
+def adapted_model(model, seed: int = 0):
+    """A LoRA model (Part 2's reference) with adapters on every projection and random B, so that it differs."""
+    from solutions.part2_lora import TARGETS, LoRAModel, make_adapters
+
+    torch.manual_seed(seed)
+    adapters = make_adapters(model, rank=4, alpha=8.0, targets=tuple(TARGETS))
+    with torch.no_grad():
+        for adapter in adapters.values():
+            adapter.B.normal_(0, 0.05)
+    return LoRAModel(model, adapters)
+
+
+@pytest.mark.parametrize("adapted", [False, True], ids=["base", "lora"])
+def test_lean_decoder_computes_the_bridge_logits_at_every_step(tiny_model, adapted, monkeypatch):
+    from utils.decoder import LeanGPT2
+
+    model = adapted_model(tiny_model) if adapted else tiny_model
+    seen = []  # the logits of every decoding step, as the decoder hands them to pick()
+    monkeypatch.setattr(LeanGPT2, "pick", staticmethod(lambda logits, t, k: seen.append(logits) or logits.argmax(-1)))
+    out = sample(model, PADDED_PROMPTS, max_new_tokens=8, temperature=0, engine="lean", stop_at_eos=False)
+    with torch.no_grad():
+        expected = model(out.ids, attention_mask=out.attention_mask)  # the bridge, on the finished rows
+    assert len(seen) == 8
+    for step, logits in enumerate(seen):
+        position = out.prompt_len - 1 + step
+        live = out.attention_mask[:, position].bool()  # a row past its EOS has no meaningful next token
+        torch.testing.assert_close(logits[live], expected[live, position], atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"decoding step {step}: {m}")
+
+
+@pytest.mark.parametrize("adapted", [False, True], ids=["base", "lora"])
+def test_lean_and_bridge_engines_decode_the_same_greedy_tokens(tiny_model, adapted):
+    model = adapted_model(tiny_model) if adapted else tiny_model
+    lean = sample(model, PADDED_PROMPTS, max_new_tokens=20, temperature=0, engine="lean")
+    bridge = sample(model, PADDED_PROMPTS, max_new_tokens=20, temperature=0, engine="bridge")
+    assert torch.equal(lean.ids, bridge.ids) and lean.texts == bridge.texts
+    assert torch.equal(lean.completion_mask, bridge.completion_mask)
+    assert lean.ids.shape[1] < bridge.prompt_len + 20 or lean.truncated.any(), "both stop once every row has an EOS"
+    always = sample(model, PADDED_PROMPTS, max_new_tokens=20, temperature=0, engine="lean", stop_at_eos=False)
+    assert always.completion_ids.shape[1] == 20 and torch.equal(always.completion_mask[:, :lean.completion_ids.shape[1]],
+                                                                lean.completion_mask)
+
+
+def test_lora_weight_updates_are_the_merged_deltas(tiny_model):
+    from solutions.part2_lora import base_weight
+
+    model = adapted_model(tiny_model)
+    updates = model.weight_updates()
+    assert len(updates) == len(model.adapters)
+    for key, adapter in model.adapters.items():
+        layer, target = key[1:].split("_", 1)
+        path = next(k for k in updates if k.startswith(f"blocks.{layer}.") and k.endswith(
+            {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o", "mlp_in": "mlp.in", "mlp_out": "mlp.out"}[target]))
+        weight, in_out = base_weight(tiny_model, key)
+        delta = (adapter.scale * adapter.B @ adapter.A).T  # [d_in, d_out]
+        torch.testing.assert_close(updates[path], delta, atol=1e-6, rtol=1e-5)
+        assert updates[path].shape == (weight.shape if in_out else weight.T.shape)
+
+
+def test_sample_takes_the_bridge_whenever_a_hook_is_active(tiny_model):
+    from utils.decoder import unsupported_reason
+
+    word = tiny_model.tokenizer(" day", add_special_tokens=False).input_ids[0]
+    push = tiny_model.W_U[:, word].detach()
+    steer = [("blocks.3.hook_resid_post", lambda resid, hook: resid + 100 * push / push.norm())]
+    assert unsupported_reason(tiny_model) is None
+    with tiny_model.hooks(fwd_hooks=steer):
+        assert "hook" in unsupported_reason(tiny_model)
+        with pytest.raises(ValueError, match="hooks are active"):
+            sample(tiny_model, ["This is"], max_new_tokens=4, engine="lean")
+        steered = sample(tiny_model, ["This is"], max_new_tokens=4, temperature=0)  # engine="auto"
+    assert (steered.completion_ids == word).all()
+    handle = tiny_model.blocks[3].register_forward_hook(lambda module, inputs, out: out)  # a plain torch hook
+    try:
+        assert unsupported_reason(tiny_model) is not None, "a torch hook registered by hand must count as well"
+    finally:
+        handle.remove()
+    sample(tiny_model, ["This is"], max_new_tokens=4, engine="bridge")  # the bridge wires pre-hooks of its own,
+    tiny_model.run_with_cache(torch.tensor([[1, 2, 3]]))  # and Hugging Face hooks that collect outputs ...
+    assert unsupported_reason(tiny_model) is None, "... which do not count: they only read"
+
+
+def test_sample_never_drops_a_wrappers_changes(tiny_model):
+    class Wrapper(torch.nn.Module):  # holds a base model but cannot say what it changes
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.cfg, self.tokenizer = base, base.cfg, base.tokenizer
+
+        def generate(self, *args, **kwargs):
+            self.generated = True
+            return self.base.generate(*args, **kwargs)
+
+    wrapper = Wrapper(tiny_model)
+    sample(wrapper, ["This is"], max_new_tokens=3)
+    assert getattr(wrapper, "generated", False), "a wrapper without weight_updates() must sample with its generate"
+    with pytest.raises(ValueError, match="weight_updates"):
+        sample(wrapper, ["This is"], max_new_tokens=3, engine="lean")
+    with pytest.raises(ValueError, match="engine"):
+        sample(tiny_model, ["This is"], max_new_tokens=3, engine="fast")
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, None), (0.5, None), (1.0, 3)])
+def test_lean_sampling_draws_from_softmax_of_logits_over_temperature(temperature, top_k):
+    from utils.decoder import LeanGPT2
+
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    out = LeanGPT2.pick(logits.repeat(40_000, 1), temperature, top_k)
+    expected = torch.softmax(logits / temperature, -1)
+    if top_k is not None:
+        expected[top_k:] = 0
+        expected /= expected.sum()
+    got = torch.bincount(out, minlength=len(logits)).float() / len(out)
+    torch.testing.assert_close(got, expected, atol=0.01, rtol=0)
+    assert torch.equal(LeanGPT2.pick(logits.repeat(3, 1), 0.0, None), torch.zeros(3, dtype=torch.long))
+
+
+def test_fuse_gelu_keeps_the_function():
+    from utils.models import fuse_gelu
+
+    hf_model, tokenizer = load_tiny_hf()
+    ids = torch.tensor([tokenizer("This is a happy day .").input_ids])
+    with torch.no_grad():
+        before = hf_model(ids).logits
+        assert fuse_gelu(hf_model) == hf_model.config.n_layer
+        after = hf_model(ids).logits
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    assert fuse_gelu(hf_model) == 0, "nothing left to replace"
+
+
 def test_sample_rejects_prompts_longer_than_the_context(tiny_model):
     with pytest.raises(ValueError, match="context"):
         sample(tiny_model, ["This is"], max_new_tokens=tiny_model.cfg.n_ctx)

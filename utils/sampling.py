@@ -8,6 +8,8 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from utils.decoder import LeanGPT2, unsupported_reason
+
 
 @dataclass
 class Samples:
@@ -43,13 +45,12 @@ def tokenize_prompts(tokenizer, prompts: list[str], device: torch.device | str) 
         raise TypeError("prompts must be a list of strings; wrap a single prompt as [prompt]")
     bos = tokenizer.bos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = [[bos] + tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    distinct = list(dict.fromkeys(prompts))  # GRPO repeats each prompt G times: tokenize it once, all in one call
+    tokens = dict(zip(distinct, tokenizer(distinct, add_special_tokens=False).input_ids)) if distinct else {}
+    rows = [[bos] + tokens[p] for p in prompts]
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
     return ids.to(device), mask.to(device)
 
 
@@ -62,15 +63,22 @@ def completion_mask_from_ids(completion_ids: Int[Tensor, "batch gen"], eos_id: i
 
 @torch.no_grad()
 def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: float = 1.0,
-           top_k: int | None = None, stop_at_eos: bool = True) -> Samples:
+           top_k: int | None = None, stop_at_eos: bool = True, engine: str = "auto") -> Samples:
     """Sample one completion per prompt with the KV cache; hooks added with `model.hooks(...)` stay active.
 
     temperature=0 means greedy decoding. To sample G completions of a prompt, repeat it G times in `prompts`.
     stop_at_eos=False always runs max_new_tokens steps (benchmarks use it for equal work); the completion mask
     still ends at each row's first EOS.
+
+    engine: "bridge" decodes with TransformerLens's `generate`, through every hook point, honouring every hook;
+    "lean" with `utils.decoder.LeanGPT2`, the same function in a dozen operations per layer, which reads the
+    bridge's weights (plus a LoRA model's `weight_updates()`, merged) and refuses to run while a hook is active;
+    "auto" (the default) takes "lean" whenever it can compute exactly what "bridge" would, else "bridge".
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if engine not in ("auto", "lean", "bridge"):
+        raise ValueError(f"engine must be 'auto', 'lean' or 'bridge', got {engine!r}")
     tokenizer = model.tokenizer
     eos = tokenizer.eos_token_id
     ids, attn = tokenize_prompts(tokenizer, prompts, model.cfg.device)
@@ -78,15 +86,28 @@ def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: flo
     if ids.shape[1] + max_new_tokens > n_ctx:
         raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's context of {n_ctx} tokens: shorten the prompt or lower max_new_tokens")
-    out = model.generate(ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                         temperature=temperature if temperature > 0 else 1.0, top_k=top_k, stop_at_eos=stop_at_eos,
-                         eos_token_id=eos, return_type="tokens", verbose=False)
+    base = getattr(model, "base", model)  # a LoRA model's base module, which the lean decoder reads
+    why_not = unsupported_reason(base) if engine != "bridge" else "engine='bridge' was asked for"
+    if base is not model and not hasattr(model, "weight_updates"):  # a wrapper whose changes we cannot see
+        why_not = f"{type(model).__name__} wraps its base model but has no weight_updates() to merge"
+    if engine == "lean" and why_not:
+        raise ValueError(f"engine='lean' cannot sample from this model: {why_not}. Use engine='bridge' (or 'auto').")
+    if why_not is None:
+        updates = model.weight_updates() if hasattr(model, "weight_updates") else {}
+        completion = LeanGPT2(base, updates).generate(ids, attn, max_new_tokens, temperature, top_k, eos,
+                                                      stop_at_eos)
+        out = torch.cat([ids, completion], dim=1)
+    else:
+        out = model.generate(ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                             temperature=temperature if temperature > 0 else 1.0, top_k=top_k,
+                             stop_at_eos=stop_at_eos, eos_token_id=eos, return_type="tokens", verbose=False)
     prompt_len = ids.shape[1]
     completion = out[:, prompt_len:]
     cmask = completion_mask_from_ids(completion, eos)
     completion = torch.where(cmask, completion, torch.full_like(completion, eos))  # tidy: pad with EOS
     full = torch.cat([ids, completion], dim=1)
     attention_mask = torch.cat([attn, cmask.long()], dim=1)
-    texts = [tokenizer.decode(row[m & (row != eos)].tolist()) for row, m in zip(completion, cmask)]
+    texts = tokenizer.batch_decode([[t for t, keep in zip(row, m) if keep and t != eos]
+                                    for row, m in zip(completion.tolist(), cmask.tolist())])
     return Samples(ids=full, attention_mask=attention_mask, completion_mask=cmask, prompt_len=prompt_len,
                    prompts=list(prompts), texts=texts, eos_id=eos)
