@@ -149,8 +149,11 @@ def main(argv: list[str] | None = None) -> dict:
     generate_no_cache(model, batch[:8], n_new)
     t_loop = time.perf_counter() - t0
     t0 = time.perf_counter()
-    sample(model, prompts[:8], max_new_tokens=n_new, stop_at_eos=False)  # every step, as the loop does
+    sample(model, prompts[:8], max_new_tokens=n_new, stop_at_eos=False, engine="bridge")  # every step, as the loop
     t_cache = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    sample(model, prompts[:8], max_new_tokens=n_new, stop_at_eos=False, engine="lean")  # the same, fewer operations
+    t_lean = time.perf_counter() - t0
 
     figures = {
         "model": args.model,
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         "mean_completion_tokens": round(float(lengths.float().mean()), 2),
         "truncated_fraction": round(float(samples.truncated.float().mean()), 3),
         "kv_cache_speedup": round(t_loop / t_cache, 2),
+        "lean_decoder_speedup": round(t_loop / t_lean, 2),
         "seconds": 0.0,
     }
     if args.model == "tiny":
