@@ -19,6 +19,11 @@ What is the same on both sides:
 - TRL's defaults that would make it do more work than ours are turned off: gradient checkpointing and bf16
   autocast (both default to on in TRL 1.x; ours trains in float32 without checkpointing).
 
+What is ours, and differs: our model loader gives GPT-2 PyTorch's one-kernel GELU (`utils.models.fuse_gelu`, the
+same function), and our sampler decodes with `utils.decoder.LeanGPT2` while no hook is active. To see what each is
+worth, `--engine bridge` samples through TransformerLens's `generate` instead, and `--trl-fused-gelu` gives TRL's
+model the same GELU.
+
 Held-out accuracy is measured for both by the same function (`utils.data.addition_accuracy`, greedy, 810
 additions never trained on): for TRL, its current LoRA weights are copied into our hooks on a third copy of the
 model. Evaluation time is excluded from the step times on both sides.
@@ -45,7 +50,10 @@ from solutions.part2_lora import LoRAModel, make_adapters  # noqa: E402
 from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, reward_char_count, reward_exact_answer,  # noqa: E402
                                   reward_format)
 from utils.data import addition_accuracy, addition_pairs, addition_prompt  # noqa: E402
-from utils.models import bridge_from_hf, load_tiny_hf, require_hub_model, set_cpu_threads, tiny_hf_config  # noqa: E402
+import solutions.part3_grpo  # noqa: E402
+from utils.models import (bridge_from_hf, fuse_gelu, load_tiny_hf, require_hub_model, set_cpu_threads,  # noqa: E402
+                          tiny_hf_config)
+from utils.sampling import sample  # noqa: E402
 
 # Our LoRA target -> the Hugging Face GPT-2 module peft adapts (the end of its name inside each block).
 HF_MODULES = {"o": "attn.c_proj", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
@@ -73,6 +81,8 @@ class Setting:
     target_accuracy: float = 0.70          # "time to reach": the first evaluation at or above this
     seed: int = 0
     threads: int | None = None             # CPU only; default: utils.models.set_cpu_threads's choice
+    engine: str = "auto"                   # our sampler's engine (utils.sampling.sample): "auto" or "bridge"
+    trl_fused_gelu: bool = False           # give TRL's model our one-kernel GELU too (utils.models.fuse_gelu)
     device: str | None = None
 
     @classmethod
@@ -143,11 +153,17 @@ def ours_config(setting: Setting, device: torch.device) -> GRPOConfig:
                       seed=setting.seed, device=str(device))
 
 
-def run_ours(setting: Setting, hf_model, tokenizer, device: torch.device, evaluate) -> tuple[dict, dict]:
-    """Our GRPOTrainer, step by step. Returns (its figures, the adapters' initial state for TRL to start from)."""
+def our_trainer(setting: Setting, hf_model, tokenizer, device: torch.device) -> tuple[GRPOTrainer, dict]:
+    """Our GRPOTrainer on a copy of the model, and its adapters' initial state (for TRL to start from)."""
     trainer = GRPOTrainer(ours_config(setting, device), model=bridge_from_hf(copy.deepcopy(hf_model), tokenizer,
                                                                              device))
-    initial = {k: v.detach().clone() for k, v in trainer.model.adapters.state_dict().items()}
+    return trainer, {k: v.detach().clone() for k, v in trainer.model.adapters.state_dict().items()}
+
+
+def run_ours(setting: Setting, trainer: GRPOTrainer, device: torch.device, evaluate) -> dict:
+    """Our GRPOTrainer, step by step: its figures."""
+    # sample_groups calls sample() with its default engine; --engine bridge swaps in TransformerLens's generate
+    solutions.part3_grpo.sample = lambda *args, **kwargs: sample(*args, **kwargs, engine=setting.engine)
     prompts = iter(prompt_stream(setting, setting.steps * setting.n_prompts))
     trainer.next_prompts = lambda: [next(prompts) for _ in range(setting.n_prompts)]  # the same prompts as TRL's
     step_times, accuracy, rewards = [], [], []
@@ -162,7 +178,7 @@ def run_ours(setting: Setting, hf_model, tokenizer, device: torch.device, evalua
         sync(device)
         step_times.append(time.perf_counter() - start)
         rewards.append(metrics["reward"])
-    return {"step_times": step_times, "accuracy": accuracy, "rewards": rewards}, initial
+    return {"step_times": step_times, "accuracy": accuracy, "rewards": rewards}
 
 
 # --- TRL's ---------------------------------------------------------------------------------------------------------
@@ -195,7 +211,10 @@ def run_trl(setting: Setting, hf_model, tokenizer, device: torch.device, initial
     peft_config = LoraConfig(r=setting.lora_rank, lora_alpha=setting.lora_alpha, lora_dropout=0.0, bias="none",
                              target_modules="|".join(rf".*\.{re.escape(HF_MODULES[t])}" for t in setting.lora_targets),
                              fan_in_fan_out=True, task_type="CAUSAL_LM")
-    model = get_peft_model(copy.deepcopy(hf_model).to(device), peft_config)
+    base = copy.deepcopy(hf_model).to(device)
+    if setting.trl_fused_gelu:
+        fuse_gelu(base)
+    model = get_peft_model(base, peft_config)
     our_initial = copy.deepcopy(eval_adapters)
     our_initial.load_state_dict(initial)
     with torch.no_grad():  # the same starting A (and B = 0) as ours
@@ -324,6 +343,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--targets", help="comma-separated LoRA targets among o, mlp_in, mlp_out")
     parser.add_argument("--threads", type=int, help="torch threads on CPU (the same for both)")
     parser.add_argument("--only", choices=["ours", "trl"], help="run one side only (for profiling)")
+    parser.add_argument("--engine", choices=["auto", "bridge"],
+                        help="our sampler: auto (the lean decoder; the default) or bridge (TransformerLens's generate)")
+    parser.add_argument("--trl-fused-gelu", action="store_true", help="give TRL's model our one-kernel GELU too")
+    parser.add_argument("--trl-first", action="store_true", help="run TRL's side first (by default ours runs first)")
     parser.add_argument("--profile", action="store_true",
                         help="print where each side's steps spend their time (cProfile; on a GPU, set "
                              "CUDA_LAUNCH_BLOCKING=1 so that kernels are charged to the code that launched them)")
@@ -332,7 +355,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     setting = Setting.gpt2() if args.preset == "gpt2" else Setting()
     overrides = {"steps": args.steps, "seed": args.seed, "beta": args.beta, "threads": args.threads,
-                 "lora_targets": tuple(args.targets.split(",")) if args.targets else None}
+                 "lora_targets": tuple(args.targets.split(",")) if args.targets else None, "engine": args.engine,
+                 "trl_fused_gelu": args.trl_fused_gelu or None}
     setting = replace(setting, **{k: v for k, v in overrides.items() if v is not None})
     device = torch.device(setting.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = set_cpu_threads(setting.threads) if device.type == "cpu" else None
@@ -354,17 +378,20 @@ def main(argv: list[str] | None = None) -> dict:
     evaluate = evaluate if setting.task == "addition" and setting.eval_every > 0 else None
     runs = {}
     print(f"ours: {setting.steps} steps of {setting.n_prompts} x {setting.group_size} on {device}", flush=True)
-    runs["ours"], initial = profiled(args.profile, "ours", run_ours, setting, hf_model, tokenizer, device, evaluate)
-    if args.only != "ours":
-        print(f"TRL:  {setting.steps} steps of {setting.n_prompts} x {setting.group_size} on {device}", flush=True)
-        runs["trl"] = profiled(args.profile, "TRL", run_trl, setting, hf_model, tokenizer, device, initial, evaluate,
-                               eval_model.adapters)
-    if args.only == "trl":
-        runs.pop("ours")
+    trainer, initial = our_trainer(setting, hf_model, tokenizer, device)
+    sides = {"ours": lambda: profiled(args.profile, "ours", run_ours, setting, trainer, device, evaluate),
+             "trl": lambda: profiled(args.profile, "TRL", run_trl, setting, hf_model, tokenizer, device, initial,
+                                     evaluate, eval_model.adapters)}
+    for name in (["trl", "ours"] if args.trl_first else ["ours", "trl"]):
+        if args.only in (None, name):
+            print(f"{name}: {setting.steps} steps of {setting.n_prompts} x {setting.group_size} on {device}",
+                  flush=True)
+            runs[name] = sides[name]()
 
     figures = {"preset": setting.preset + ("-random" if args.random_weights else ""), "device": str(device),
                "threads": threads, "steps": setting.steps, "batch": f"{setting.n_prompts}x{setting.group_size}",
                "lora": f"rank {setting.lora_rank} on {','.join(setting.lora_targets)}", "beta": setting.beta,
+               "engine": setting.engine, "trl_fused_gelu": setting.trl_fused_gelu, "trl_first": args.trl_first,
                "bridge_vs_hf_max_logit_diff": float(f"{logit_diff:.2e}")}
     for name, run in runs.items():
         figures |= summarise(name, run, setting)

@@ -4,8 +4,10 @@
     python bench/sampling.py --preset gpt2 --random-weights   # GPT-2 small's shapes (a GPU recipe)
     python bench/sampling.py --json                 # ... ending with a JSON line of the figures
 
-Ours is `utils.sampling.sample`: TransformerLens's `TransformerBridge.generate` with the KV cache, every hook point
-live (so that LoRA and steering hooks act while sampling). Theirs is `GPT2LMHeadModel.generate` on an untouched
+Ours is `utils.sampling.sample` as the trainers call it: with no hook active it decodes with `utils.decoder.LeanGPT2`
+(the bridge's weights, a dozen operations per layer, each distinct prompt prefilled once). Beside it, the same
+call with `engine="bridge"`: TransformerLens's `TransformerBridge.generate`, every hook point live, which is what
+sampling costs while a hook (a steering vector, say) is on. Theirs is `GPT2LMHeadModel.generate` on an untouched
 copy of the same weights, with the KV cache, sampling from the full softmax (top_k=0, temperature 1). Two
 workloads:
 
@@ -40,8 +42,8 @@ WORKLOADS = {  # name: (prompts, max_new_tokens, stop at EOS)
 }
 
 
-def ours(bridge, prompts, max_new_tokens, stop_at_eos) -> int:
-    out = sample(bridge, prompts, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos)
+def ours(bridge, prompts, max_new_tokens, stop_at_eos, engine: str = "auto") -> int:
+    out = sample(bridge, prompts, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, engine=engine)
     return int(out.completion_mask.sum()) if stop_at_eos else out.completion_ids.numel()
 
 
@@ -91,26 +93,32 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name, (make_prompts, max_new, stop) in WORKLOADS.items():
         prompts = make_prompts()
-        run_ours = lambda: ours(bridge, prompts, max_new, stop)  # noqa: E731
-        run_hf = lambda: raw_generate(hf_model, tokenizer, prompts, max_new, stop)  # noqa: E731
-        measure(run_ours, device, 2), measure(run_hf, device, 2)  # warm-up
-        ours_t, ours_n, hf_t, hf_n = [], [], [], []
-        for r in range(args.repeats):  # alternate which goes first
-            for fn, t, n in ((run_ours, ours_t, ours_n), (run_hf, hf_t, hf_n))[::1 if r % 2 == 0 else -1]:
-                times, tokens = measure(fn, device, 1)
-                t += times
-                n += tokens
-        ours_tps = statistics.median(n / t for n, t in zip(ours_n, ours_t))
-        hf_tps = statistics.median(n / t for n, t in zip(hf_n, hf_t))
-        figures |= {f"{name}_ours_tokens_per_s": round(ours_tps), f"{name}_hf_tokens_per_s": round(hf_tps),
-                    f"{name}_ratio": round(ours_tps / hf_tps, 3),
-                    f"{name}_ours_ms": round(1000 * statistics.median(ours_t), 1),
-                    f"{name}_hf_ms": round(1000 * statistics.median(hf_t), 1)}
+        runs = {"ours": lambda: ours(bridge, prompts, max_new, stop),
+                "bridge": lambda: ours(bridge, prompts, max_new, stop, engine="bridge"),
+                "hf": lambda: raw_generate(hf_model, tokenizer, prompts, max_new, stop)}
+        for fn in runs.values():
+            measure(fn, device, 2)  # warm-up
+        times = {key: [] for key in runs}
+        tokens = {key: [] for key in runs}
+        for r in range(args.repeats):  # rotate which goes first
+            order = list(runs)[r % 3:] + list(runs)[:r % 3]
+            for key in order:
+                t, n = measure(runs[key], device, 1)
+                times[key] += t
+                tokens[key] += n
+        tps = {key: statistics.median(n / t for n, t in zip(tokens[key], times[key])) for key in runs}
+        for key in runs:
+            figures[f"{name}_{key}_tokens_per_s"] = round(tps[key])
+            figures[f"{name}_{key}_ms"] = round(1000 * statistics.median(times[key]), 1)
+        figures[f"{name}_ratio"] = round(tps["ours"] / tps["hf"], 3)
+        figures[f"{name}_bridge_ratio"] = round(tps["bridge"] / tps["hf"], 3)
         rows.append({"workload": f"{name}: {len(prompts)} rows, {max_new} new tokens"
-                     f"{', stop at EOS' if stop else ''}", "ours tokens/s": round(ours_tps),
-                     "HF generate tokens/s": round(hf_tps), "ratio": round(ours_tps / hf_tps, 3)})
+                     f"{', stop at EOS' if stop else ''}", "ours tokens/s": round(tps["ours"]),
+                     "ours, engine='bridge'": round(tps["bridge"]), "HF generate tokens/s": round(tps["hf"]),
+                     "ratio (ours / HF)": figures[f"{name}_ratio"],
+                     "bridge / HF": figures[f"{name}_bridge_ratio"]})
         if args.profile:
-            profiled(True, f"our sampler ({name})", run_ours, sort="tottime", lines=12)
+            profiled(True, f"our sampler ({name})", runs["ours"], sort="tottime", lines=12)
 
     from tabulate import tabulate
     print(tabulate(rows, headers="keys", tablefmt="simple_outline"))

@@ -209,6 +209,15 @@ def test_sample_takes_the_bridge_whenever_a_hook_is_active(tiny_model):
     sample(tiny_model, ["This is"], max_new_tokens=4, engine="bridge")  # the bridge wires pre-hooks of its own,
     tiny_model.run_with_cache(torch.tensor([[1, 2, 3]]))  # and Hugging Face hooks that collect outputs ...
     assert unsupported_reason(tiny_model) is None, "... which do not count: they only read"
+    dropout = tiny_model.original_model.transformer.drop
+    dropout.p = 0.1
+    try:
+        assert unsupported_reason(tiny_model) is None, "dropout is off in eval mode"
+        dropout.train()
+        assert "dropout" in unsupported_reason(tiny_model)
+    finally:
+        dropout.p = 0.0
+        dropout.eval()
 
 
 def test_sample_never_drops_a_wrappers_changes(tiny_model):

@@ -10,15 +10,17 @@ computes the same function with a dozen operations per layer, reading the very p
     per block:  x += attn(ln1(x)) ;  x += mlp(ln2(x))        (GPT-2 is pre-LayerNorm)
     logits = ln_f(x) @ W_U^T                                  (for the last position only)
 
-Three things make it faster than the bridge, and than Hugging Face's `generate` too:
+Four things make it faster than the bridge, and than Hugging Face's `generate` too (BENCHMARKS.md measures them):
 - q, k and v come out of one matrix multiplication (their weights concatenated), and attention is torch's fused
   `scaled_dot_product_attention` over a KV cache allocated once, for the whole completion;
 - a LoRA is merged into the weights once per call (`updates`, below), not applied as a side branch every step;
 - a prompt that occurs several times in the batch (GRPO's G completions of each prompt) is run through the model
-  once, and its keys and values are copied to its rows: the "prefill" is shared.
+  once, and its keys and values are copied to its rows: the "prefill" is shared;
+- the next token is drawn with one uniform number per row (inverse-CDF sampling, `pick`).
 
-It computes what the bridge computes, to float rounding: `tests/test_harness.py` checks its logits against the
-bridge's on padded batches, with and without a merged LoRA, and its greedy tokens against TransformerLens's.
+It computes what the bridge computes, to float rounding: `tests/test_utils.py` checks its logits against the
+bridge's at every decoding step (padded and repeated prompts, with and without a merged LoRA), its greedy tokens
+against TransformerLens's, and its samples' frequencies against softmax(logits / temperature).
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ def unsupported_reason(model) -> str | None:
     config = hf.config
     if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
         return "this GPT-2 scales its attention in a non-standard way"
-    if config.activation_function != "gelu_new":
+    if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):  # the same function, two spellings
         return f"this GPT-2 uses the {config.activation_function} activation, not gelu_new"
+    if any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in hf.modules()):
+        return "the model is in training mode with dropout on (call model.eval() to sample without it)"
     hooked = [name for name, m in model.named_modules() if any(_counts(m, fn) for fn in _hook_functions(m))]
     if hooked:
         return f"hooks are active on {hooked[0]}{' and others' if len(hooked) > 1 else ''}"

@@ -1,0 +1,25 @@
+"""The benchmark scripts still run (a few steps each, on the tiny model; TRL is not needed for these).
+
+They measure speed, so nothing here asserts a time: only that each script runs and prints its figures.
+"""
+
+import pytest
+
+from tests.helpers import run_script
+
+
+@pytest.mark.slow
+def test_grpo_comparison_runs_our_side_and_reports_its_figures():
+    _, figures = run_script("bench.grpo_vs_trl", "--steps", "3", "--only", "ours", "--json", smoke=False)
+    assert figures["bridge_vs_hf_max_logit_diff"] < 1e-3
+    assert figures["ours_step_s"] > 0 and figures["ours_accuracy_start"] == pytest.approx(0.4272, abs=1e-4)
+    assert "trl_step_s" not in figures and "ratio" not in figures
+
+
+@pytest.mark.slow
+def test_sampling_benchmark_compares_three_samplers():
+    _, figures = run_script("bench.sampling", "--repeats", "1", "--json", smoke=False)
+    for workload in ("rollout", "decode"):
+        for side in ("ours", "bridge", "hf"):
+            assert figures[f"{workload}_{side}_tokens_per_s"] > 0
+        assert figures[f"{workload}_ratio"] > 0
