@@ -116,6 +116,11 @@ print(samples_table([{"prompt": p, "base": b, "with random B": a}
 # `PolicyWithValueHead`, `sample` and `PPOTrainer` accept it as a model. It holds no copy of anything: `self.base`
 # *is* the base model.
 #
+# One more method, `weight_updates`, is for speed. A LoRA is linear, so what it adds to a projection is a matrix
+# (its output on the identity matrix: row $i$ is the image of basis vector $i$). `sample` merges those matrices into
+# a copy of the weights once per call and decodes without any hook (`utils/decoder.py`): the same model, in far
+# fewer operations per token. Training still runs through your hooks.
+#
 # Write `policy_and_reference_logprobs`: the completion log-probs of `samples` under the adapted model and under
 # the reference — `lora_model.base`, called with no hooks. (Part 0's `completion_logprobs` does the work.)
 
