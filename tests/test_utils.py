@@ -95,6 +95,8 @@ def test_tokenize_prompts_left_pads():
     assert mask.tolist()[1][0] == 0 and mask[0].all()
     with pytest.raises(TypeError, match="list"):
         tokenize_prompts(tokenizer, "This is", "cpu")
+    with pytest.raises(ValueError, match="prompts is empty"):
+        tokenize_prompts(tokenizer, [], "cpu")
 
 
 def test_sample_masks_after_eos_and_decodes(tiny_model):
@@ -178,10 +180,10 @@ def test_lora_weight_updates_are_the_merged_deltas(tiny_model):
     model = adapted_model(tiny_model)
     updates = model.weight_updates()
     assert len(updates) == len(model.adapters)
+    modules = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o", "mlp_in": "mlp.in", "mlp_out": "mlp.out"}
     for key, adapter in model.adapters.items():
         layer, target = key[1:].split("_", 1)
-        path = next(k for k in updates if k.startswith(f"blocks.{layer}.") and k.endswith(
-            {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o", "mlp_in": "mlp.in", "mlp_out": "mlp.out"}[target]))
+        path = f"blocks.{layer}.{modules[target]}"
         weight, in_out = base_weight(tiny_model, key)
         delta = (adapter.scale * adapter.B @ adapter.A).T  # [d_in, d_out]
         torch.testing.assert_close(updates[path], delta, atol=1e-6, rtol=1e-5)

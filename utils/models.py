@@ -58,7 +58,7 @@ def fuse_gelu(hf_model) -> int:
     computes it as five tensor operations (`NewGELUActivation`: a power, a tanh, three products), each reading and
     writing the whole [batch, pos, d_mlp] tensor, and its backward pass chains as many; PyTorch has the same formula
     as one kernel, `F.gelu(x, approximate="tanh")` (Hugging Face's own "gelu_pytorch_tanh"). The two agree to 2.4e-7;
-    the fused one makes the tiny model's GRPO training step about a quarter faster on a CPU.
+    the fused one takes about 15% off the tiny model's GRPO training forward and backward on a CPU.
     """
     from transformers.activations import ACT2FN, NewGELUActivation
 

@@ -45,8 +45,10 @@ def tokenize_prompts(tokenizer, prompts: list[str], device: torch.device | str) 
         raise TypeError("prompts must be a list of strings; wrap a single prompt as [prompt]")
     bos = tokenizer.bos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt")
     distinct = list(dict.fromkeys(prompts))  # GRPO repeats each prompt G times: tokenize it once, all in one call
-    tokens = dict(zip(distinct, tokenizer(distinct, add_special_tokens=False).input_ids)) if distinct else {}
+    tokens = dict(zip(distinct, tokenizer(distinct, add_special_tokens=False).input_ids))
     rows = [[bos] + tokens[p] for p in prompts]
     width = max(len(r) for r in rows)
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
@@ -87,9 +89,12 @@ def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: flo
         raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's context of {n_ctx} tokens: shorten the prompt or lower max_new_tokens")
     base = getattr(model, "base", model)  # a LoRA model's base module, which the lean decoder reads
-    why_not = unsupported_reason(base) if engine != "bridge" else "engine='bridge' was asked for"
-    if base is not model and not hasattr(model, "weight_updates"):  # a wrapper whose changes we cannot see
+    if engine == "bridge":
+        why_not = "engine='bridge' was asked for"
+    elif base is not model and not hasattr(model, "weight_updates"):  # a wrapper whose changes we cannot see
         why_not = f"{type(model).__name__} wraps its base model but has no weight_updates() to merge"
+    else:
+        why_not = unsupported_reason(base)
     if engine == "lean" and why_not:
         raise ValueError(f"engine='lean' cannot sample from this model: {why_not}. Use engine='bridge' (or 'auto').")
     if why_not is None:
