@@ -1,0 +1,14 @@
+"""The reference solutions, one module per part.
+
+Their shape annotations (jaxtyping, e.g. `Float[Tensor, "batch gen"]`) are contracts checked at every call, in
+scripts and notebooks as in the tests: a tensor of the wrong shape is refused at the call with the name of the
+argument and the dimensions expected, and tensors whose dimensions share a name must agree. Setting
+RLHF_SHAPE_CHECKS=0 turns the checks off (bench/shape_checks.py measures what they cost).
+"""
+
+import os
+
+if os.environ.get("RLHF_SHAPE_CHECKS", "1") != "0":
+    from jaxtyping import install_import_hook
+
+    install_import_hook("solutions", "beartype.beartype")

@@ -83,7 +83,7 @@ def completion_slice(
 
     Position t has read tokens[:, :t+1] and chooses token t+1, so the completion tokens tokens[:, prompt_len:]
     are chosen at positions prompt_len - 1 .. seq - 2. Returns a [batch, seq - prompt_len, ...] tensor whose
-    column j belongs to completion token j.
+    column j belongs to completion token j. Raises ValueError unless 1 <= prompt_len < seq.
     """
     if not 1 <= prompt_len < x.shape[1]:
         raise ValueError(f"prompt_len must be in [1, seq), got {prompt_len} for seq = {x.shape[1]}")
@@ -145,9 +145,11 @@ def load_sentiment_classifier(name: str = "lvwerra/distilbert-imdb", device: tor
 
 
 def normalize_rewards(rewards: Float[Tensor, "batch"], eps: float = 1e-5) -> Float[Tensor, "batch"]:
-    """Rewards shifted to mean 0 and scaled to standard deviation 1 over the batch.
+    """Rewards shifted to mean 0 and scaled to standard deviation 1 over the batch: (rewards - mean) / (std + eps),
+    with the population standard deviation (unbiased=False).
 
     A batch whose rewards are all equal carries no signal: it becomes all zeros (eps keeps it finite).
+    Raises ValueError if a reward is NaN or inf (a bug in the reward function).
     """
     if not torch.isfinite(rewards).all():
         raise ValueError(f"rewards contain NaN or inf: {rewards.tolist()}; check the reward function")
@@ -169,7 +171,8 @@ def compute_advantages(
     values[:, j] estimates the return before completion token j is chosen. The only reward is the sequence's,
     received after its last valid token (its first EOS, or the last token if it hit the length limit);
     after that the episode is over, so the next value there is 0. Returns = advantages + values.
-    Both outputs are detached: they are targets, not things to differentiate.
+    Both outputs are detached: they are targets, not things to differentiate. Raises ValueError if a row of
+    completion_mask has no True entry.
     """
     mask = completion_mask.to(values.dtype)
     lengths = completion_mask.sum(dim=1)
@@ -307,7 +310,8 @@ def get_minibatch_indices(
 ) -> list[Int[Tensor, "minibatch"]]:
     """A random split of range(n) into n // minibatch_size disjoint minibatches of indices.
 
-    Every index appears exactly once; n must be a multiple of minibatch_size.
+    Every index appears exactly once; n must be a multiple of minibatch_size (else ValueError). Every random
+    number comes from `generator`.
     """
     if n % minibatch_size != 0:
         raise ValueError(f"batch of {n} is not a multiple of minibatch_size {minibatch_size}")

@@ -57,7 +57,8 @@ def sample_groups(
 ) -> Samples:
     """`group_size` completions of each prompt, the rows of one prompt adjacent: row i answers prompts[i // G].
 
-    `model` may be a LoRAModel: sampling then runs with its hooks (LoRAModel.generate enters them).
+    `model` may be a LoRAModel: sampling then runs with its hooks (LoRAModel.generate enters them). Raises a
+    ValueError when group_size < 2 (a group of one has nothing to be relative to).
     """
     if group_size < 2:
         raise ValueError(f"group_size must be at least 2 to compare completions within a group, got {group_size}")
@@ -155,6 +156,9 @@ def group_advantages(
     A NaN reward marks an unscorable completion (no reward function judged it; see compose_rewards). As in TRL's
     GRPOTrainer (`_generate_and_score_completions`, trl 1.16: `unscorable_mask`, then nanmean / nanstd, then
     nan_to_num), it is left out of every mean and standard deviation, and its advantage is 0.
+
+    Raises a ValueError when the rewards are not whole groups (1-D, a multiple of group_size long), when a reward is
+    infinite, or when `scale` is none of the three.
     """
     if rewards.dim() != 1 or len(rewards) % group_size != 0:
         raise ValueError(f"rewards must be [n_prompts * group_size]; got shape {tuple(rewards.shape)} with "
@@ -217,6 +221,8 @@ def grpo_loss(
     use_bias_correction_kl). Aggregated over the `mask`ed tokens by loss_type:
     "grpo": mean over each sequence's tokens, then over sequences; "bnpo" and "dapo": sum / number of tokens;
     "dr_grpo": sum / (batch * max_completion_length), max_completion_length defaulting to mask.shape[1].
+
+    Raises a ValueError for an unknown loss_type, and when beta != 0 comes without ref_logprobs.
     """
     if loss_type not in ("grpo", "bnpo", "dapo", "dr_grpo"):
         raise ValueError(f"loss_type must be 'grpo', 'bnpo', 'dapo' or 'dr_grpo', got {loss_type!r}")

@@ -114,7 +114,8 @@ def precompute_reference_logprobs(model, kind: str, dataset: list[Samples]) -> l
     Before the first update every form of the reference is at hand without a copy: "hooks_removed" is model.base
     run with no hooks; "old_adapter" is the base with the adapters as they are now (until training starts they
     *are* the old adapter: old_adapter_logprobs with model.adapters); "frozen_copy" is `model` itself, a plain
-    model that full fine-tuning has not changed yet.
+    model that full fine-tuning has not changed yet. Raises ValueError for any other kind, "none" included (with
+    beta == 0 there is no reference to precompute).
     """
     if kind == "hooks_removed":
         return [completion_logprobs(model.base, batch) for batch in dataset]

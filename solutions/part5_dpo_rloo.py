@@ -117,6 +117,9 @@ def dpo_loss(
     "sigmoid": -log sigmoid(beta * d) (DPO); "hinge": relu(1 - beta * d) (SLiC);
     "ipo": (d - 1 / (2 * beta))^2 (IPO), where the log-probs should be per-token means (sequence_logps with
     average=True), as TRL normalises them for IPO.
+
+    Raises a ValueError unless the four log-probs are [batch] tensors of one shape (a [1] or [batch, 1] tensor
+    would broadcast into the wrong pairs), and for a loss_type that is not one of DPO_LOSS_TYPES.
     """
     shapes = {tuple(t.shape) for t in (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
                                        ref_rejected_logps)}
@@ -280,6 +283,9 @@ def rloo_advantages(
     TRL's RLOOTrainer (`_generate_and_score_completions`, trl 1.16: `unscorable_mask`, nansum over the scored
     siblings, then nan_to_num), it is left out of the others' means and of the normalisation, and its advantage is
     0; so is the advantage of a completion that has no scored sibling to be compared with.
+
+    Raises a ValueError unless rewards is one [n_prompts * group_size] tensor with group_size >= 2, and for an inf
+    reward.
     """
     if group_size < 2 or rewards.dim() != 1 or len(rewards) % group_size != 0:
         raise ValueError(f"rewards must be [n_prompts * group_size] with group_size >= 2; got shape "

@@ -1,0 +1,478 @@
+"""The diagnosing comparison: when a learner's value differs from the reference's, say *how* it differs.
+
+`assert_close(actual, expected, what)` is the one comparison behind every value test. When the two differ it does
+not stop at "wrong values": it looks for the differences that mistakes leave behind, and says which it found, in
+this order:
+
+    not a tensor, or a tensor of another dtype or device        (a Python float from .item(), a float mask)
+    another shape: transposed, a dimension of size 1 too many or too few, broadcast against itself, one position
+                   too many or too few along a dimension
+    NaN or inf, and where (all on padding?)
+    the sign flipped; a constant factor (named where it is 1/2, G/(G-1), 1/n ...); a constant offset
+    shifted by one position along a dimension; transposed
+    right on the positions where the mask is True and wrong on padding, or the reverse
+    each row off by its own constant or factor; only some rows, groups or positions wrong
+    the right values in another order
+    no gradient where the reference has one, or a gradient where it has none
+
+It names only what it measured (a factor of exactly 7/8, values equal after a shift); when it adds what usually
+causes such a difference, it says "usually" and lists the candidates. A difference it cannot characterise is
+reported as the largest difference and where it is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from utils.checker.observe import observe
+
+
+class CheckFailure(AssertionError):
+    """A failed check whose message was written for the learner; the checker's plugins recognise it."""
+
+
+# --- showing tensors ----------------------------------------------------------------------------------------
+
+def _number(x: float) -> str:
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return str(x)
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return f"{x:.4g}"
+
+
+def show(value: object, limit: int = 12) -> str:
+    """A short, readable rendering of a value for a failure message."""
+    if not isinstance(value, Tensor):
+        text = repr(value)
+        return text if len(text) <= 200 else text[:197] + "..."
+    t = value.detach().cpu()
+    if t.dim() == 0:
+        return _number(t.item())
+    shape = "×".join(str(s) for s in t.shape)
+    if t.numel() <= limit:
+        return f"[{shape}] " + _nested(t)
+    if t.dim() >= 2 and t.shape[-1] <= limit:
+        row = t.reshape(-1, t.shape[-1])[0]
+        return f"[{shape}] first row {_nested(row)}"
+    flat = t.reshape(-1)[:limit // 2]
+    return f"[{shape}] starting {_nested(flat)[:-1]}, ...]"
+
+
+def _nested(t: Tensor) -> str:
+    if t.dim() == 0:
+        return _number(t.item())
+    return "[" + ", ".join(_nested(x) for x in t) + "]"
+
+
+def _where(index: Iterable[int]) -> str:
+    return "[" + ", ".join(str(int(i)) for i in index) + "]"
+
+
+def _positions(flags: Tensor, limit: int = 3) -> str:
+    idx = flags.nonzero()
+    shown = ", ".join(_where(i) for i in idx[:limit])
+    return shown + (", ..." if len(idx) > limit else "")
+
+
+# --- named factors ------------------------------------------------------------------------------------------
+
+def named_factors(expected: Tensor, mask: Tensor | None = None, group_size: int | None = None,
+                  extra: dict[str, float] | None = None) -> dict[str, float]:
+    """Factors a mistake typically introduces, named after where they come from in this comparison's shapes."""
+    named: dict[str, float] = dict(extra or {})  # the caller's names come first: they know what the numbers mean
+    named |= {"2": 2.0, "1/2": 0.5}
+    if group_size and group_size > 1:
+        g = group_size
+        named |= {f"G/(G-1) with G = {g}": g / (g - 1), f"(G-1)/G with G = {g}": (g - 1) / g,
+                  f"sqrt(G/(G-1)) with G = {g}": math.sqrt(g / (g - 1)),
+                  f"sqrt((G-1)/G) with G = {g}": math.sqrt((g - 1) / g),
+                  f"G = {g}": float(g), f"1/G with G = {g}": 1 / g}
+    sizes = {}
+    for shape_of in (expected, mask):
+        if shape_of is not None:
+            for d, n in enumerate(shape_of.shape):
+                sizes.setdefault(int(n), d)
+    for n, d in sizes.items():
+        if n > 1:
+            named.setdefault(f"{n} (a size of dimension {d})", float(n))
+            named.setdefault(f"1/{n} (one over a size of dimension {d})", 1 / n)
+            named.setdefault(f"{n}/{n - 1} (n/(n-1), Bessel's correction)", n / (n - 1))
+            named.setdefault(f"{n - 1}/{n} ((n-1)/n)", (n - 1) / n)
+    if mask is not None and mask.dtype == torch.bool and mask.any():
+        real, total = int(mask.sum()), mask.numel()
+        if real != total:
+            named |= {f"{real}/{total} (real tokens / all positions)": real / total,
+                      f"{total}/{real} (all positions / real tokens)": total / real}
+        named.setdefault(f"{real} (the number of real tokens)", float(real))
+        named.setdefault(f"1/{real} (one over the number of real tokens)", 1 / real)
+    return named
+
+
+def _name_of(c: float, named: dict[str, float], rtol: float = 2e-3) -> str | None:
+    for name, value in named.items():
+        if value != 0 and abs(c - value) <= rtol * abs(value):
+            return name
+    return None
+
+
+# --- the comparison -----------------------------------------------------------------------------------------
+
+def describe_difference(actual: object, expected: object, *, mask: Tensor | None = None,
+                        group_size: int | None = None, factors: dict[str, float] | None = None,
+                        atol: float = 1e-5, rtol: float = 1e-4) -> str | None:
+    """None if `actual` equals `expected` (to tolerance), else one or two sentences saying how they differ.
+
+    mask: which positions are real tokens (True) and which are padding, when `expected` is per token.
+    group_size: rows come in groups of this many (GRPO), so a mistake confined to groups can be named.
+    factors: more named factors to recognise, e.g. {"1/T with T = 0.7 (the temperature)": 1 / 0.7}.
+    """
+    if not isinstance(expected, Tensor):
+        expected = torch.as_tensor(expected)
+    if actual is None:
+        return "got None: the function returned nothing (is a `return` missing?)"
+    if not isinstance(actual, Tensor):
+        if isinstance(actual, (int, float, bool)) and expected.dim() == 0:
+            if expected.requires_grad:
+                return (f"got the Python number {_number(actual)}, expected a tensor: `.item()` or float() cut the "
+                        "value off from autograd, so nothing could be trained from it")
+            actual = torch.tensor(actual, dtype=expected.dtype)
+        else:
+            return (f"expected a tensor of shape {tuple(expected.shape)}, got a {type(actual).__name__}"
+                    + (f" ({show(actual)})" if isinstance(actual, (list, tuple, int, float)) else ""))
+    if actual.device.type != expected.device.type:
+        return f"the result is on {actual.device}, the inputs on {expected.device}: create new tensors on the " \
+               "inputs' device (e.g. torch.zeros(..., device=x.device) or x.new_zeros(...))"
+    dtype_note = _dtype_difference(actual, expected)
+    if dtype_note and (actual.dtype == torch.bool) != (expected.dtype == torch.bool) \
+            and actual.shape == expected.shape:
+        values_equal = torch.equal(actual.to(expected.dtype), expected)
+        return dtype_note + (" (the values themselves are right)" if values_equal else "")
+    if actual.shape != expected.shape:
+        return _shape_difference(actual, expected, atol, rtol)
+    if dtype_note and not (actual.dtype.is_floating_point and expected.dtype.is_floating_point):
+        return dtype_note
+
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(torch.float64)
+    positions = None  # the mask, where it lines up with the values (it names factors even when it does not)
+    if mask is not None:
+        mask = mask.detach().to(a.device)
+        if mask.dtype != torch.bool:
+            mask = mask != 0
+        try:
+            positions = mask.expand_as(a)
+        except RuntimeError:
+            positions = None
+    problem = _nonfinite_difference(a, e, positions)
+    if problem:
+        return problem
+    if _close(a, e, atol, rtol):
+        return None
+    return _value_difference(a, e, positions, group_size, factors, atol, rtol,
+                             integer=not expected.dtype.is_floating_point, factor_mask=mask)
+
+
+def _close(a: Tensor, e: Tensor, atol: float, rtol: float) -> bool:
+    return a.shape == e.shape and bool(torch.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True))
+
+
+def _dtype_difference(actual: Tensor, expected: Tensor) -> str | None:
+    def kind(t):
+        return "bool" if t.dtype == torch.bool else "floating-point" if t.dtype.is_floating_point else "integer"
+    if kind(actual) != kind(expected):
+        return f"dtype {actual.dtype} ({kind(actual)}), expected {expected.dtype} ({kind(expected)})"
+    return None
+
+
+def _shape_difference(actual: Tensor, expected: Tensor, atol: float, rtol: float) -> str:
+    got, want = tuple(actual.shape), tuple(expected.shape)
+    head = f"shape {got}, expected {want}"
+    a, e = actual.detach().double(), expected.detach().double()
+    if expected.dim() == 0:
+        return head + ": expected a single number (a 0-dim tensor); the reduction to one number (a mean or sum over " \
+                      "every element) is missing or incomplete"
+    if actual.dim() == 0:
+        return head + ": got a single number where one value per element was expected (reduced too far?)"
+    if actual.numel() == expected.numel():
+        if actual.dim() == 2 and got == want[::-1] and _close(a.T, e, atol, rtol):
+            return head + ": the right values, transposed"
+        if a.squeeze().shape == e.squeeze().shape and _close(a.squeeze(), e.squeeze(), atol, rtol):
+            return head + ": the right values, with a dimension of size 1 too many or too few (squeeze or " \
+                          "unsqueeze it)"
+        if _close(a.reshape(-1).sort().values, e.reshape(-1).sort().values, atol, rtol):
+            return head + ": the right values, arranged differently (a view/reshape where a transpose or permute " \
+                          "was needed, or the other way round?)"
+        return head + ": the same number of elements in another arrangement"
+    if actual.dim() == expected.dim() - 1:
+        for d in range(expected.dim()):
+            if want[:d] + want[d + 1:] == got:
+                return head + (f": dimension {d} (of size {want[d]}) is missing: was it reduced (a sum, mean or max "
+                               "over it) where it should have been kept, or squeezed?")
+        return head + ": one dimension too few (a reduction over the wrong dimension?)"
+    if actual.dim() == expected.dim() + 1:
+        for d in range(actual.dim()):
+            rest = got[:d] + got[d + 1:]
+            if rest == want and got[d] in want:
+                return head + (f": an extra dimension of size {got[d]}. This is what broadcasting gives when a tensor "
+                               f"of shape {want[:1]} meets one of shape {want[:1] + (1,)} or {want}: line up the "
+                               "dimensions first (e.g. advantages[:, None])")
+    if actual.dim() == expected.dim():
+        off = [d for d in range(actual.dim()) if got[d] != want[d]]
+        if len(off) == 1:
+            d = off[0]
+            diff = got[d] - want[d]
+            if abs(diff) == 1:
+                return head + (f": one position too {'many' if diff > 0 else 'few'} along dimension {d} (usually a "
+                               "slice that starts or ends one off; or a reduction over another dimension than the "
+                               "one asked for)")
+            return head + (f": {abs(diff)} positions too {'many' if diff > 0 else 'few'} along dimension {d} (a "
+                           "slice, or a reduction over another dimension than the one asked for?)")
+    return head
+
+
+def _nonfinite_difference(a: Tensor, e: Tensor, mask: Tensor | None) -> str | None:
+    bad = ~torch.isfinite(a) & torch.isfinite(e)
+    if bad.any():
+        kinds = " and ".join(k for k, f in (("NaN", torch.isnan(a)), ("inf", torch.isinf(a))) if (f & bad).any())
+        text = (f"{kinds} at {int(bad.sum())} of {a.numel()} positions ({_positions(bad)}) where the expected value is "
+                "finite")
+        if mask is not None and not (bad & mask).any():
+            text += (", all of them on padding (where the mask is False). Multiplying a NaN or inf by 0 still gives "
+                     "NaN, so a mask must be applied with torch.where / masked_fill, or the value must stay finite "
+                     "on padding")
+        elif mask is not None and not (bad & ~mask).any():
+            text += ", all of them on real tokens (where the mask is True)"
+        return text
+    missing = torch.isnan(e) & ~torch.isnan(a)
+    if missing.any():
+        i = missing.nonzero()[0]
+        return (f"expected NaN at {int(missing.sum())} position(s) ({_positions(missing)}), got numbers there "
+                f"(e.g. {_number(a[tuple(i)].item())}); NaN marks a value that does not exist")
+    return None
+
+
+def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int | None,
+                      factors: dict[str, float] | None, atol: float, rtol: float, integer: bool,
+                      factor_mask: Tensor | None = None) -> str:
+    finite = torch.isfinite(e)
+    a, e = torch.where(finite, a, 0.0), torch.where(finite, e, 0.0)
+    close = lambda x, y: _close(x, y, atol, rtol)  # noqa: E731
+    named = named_factors(e, factor_mask if factor_mask is not None else mask, group_size, factors)
+    scale = e.abs().max().item()
+
+    if a.numel() == 1:
+        got, want = a.item(), e.item()
+        digits = 4
+        while digits < 12 and f"{got:.{digits}g}" == f"{want:.{digits}g}":
+            digits += 2  # close values: enough digits to see the difference
+        if digits > 4:
+            return f"got {got:.{digits}g}, expected {want:.{digits}g} (close, but outside the tolerance)"
+        if want != 0 and close(a, -e):
+            return f"the opposite sign: got {_number(got)}, expected {_number(want)}"
+        if want != 0 and got != 0:
+            name = _name_of(got / want, named)
+            if name:
+                return f"off by a factor of {name}: got {_number(got)}, expected {_number(want)}"
+        return f"got {_number(got)}, expected {_number(want)}"
+
+    if not integer:
+        if scale > atol and close(a, -e):
+            return "every value has the opposite sign"
+        if scale > atol and a.abs().max().item() <= atol:
+            return "every value is 0"
+        ee = (e * e).sum().item()
+        if ee > 0 and scale > atol:
+            c = (a * e).sum().item() / ee
+            if abs(c - 1) > 1e-3 and c != 0 and close(a, c * e):
+                name = _name_of(c, named)
+                return f"off by a constant factor of {name or _number(c)} everywhere" + \
+                       ("" if name else f" (got = {_number(c)} × expected)")
+        d = a - e
+        if a.numel() > 1 and close(a, e + d.mean()):
+            return f"off by a constant: every value is {d.mean().item():+.4g} from the expected one"
+    if a.dim() >= 2 and a.shape[-1] == a.shape[-2] and close(a, e.transpose(-1, -2)):
+        return "the right values, transposed (the last two dimensions swapped)"
+    shifted = _shift_difference(a, e, close)
+    if shifted:
+        return shifted
+    if mask is not None and mask.any() and (~mask).any():
+        wrong = ~torch.isclose(a, e, rtol=rtol, atol=atol)
+        on_real, on_pad = not wrong[mask].any(), not wrong[~mask].any()
+        if on_real and not on_pad and wrong[~mask].float().mean() >= 0.5:
+            pad_values = e[~mask].unique()
+            want = f" (expected {_number(pad_values.item())} there)" if pad_values.numel() == 1 else ""
+            return ("right on the real tokens (where the mask is True) but not on padding (where it is False)"
+                    f"{want}: the mask was not applied, or applied to the wrong tensor")
+        whole_rows_right = a.dim() >= 2 and any(close(a[i], e[i]) for i in range(a.shape[0]))
+        if on_pad and not on_real and wrong[mask].float().mean() >= 0.5 and not whole_rows_right:
+            return "right on padding (where the mask is False) but wrong on the real tokens (where it is True)"
+    some_rows_right = a.dim() >= 2 and any(close(a[i], e[i]) for i in range(a.shape[0]))
+    if not integer and a.dim() >= 2 and a.shape[-1] > 1 and not some_rows_right:
+        rows = a.reshape(-1, a.shape[-1]), e.reshape(-1, e.shape[-1])
+        offsets = (rows[0] - rows[1]).mean(-1, keepdim=True)
+        if close(rows[0], rows[1] + offsets):
+            return ("each row is off by its own constant (along the last dimension), e.g. "
+                    f"{', '.join(f'{o:+.3g}' for o in offsets[:3, 0].tolist())}: usually a normalisation, a mean or "
+                    "a baseline taken over the wrong set")
+        ratios = _row_factors(*rows)
+        if ratios is not None and (ratios != 0).all() and close(rows[0], rows[1] * ratios):
+            return ("each row is off by its own factor (along the last dimension), e.g. "
+                    f"{', '.join(_number(r) for r in ratios[:3, 0].tolist())}: usually a division by the wrong count "
+                    "(a length, a number of tokens, a standard deviation)")
+    if close(a.reshape(-1).sort().values, e.reshape(-1).sort().values):
+        moved = ~torch.isclose(a, e, rtol=rtol, atol=atol)
+        return (f"the right values in another order ({int(moved.sum())} of {a.numel()} in another place, e.g. "
+                f"{_positions(moved)}): rows, groups or positions mixed up")
+    partial = _partial_difference(a, e, group_size, close)
+    if partial:
+        return partial
+    wrong = ~torch.isclose(a, e, rtol=rtol, atol=atol)
+    i = tuple(int(k) for k in torch.unravel_index((a - e).abs().argmax(), a.shape))
+    return (f"{int(wrong.sum())} of {a.numel()} values differ; the largest difference is at {_where(i)}: got "
+            f"{_number(a[i].item())}, expected {_number(e[i].item())}")
+
+
+def _row_factors(a: Tensor, e: Tensor) -> Tensor | None:
+    ee = (e * e).sum(-1, keepdim=True)
+    if (ee == 0).any():
+        return None
+    return (a * e).sum(-1, keepdim=True) / ee
+
+
+def _shift_difference(a: Tensor, e: Tensor, close) -> str | None:
+    for d in range(a.dim()):
+        n = a.shape[d]
+        if n < 3:
+            continue
+        early, late = a.narrow(d, 0, n - 1), a.narrow(d, 1, n - 1)
+        e_early, e_late = e.narrow(d, 0, n - 1), e.narrow(d, 1, n - 1)
+        if e_late.unique().numel() < 2:
+            continue
+        if close(early, e_late):
+            return (f"shifted by one position along dimension {d}: the value at position t is the expected value "
+                    f"of position t + 1")
+        if close(late, e_early):
+            return (f"shifted by one position along dimension {d}: the value at position t is the expected value "
+                    f"of position t - 1")
+    return None
+
+
+def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close) -> str | None:
+    if a.dim() == 0 or a.shape[0] < 2:
+        return None
+    if a.dim() == 1:  # single values: name the wrong ones only when they are few, or whole groups
+        ok = [close(a[i], e[i]) for i in range(a.shape[0])]
+        bad = [i for i, good in enumerate(ok) if not good]
+        if group_size and a.shape[0] % group_size == 0 and a.shape[0] > group_size:
+            groups = sorted({i // group_size for i in bad})
+            if len(groups) < a.shape[0] // group_size:
+                return f"positions {bad[:8]}{'...' if len(bad) > 8 else ''} are wrong, in groups {groups} of " \
+                       f"{a.shape[0] // group_size} (groups of {group_size}); the other groups are right"
+        if bad and len(bad) <= a.shape[0] // 2:
+            return f"positions {bad[:8]}{'...' if len(bad) > 8 else ''} are wrong, the other {sum(ok)} are right"
+        return None
+    rows_ok = [close(a[i], e[i]) for i in range(a.shape[0])]
+    if any(rows_ok) and not all(rows_ok):
+        bad = [i for i, ok in enumerate(rows_ok) if not ok]
+        text = f"rows {bad[:8]}{'...' if len(bad) > 8 else ''} are wrong, the other {sum(rows_ok)} are right"
+        if all(not a[i].abs().max().item() > 0 for i in bad):
+            text += "; the wrong ones are all 0"
+        elif all(close(-a[i], e[i]) for i in bad):
+            text += "; the wrong ones have the opposite sign"
+        else:
+            ratios = [(a[i] * e[i]).sum().item() / max((e[i] * e[i]).sum().item(), 1e-30) for i in bad]
+            if all(close(a[i], r * e[i]) for i, r in zip(bad, ratios)):
+                text += f"; each wrong row is off by a factor ({', '.join(_number(r) for r in ratios[:4])})"
+        if group_size and a.shape[0] % group_size == 0 and a.shape[0] > group_size:
+            groups = sorted({i // group_size for i in bad})
+            whole = all(not rows_ok[g * group_size + j] for g in groups for j in range(group_size))
+            text += (f" (groups {groups} of {a.shape[0] // group_size}, "
+                     f"{'every row of each' if whole else 'some rows of each'})")
+        return text
+    if a.shape[-1] > 1:
+        cols_ok = [close(a[..., j], e[..., j]) for j in range(a.shape[-1])]
+        if any(cols_ok) and not all(cols_ok):
+            bad = [j for j, ok in enumerate(cols_ok) if not ok]
+            return f"only positions {bad[:8]}{'...' if len(bad) > 8 else ''} of the last dimension are wrong"
+    return None
+
+
+# --- the assertion --------------------------------------------------------------------------------------------
+
+def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | None = None,
+                 group_size: int | None = None, factors: dict[str, float] | None = None,
+                 mistakes: dict[str, object] | None = None, hint: str | None = None,
+                 atol: float = 1e-5, rtol: float = 1e-4, check_grad: bool = True) -> None:
+    """Assert that `actual` equals `expected` (to tolerance), or fail saying how they differ.
+
+    what: what the value is, in the learner's terms ("grpo_loss(loss_type='grpo')"); it also labels the observation
+        that the mistakes plugin fingerprints.
+    mistakes: {what a specific wrong version computes: its value on these inputs}, for differences that belong to
+        this one test (registered wrong versions in MUTANTS are recognised without it).
+    hint: a sentence added to every failure of this check (e.g. what the quantity means).
+    check_grad: also fail when `expected` carries a gradient and `actual` does not, or the reverse.
+    """
+    observe(what, actual, atol=atol, rtol=rtol)
+    problem = describe_difference(actual, expected, mask=mask, group_size=group_size, factors=factors,
+                                  atol=atol, rtol=rtol)
+    if problem is None and check_grad and isinstance(actual, Tensor) and isinstance(expected, Tensor):
+        if expected.requires_grad and not actual.requires_grad:
+            problem = ("the right values, but no gradient flows back through them (computed under torch.no_grad(), "
+                       "detached, or rebuilt from numbers with torch.tensor / .item()?): nothing could be trained "
+                       "from this")
+        elif actual.requires_grad and not expected.requires_grad:
+            problem = ("the right values, but they carry a gradient that the reference's do not: this value must "
+                       "be a constant for the optimiser (detach it, or compute it under torch.no_grad())")
+    if problem is None:
+        return
+    for description, wrong in (mistakes or {}).items():
+        if describe_difference(actual, wrong, atol=atol, rtol=rtol) is None:
+            problem += f". It equals what you get when {description}"
+            break
+    message = f"{what}: {problem}."
+    if isinstance(expected, Tensor) and (isinstance(actual, Tensor) or actual is None):
+        message += f"\n  expected: {show(expected)}\n  got:      {show(actual)}"
+    if hint:
+        message += f"\n  {hint}"
+    raise CheckFailure(message)
+
+
+def assert_equal(actual: object, expected: object, what: str, hint: str | None = None) -> None:
+    """Assert that a non-tensor value (a list, a number, a string, None) equals the expected one."""
+    if isinstance(actual, Tensor) or isinstance(expected, Tensor):
+        assert_close(actual, expected, what, hint=hint, check_grad=False)
+        return
+    observe(what, actual)
+    try:
+        equal = actual == expected
+        equal = bool(equal)
+    except Exception:  # noqa: BLE001
+        equal = False
+    if equal:
+        return
+    message = f"{what}: expected {show(expected)}, got {show(actual)}."
+    if isinstance(actual, list) and isinstance(expected, list):
+        if len(actual) != len(expected):
+            message = f"{what}: expected {len(expected)} items, got {len(actual)}.\n  expected: {show(expected)}\n  " \
+                      f"got:      {show(actual)}"
+        else:
+            wrong = [i for i, (x, y) in enumerate(zip(actual, expected)) if x != y]
+            message += f" Items {wrong[:8]} differ."
+    if hint:
+        message += f"\n  {hint}"
+    raise CheckFailure(message)
+
+
+def expect(condition: bool, what: str, message: str, observed: object = None) -> None:
+    """Assert a property that is not a value comparison (e.g. "no hook is left attached"), recording `observed`
+    (what the test saw) so that a mistake's fingerprint can tell two failures of the same check apart."""
+    observe(what, observed if observed is not None else bool(condition))
+    if not condition:
+        raise CheckFailure(f"{what}: {message}")
