@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, no_type_check
 
 import torch
 import torch.nn as nn
@@ -101,9 +101,11 @@ def lora_hooks(model, adapters: nn.ModuleDict) -> list[tuple[str, Callable]]:
         in_name, out_name = (f"blocks.{layer}.{suffix}" for suffix in TARGETS[target])
         stash: dict[str, Tensor] = {}
 
+        @no_type_check  # called twice per adapter per forward pass: too hot for run-time shape checks
         def keep_input(x: Tensor, hook, stash=stash) -> None:
             stash["x"] = x.flatten(-2) if x.dim() == 4 else x  # [batch, pos, head, d_head] -> [batch, pos, d]
 
+        @no_type_check
         def add_update(out: Tensor, hook, stash=stash, adapter=adapter) -> Tensor:
             return out + adapter(stash.pop("x")).view(out.shape)
 

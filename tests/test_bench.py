@@ -23,3 +23,10 @@ def test_sampling_benchmark_compares_three_samplers():
         for side in ("ours", "bridge", "hf"):
             assert figures[f"{workload}_{side}_tokens_per_s"] > 0
         assert figures[f"{workload}_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_shape_check_benchmark_measures_both_ways():
+    _, figures = run_script("bench.shape_checks", "--steps", "2", "--repeats", "1", "--json", smoke=False)
+    assert figures["step_s_checked"] > 0 and figures["step_s_unchecked"] > 0 and figures["step_ratio"] > 0
+    assert figures["grpo_loss_us_checked"] > 0

@@ -337,3 +337,42 @@ def test_part0_script_prints_a_table_and_json():
                               "8", smoke=False)
     assert {"mean_completion_logprob", "held_out_addition_accuracy", "kv_cache_speedup", "seconds"} <= set(figures)
     assert "┌" in out or "+" in out
+
+
+def test_a_device_this_machine_lacks_is_refused_before_loading():
+    import torch
+
+    from utils.models import check_device, load_model
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="not available on this machine, which has: cpu"):
+            load_model("tiny", device="cuda")
+    with pytest.raises(ValueError, match="not a device name"):
+        check_device("banana")
+    assert check_device("cpu").type == "cpu"
+
+
+def test_sample_refuses_meaningless_lengths_and_top_k():
+    from utils.harness import shared_tiny_model
+    from utils.sampling import sample
+
+    model = shared_tiny_model()
+    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=-1), dict(max_new_tokens=2.5), dict(top_k=0),
+                dict(temperature=-1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            sample(model, ["This is"], **{"max_new_tokens": 3, **bad})
+
+
+def test_unknown_words_are_reported_once():
+    import warnings
+
+    from utils.harness import shared_tiny_model
+    from utils.sampling import sample
+
+    model = shared_tiny_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sample(model, ["The xylophonist is", "This is"], max_new_tokens=2)
+        sample(model, ["The xylophonist is"], max_new_tokens=2)
+    said = [str(w.message) for w in caught if "vocabulary lacks" in str(w.message)]
+    assert len(said) == 1 and "'xylophonist'" in said[0], said

@@ -136,6 +136,31 @@ def require_hub_model(name: str, offline_choice: str = "load_model('tiny'), the 
             f"or run once with network access (e.g. on Colab) so that {name!r} gets cached.")
 
 
+def available_devices() -> list[str]:
+    """The devices this machine has, e.g. ["cpu", "cuda:0"]."""
+    found = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        found.append("mps")
+    return found
+
+
+def check_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device, or a ValueError naming the devices this machine has (before anything loads)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name; this machine has: "
+                         f"{', '.join(available_devices())}") from None
+    have = available_devices()
+    ok = (device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available()
+                                   and (device.index is None or device.index < torch.cuda.device_count()))
+          or (device.type == "mps" and "mps" in have))
+    if not ok:
+        raise ValueError(f"device {str(device)!r} is not available on this machine, which has: {', '.join(have)}. "
+                         "Leave device unset to use the best one there is.")
+    return device
+
+
 def load_model(name: str = "tiny", device: torch.device | str | None = None):
     """Load a course model as a TransformerLens `TransformerBridge`; its tokenizer is `model.tokenizer`.
 
@@ -143,7 +168,7 @@ def load_model(name: str = "tiny", device: torch.device | str | None = None):
     (or another Hugging Face GPT-2-family name) for GPT-2 small, which needs the Hub or a cached copy.
     device: defaults to CUDA when there is one, else the CPU (with a deliberate thread count).
     """
-    device = torch.device(device) if device is not None else default_device()
+    device = check_device(device) if device is not None else default_device()
     if device.type == "cpu":
         set_cpu_threads()
     if name == "tiny":

@@ -49,11 +49,40 @@ def tokenize_prompts(tokenizer, prompts: list[str], device: torch.device | str) 
         raise ValueError("prompts is empty: pass at least one prompt")
     distinct = list(dict.fromkeys(prompts))  # GRPO repeats each prompt G times: tokenize it once, all in one call
     tokens = dict(zip(distinct, tokenizer(distinct, add_special_tokens=False).input_ids))
+    report_unknown_words(tokenizer, distinct, tokens)
     rows = [[bos] + tokens[p] for p in prompts]
     width = max(len(r) for r in rows)
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
     return ids.to(device), mask.to(device)
+
+
+_reported_unknown: set[str] = set()
+
+
+def report_unknown_words(tokenizer, prompts: list[str], tokens: dict[str, list[int]]) -> list[str]:
+    """Say once (a warning) which words of the prompts the vocabulary lacks: the tiny model's word-level tokenizer
+    turns each into <unk>, which the model reads as one unknown word. Returns the new unknown words."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return []
+    new = []
+    for prompt in prompts:
+        if unk not in tokens[prompt]:
+            continue
+        encoded = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+        for token, (start, end) in zip(encoded.input_ids, encoded.offset_mapping):
+            word = prompt[start:end].strip()
+            if token == unk and word not in _reported_unknown:
+                _reported_unknown.add(word)
+                new.append(word)
+    if new:
+        import warnings
+
+        warnings.warn(f"the model's vocabulary lacks {', '.join(repr(w) for w in new)}: each became the <unk> "
+                      "token. The tiny model knows the words of its corpus (utils/data.py) and the digits.",
+                      UserWarning, stacklevel=3)
+    return new
 
 
 def completion_mask_from_ids(completion_ids: Int[Tensor, "batch gen"], eos_id: int) -> Bool[Tensor, "batch gen"]:
@@ -78,7 +107,11 @@ def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: flo
     "auto" (the default) takes "lean" whenever it can compute exactly what "bridge" would, else "bridge".
     """
     if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None (the whole vocabulary) or a whole number >= 1, got {top_k!r}")
     if engine not in ("auto", "lean", "bridge"):
         raise ValueError(f"engine must be 'auto', 'lean' or 'bridge', got {engine!r}")
     tokenizer = model.tokenizer
