@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import KINDS, kind_of
+from utils.checker.properties import float_tensors
 from utils import harness
 
 PARTS = harness.parts()
@@ -242,16 +243,6 @@ def has_tensor(value, depth=0) -> bool:
     if isinstance(value, (list, tuple)):
         return any(has_tensor(v, depth + 1) for v in value[:8])
     return False
-
-
-def float_tensors(out) -> list:
-    if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() else []
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in float_tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in float_tensors(o)]
-    return []
 
 
 def test_check_prints_pass_and_names_the_mistake(capsys):

@@ -29,13 +29,14 @@ from utils.checker.observe import observe, same
 # --- gradients -----------------------------------------------------------------------------------------------
 
 
-def _float_tensors(out: object) -> list[Tensor]:
+def float_tensors(out: object) -> list[Tensor]:
+    """The floating-point tensors in an output (a tensor, or tensors in lists, tuples and dicts)."""
     if isinstance(out, Tensor):
         return [out] if out.is_floating_point() else []
     if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _float_tensors(o)]
+        return [t for o in out for t in float_tensors(o)]
     if isinstance(out, dict):
-        return [t for o in out.values() for t in _float_tensors(o)]
+        return [t for o in out.values() for t in float_tensors(o)]
     return []
 
 
@@ -54,7 +55,7 @@ def _vjp(fn: Callable, bound: inspect.BoundArguments, wrt: list[str], params: di
         p.grad = None
     call = inspect.BoundArguments(bound.signature, arguments)  # positional stays positional: names may differ
     out = fn(*call.args, **call.kwargs)
-    tensors = _float_tensors(out)
+    tensors = float_tensors(out)
     if cotangents is None:
         g = torch.Generator().manual_seed(seed)
         cotangents = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(t) for t in tensors]
