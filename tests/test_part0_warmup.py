@@ -116,12 +116,28 @@ def test_sample_next_token_distribution(impl, temperature, top_k):
         expect(not (got[top_k:] > 0).any(), what, f"tokens outside the {top_k} most likely ones were sampled: "
                f"{got.numpy().round(3)}", observed=(got[top_k:] > 0))
         expect(not (got[:top_k] == 0).any(), what, f"some of the {top_k} most likely tokens are never sampled "
-               f"({got.numpy().round(3)}): is the k-th token itself masked out (<= instead of <)?",
+               f"({got.numpy().round(3)}): the draw collapsed onto fewer than k tokens (usually: the k-th token "
+               "masked out too, <= instead of <; or greedy decoding where sampling was asked for)",
                observed=(got[:top_k] == 0))
-    assert_close(got, expected, what, atol=0.015, rtol=0, mistakes={
+
+    def top_k_of(probs):
+        if top_k is None:
+            return probs
+        probs = probs.clone()
+        probs[top_k:] = 0
+        return probs / probs.sum()
+
+    greedy = torch.zeros(vocab)
+    greedy[0] = 1.0
+    wrong = {
         "the logits are multiplied by the temperature instead of divided by it":
-            torch.softmax(LOGITS_ROW * temperature, -1) if temperature != 1 and top_k is None else torch.zeros(vocab),
-    })
+            top_k_of(torch.softmax(LOGITS_ROW * temperature, -1)),
+        "the temperature is ignored (sampled from softmax(logits))": top_k_of(torch.softmax(LOGITS_ROW, -1)),
+        "every draw is the most likely token (greedy), although temperature > 0 asks for sampling": greedy,
+        "top_k is ignored": torch.softmax(LOGITS_ROW / temperature, -1),
+    }
+    assert_close(got, expected, what, atol=0.015, rtol=0,
+                 mistakes={k: v for k, v in wrong.items() if (v - expected).abs().max() > 0.05})
 
 
 @exercise("sample_next_token")
@@ -265,8 +281,18 @@ def test_steered_logprobs_matches_reference(impl, tiny_model):
             expect(not active_hooks(tiny_model), f"hooks after steered_logprobs(layer={layer})",
                    f"hooks are still attached after the call ({active_hooks(tiny_model)}): use run_with_hooks or the "
                    "model.hooks() context manager, not add_hook", observed=active_hooks(tiny_model))
+            elsewhere = {}  # the same steering at the other hook points a learner might pick
+            for point in ("hook_resid_pre", "hook_resid_mid", "hook_attn_out", "hook_mlp_out"):
+                hook = ref.make_steering_hook(direction, 3.0)
+                logits = tiny_model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.{point}", hook)])
+                elsewhere[f"the hook is put on blocks.{layer}.{point} instead of blocks.{layer}.hook_resid_post"] = \
+                    ref.get_logprobs(logits, tokens)
+            for other in range(tiny_model.cfg.n_layers):
+                if other != layer:
+                    elsewhere[f"the hook is put after block {other} instead of block {layer}"] = \
+                        ref.steered_logprobs(tiny_model, tokens, other, direction, 3.0)
             assert_close(got, ref.steered_logprobs(tiny_model, tokens, layer, direction, 3.0),
-                         f"steered_logprobs(layer={layer}, scale=3)", atol=1e-4,
+                         f"steered_logprobs(layer={layer}, scale=3)", atol=1e-4, mistakes=elsewhere,
                          hint=f"the hook goes on blocks.{layer}.hook_resid_post (after block {layer})")
 
 

@@ -365,6 +365,8 @@ def _shift_difference(a: Tensor, e: Tensor, close) -> str | None:
 
 
 def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close) -> str | None:
+    while a.dim() > 1 and a.shape[0] == 1:  # a batch of one: look at what is inside it
+        a, e = a[0], e[0]
     if a.dim() == 0 or a.shape[0] < 2:
         return None
     if a.dim() == 1:  # single values: name the wrong ones only when they are few, or whole groups
