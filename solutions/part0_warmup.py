@@ -7,7 +7,6 @@ sample from the embedded model:
     python -m solutions.part0_warmup --json     # ... and a last line that is a JSON object of the figures
 """
 
-import argparse
 import time
 from typing import Callable
 
@@ -18,6 +17,7 @@ from torch import Tensor
 from utils.data import addition_accuracy, addition_pairs
 from utils.logger import print_figures, samples_table
 from utils.models import load_model
+from utils import cli
 from utils.sampling import Samples, sample
 
 
@@ -120,12 +120,12 @@ def steered_logprobs(
 # --- The script: sample from the model, and measure what the notebook shows --------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description="Sample from a course model and print a table of samples.")
+    parser = cli.ArgumentParser(description="Sample from a course model and print a table of samples.")
     parser.add_argument("--model", default="tiny", help="'tiny' (embedded, offline) or 'gpt2'")
     parser.add_argument("--prompts", nargs="+", default=["This is", "The", "My friend", "12+34="])
-    parser.add_argument("--samples-per-prompt", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=20)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--samples-per-prompt", type=cli.at_least(1), default=3)
+    parser.add_argument("--max-new-tokens", type=cli.at_least(1), default=20)
+    parser.add_argument("--temperature", type=cli.at_least(0.0, "0 is greedy"), default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
     args = parser.parse_args(argv)

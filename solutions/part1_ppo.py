@@ -14,7 +14,6 @@ as in ARENA's RLHF chapter; the notebook compares the two.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -34,6 +33,7 @@ from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean, masked_var, masked_whiten
 from utils.models import load_model, require_hub_model
 from utils.plotting import plot_curves
+from utils import cli
 from utils.sampling import sample
 
 # Not exercises: the notebook shows them in full (cells built from this file) for the learner to read and run.
@@ -535,11 +535,14 @@ class PPOTrainer:
 # --- The script ---------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description="Train a course model with PPO and watch the reward climb.")
+    parser = cli.ArgumentParser(
+        description="Train a course model with PPO and watch the reward climb.",
+        epilog="--phases 0 trains nothing: one rollout of the starting model gives reward_start, and the figures "
+               "that need training (reward_end, reward_ratio, kl_end, kl_max) are null.")
     parser.add_argument("--preset", choices=["tiny", "gpt2"], default="tiny")
     parser.add_argument("--reward", choices=["periods", "sentiment", "classifier"])
-    parser.add_argument("--phases", type=int)
-    parser.add_argument("--kl-coef", type=float)
+    parser.add_argument("--phases", type=cli.at_least(0, "0 only measures the starting model"))
+    parser.add_argument("--kl-coef", type=cli.at_least(0.0))
     parser.add_argument("--seed", type=int)
     parser.add_argument("--wandb", action="store_true", help="also log to wandb (offline without an account)")
     parser.add_argument("--plot", default="ppo_curves.png", help="where to save the training curves ('' for none)")
@@ -554,19 +557,28 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = replace(cfg, **overrides, wandb=args.wandb)
 
     start = time.perf_counter()
-    logger = PPOTrainer(cfg).train()
+    trainer = PPOTrainer(cfg)
+    if cfg.phases == 0:  # nothing to train: one rollout measures the starting model
+        trainer.phase = 0
+        trainer.rollout_phase()
+    logger = trainer.train()
     seconds = time.perf_counter() - start
     _, rewards = logger.curve("reward")
     _, kls = logger.curve("kl")
     k = max(1, min(5, len(rewards) // 4))  # the end is averaged over a few phases: rewards are noisy
+    trained = cfg.phases > 0
     # reward_start is phase 0's batch, sampled before any update: the starting model's mean reward.
     figures = {"model": cfg.model, "reward": cfg.reward, "phases": cfg.phases,
-               "reward_start": round(rewards[0], 4), "reward_end": round(sum(rewards[-k:]) / k, 4),
-               "reward_ratio": round((sum(rewards[-k:]) / k) / max(1e-8, rewards[0]), 3),
-               "kl_end": round(sum(kls[-k:]) / k, 4), "kl_max": round(max(kls), 4), "seconds": round(seconds, 1)}
+               "reward_start": round(rewards[0], 4),
+               "reward_end": round(sum(rewards[-k:]) / k, 4) if trained else None,
+               "reward_ratio": round((sum(rewards[-k:]) / k) / max(1e-8, rewards[0]), 3) if trained else None,
+               "kl_end": round(sum(kls[-k:]) / k, 4) if trained else None,
+               "kl_max": round(max(kls), 4) if trained else None, "seconds": round(seconds, 1)}
     if args.plot:
-        plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explained_variance"],
-                    title=f"PPO on {cfg.model}, reward: {cfg.reward}", path=args.plot, xlabel="phase")
+        keys = [key for key in ["reward", "kl", "entropy", "clip_fraction", "explained_variance"]
+                if logger.curve(key)[1]]  # after 0 phases, only the rollout's
+        plot_curves(logger.history, keys, title=f"PPO on {cfg.model}, reward: {cfg.reward}", path=args.plot,
+                    xlabel="phase")
     print_figures(figures, args.json)
     return figures
 

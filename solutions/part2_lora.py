@@ -14,7 +14,6 @@ from the unchanged model. The initialisation and the alpha / r scaling are those
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
@@ -34,6 +33,8 @@ from solutions.part1_ppo import PPOConfig, PPOTrainer
 from utils.models import count_parameters, load_model
 from utils.logger import print_figures
 from utils.plotting import plot_curves
+from utils import cli
+from utils.files import why_unreadable
 from utils.sampling import Samples
 
 # Not exercises: the notebook shows them in full for the learner to read and run.
@@ -226,7 +227,12 @@ def unmerge_lora(model, adapters: nn.ModuleDict) -> None:
 # --- 6. Saving and loading an adapter ---------------------------------------------------------------------------
 
 def save_adapter(adapters: nn.ModuleDict, path: str | Path) -> None:
-    """Write the adapters' A and B tensors to a safetensors file, with rank and alpha in its metadata."""
+    """Write the adapters' A and B tensors to a safetensors file, with rank and alpha in its metadata.
+
+    The folders in `path` that do not exist yet are created.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     first = next(iter(adapters.values()))
     rank = first.A.shape[0]
     tensors = {name: p.detach().cpu().contiguous() for name, p in adapters.state_dict().items()}
@@ -236,11 +242,25 @@ def save_adapter(adapters: nn.ModuleDict, path: str | Path) -> None:
 def load_adapter(adapters: nn.ModuleDict, path: str | Path) -> nn.ModuleDict:
     """Load a file written by save_adapter into `adapters` (same targets, rank and alpha); returns `adapters`.
 
-    Raises a ValueError that names the mismatch if the file's tensors do not fit, or if its metadata's rank or
-    alpha differ from the adapters' (the same A and B with another alpha / rank would compute another model).
+    Raises FileNotFoundError if nothing is at `path`, IsADirectoryError if it is a folder, and a ValueError that
+    names the file if it is not a safetensors file (empty, truncated, random bytes, written by torch.save): open it
+    with safe_open inside a try, never with torch.load, which unpickles and so can run code. Raises a ValueError that
+    names the mismatch if the file's tensors do not fit, or if its metadata's rank or alpha differ from the adapters'
+    (the same A and B with another alpha / rank would compute another model). Nothing is loaded if it raises.
     """
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no adapter file at {path}: check the path (relative paths start from "
+                                f"{Path.cwd()}), or write one first with save_adapter(adapters, path)")
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder, not an adapter file: pass the path of the .safetensors file "
+                                "that save_adapter wrote, inside it")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as error:  # safetensors' own messages ("header too large") name neither the file nor the cause
+        raise ValueError(f"adapter file {path} cannot be read as a safetensors file: "
+                         f"{why_unreadable(path, error)}") from error
     if "rank" not in meta or "alpha" not in meta:
         raise ValueError(f"adapter file {path} has no rank and alpha in its metadata, so its scale is unknown: "
                          "load files written by save_adapter")
@@ -279,25 +299,33 @@ def ppo_with_lora(cfg: PPOConfig, rank: int = 8, alpha: float = 16.0, targets: t
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description="PPO with a hand-written LoRA; the reference is the base model.")
+    parser = cli.ArgumentParser(
+        description="PPO with a hand-written LoRA; the reference is the base model.",
+        epilog="--phases 0 trains nothing: one rollout of the starting model gives reward_start, and reward_end "
+               "and kl_end are null.")
     parser.add_argument("--preset", choices=["tiny", "gpt2"], default="tiny",
                         help="tiny: the embedded model on CPU; gpt2: GPT-2 small on a GPU (PPOConfig.gpt2())")
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--alpha", type=float, default=16.0)
-    parser.add_argument("--phases", type=int, default=60)
+    parser.add_argument("--rank", type=cli.at_least(1), default=8)
+    parser.add_argument("--alpha", type=cli.above(0.0, "the adapter's output is scaled by alpha / rank"),
+                        default=16.0)
+    parser.add_argument("--phases", type=cli.at_least(0, "0 only measures the starting model"),
+                        help="default 60 (3 with RLHF_SMOKE=1)")
     parser.add_argument("--save", default="", help="save the trained adapter to this .safetensors file")
     parser.add_argument("--wandb", action="store_true")
     parser.add_argument("--plot", default="lora_ppo_curves.png", help="where to save the curves ('' for none)")
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
     args = parser.parse_args(argv)
 
-    phases = 3 if os.environ.get("RLHF_SMOKE") else args.phases
+    phases = args.phases if args.phases is not None else 3 if os.environ.get("RLHF_SMOKE") else 60
     cfg = PPOConfig.gpt2() if args.preset == "gpt2" else PPOConfig()
     # The adapters start from zero and have few parameters: they take a far higher learning rate than full
     # fine-tuning of the same model.
     cfg = replace(cfg, phases=phases, lr_model=1e-4 if args.preset == "gpt2" else 3e-3, wandb=args.wandb)
     start = time.perf_counter()
     trainer, lora_model = ppo_with_lora(cfg, args.rank, args.alpha)
+    if cfg.phases == 0:  # nothing to train: one rollout measures the starting model
+        trainer.phase = 0
+        trainer.rollout_phase()
     logger = trainer.train()
     seconds = time.perf_counter() - start
     if args.save:
@@ -305,14 +333,17 @@ def main(argv: list[str] | None = None) -> dict:
     _, rewards = logger.curve("reward")
     _, kls = logger.curve("kl")
     k = max(1, min(5, len(rewards) // 4))
+    trained = cfg.phases > 0
     figures = {"model": cfg.model, "rank": args.rank, "phases": cfg.phases,
-               "reward_start": round(rewards[0], 4), "reward_end": round(sum(rewards[-k:]) / k, 4),
-               "kl_end": round(sum(kls[-k:]) / k, 4),
+               "reward_start": round(rewards[0], 4),
+               "reward_end": round(sum(rewards[-k:]) / k, 4) if trained else None,
+               "kl_end": round(sum(kls[-k:]) / k, 4) if trained else None,
                "trainable_params": count_parameters(lora_model.adapters),
                "total_params": count_parameters(lora_model.base), "seconds": round(seconds, 1)}
     if args.plot:
-        plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction"],
-                    title=f"PPO with LoRA (rank {args.rank}) on {cfg.model}", path=args.plot, xlabel="phase")
+        keys = [key for key in ["reward", "kl", "entropy", "clip_fraction"] if logger.curve(key)[1]]
+        plot_curves(logger.history, keys, title=f"PPO with LoRA (rank {args.rank}) on {cfg.model}", path=args.plot,
+                    xlabel="phase")
     print_figures(figures, args.json)
     return figures
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from solutions import part1_ppo as ref
-from tests.helpers import (CheckFailure, active_hooks, assert_close, assert_equal, assert_gradients_match,  # noqa
+from tests.helpers import (CheckFailure, assert_close, assert_equal, assert_gradients_match,  # noqa
                            assert_hooks_clean, assert_inputs_unchanged, assert_raises, assert_reproducible, expect,
                            mistake, run_script)
 from utils.masks import masked_mean

@@ -8,6 +8,7 @@ uses them: `with model.hooks(fwd_hooks=lora_hooks(model, adapters)):`.
 import dataclasses
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.nn as nn
 
 from solutions import part2_lora as ref
 from solutions.part0_warmup import completion_logprobs
-from tests.helpers import (CheckFailure, active_hooks, assert_close, assert_equal, assert_gradients_match,
+from tests.helpers import (CheckFailure, assert_close, assert_equal, assert_gradients_match,
                            assert_hooks_clean, assert_inputs_unchanged, assert_raises, expect, mistake, run_script)
 from utils.models import load_model
 from utils.sampling import sample
@@ -850,6 +851,16 @@ def test_save_adapter_round_trip(impl, tiny_model, tmp_path):
                      "logits with the adapters saved and loaded again", atol=1e-5)
 
 
+@exercise("save_adapter")
+def test_save_adapter_creates_its_folder(impl, tiny_model, tmp_path):
+    adapters = random_adapters(tiny_model, ("q",), rank=2, alpha=4.0)
+    path = tmp_path / "runs" / "seed0" / "a.safetensors"  # neither folder exists yet
+    attempt("save_adapter(adapters, path) into folders that do not exist yet", impl.save_adapter, adapters, path,
+            causes="create them first: Path(path).parent.mkdir(parents=True, exist_ok=True)")
+    expect(path.is_file(), "the file save_adapter wrote into folders that did not exist yet", f"no file at {path}",
+           observed=path.is_file())
+
+
 def saved(model, tmp_path, targets=("q", "o"), rank=4, alpha=8.0, seed=10):
     adapters = random_adapters(model, targets, rank=rank, alpha=alpha, seed=seed)
     path = tmp_path / "a.safetensors"
@@ -869,9 +880,12 @@ def test_load_adapter_round_trip(impl, tiny_model, tmp_path):
         assert_close(fresh.state_dict()[name], p, f"{name} after loading", atol=0, rtol=0)
 
 
-def refusal(impl, adapters, path, what: str, why: str, names: tuple[str, ...] = ()):
+def refusal(impl, adapters, path, what: str, why: str, names: tuple[str, ...] = (), exception=ValueError):
     before = state_of(adapters)
-    error = assert_raises(ValueError, impl.load_adapter, adapters, path, what=what, why=why)
+    error = assert_raises(exception, impl.load_adapter, adapters, path, what=what, why=why)
+    named = Path(path).name in str(error)
+    expect(named, f"the message of {what}", f"name the file ({Path(path).name}), so that the reader knows which one; "
+           f"the message was: {str(error)[:200]!r}", observed=named)
     if names:
         said = [n for n in names if n in str(error)]
         expect(bool(said), f"the message of {what}", f"say what does not match ({' or '.join(names)}), and what to "
@@ -912,6 +926,49 @@ def test_load_adapter_refuses_a_file_without_rank_and_alpha(impl, tiny_model, tm
     refusal(impl, ref.make_adapters(tiny_model, 4, 8.0, ("q", "o")), path,
             "load_adapter of a file with no rank and alpha in its metadata",
             "without them its scale is unknown")
+
+
+@exercise("load_adapter")
+def test_load_adapter_refuses_what_is_not_an_adapter_file(impl, tiny_model, tmp_path):
+    adapters, good = saved(tiny_model, tmp_path)
+    fresh = ref.make_adapters(tiny_model, 4, 8.0, ("q", "o"))
+    refusal(impl, fresh, tmp_path / "missing.safetensors", "load_adapter of a path where there is no file",
+            "nothing is there", exception=FileNotFoundError)
+    (tmp_path / "run").mkdir()
+    refusal(impl, fresh, tmp_path / "run", "load_adapter of a folder", "a folder is not an adapter file",
+            exception=IsADirectoryError)
+    data = good.read_bytes()
+    noise = bytes(torch.randint(0, 256, (len(data),), generator=torch.Generator().manual_seed(0)).tolist())
+    for name, content, what in (("empty", b"", "an empty file"), ("truncated", data[:len(data) // 2],
+                                "a file cut to half its length"), ("noise", noise, "a file of random bytes")):
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(content)
+        refusal(impl, fresh, path, f"load_adapter of {what}", "it is not a safetensors file")
+    pickled = tmp_path / "pickled.safetensors"
+    torch.save(adapters.state_dict(), pickled)
+    refusal(impl, fresh, pickled, "load_adapter of a file written by torch.save", "it is a pickle, not a safetensors "
+            "file: loading it with torch.load would unpickle it, which can run code")
+
+
+def test_load_adapter_says_what_is_wrong_with_the_file(tiny_model, tmp_path):
+    """The reference's messages (beyond what the exercise asks): the file, what is wrong with it, what to do."""
+    adapters, good = saved(tiny_model, tmp_path)
+    data = good.read_bytes()
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    (tmp_path / "header.safetensors").write_bytes(data[:20])
+    (tmp_path / "data.safetensors").write_bytes(data[:-10])
+    (tmp_path / "noise.safetensors").write_bytes(bytes(range(7, 200)))
+    torch.save(adapters.state_dict(), tmp_path / "pickled.safetensors")  # written, never loaded
+    torch.save(adapters.state_dict(), tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    said = {"missing.safetensors": ("no adapter file at", "save_adapter"), ".": ("is a folder", ".safetensors file"),
+            "empty.safetensors": ("empty", "save it again"), "header.safetensors": ("truncated", "copy it again"),
+            "data.safetensors": ("truncated", "copy it again"), "noise.safetensors": ("random bytes", "save_adapter"),
+            "pickled.safetensors": ("torch.save", "weights_only=True"), "legacy.pt": ("torch.save", "weights_only")}
+    for name, words in said.items():
+        with pytest.raises((ValueError, OSError)) as raised:
+            ref.load_adapter(adapters, tmp_path / name)
+        message = str(raised.value)
+        assert str(tmp_path / name) in message and all(w in message for w in words), (name, message)
 
 
 # --- PPO with LoRA (provided): the reference costs nothing and stays the base model --------------------------
@@ -1420,6 +1477,7 @@ def _unmerge_without_no_grad(model, adapters):
 
 def _save_with_pickle(adapters, path):
     """Uses torch.save (a pickle), not safetensors: safetensors.torch.save_file(tensors, path, metadata=...)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     torch.save(adapters.state_dict(), str(path))
 
 
@@ -1427,6 +1485,7 @@ def _save_without_metadata(adapters, path):
     """Writes the tensors without rank and alpha: pass metadata={"rank": str(rank), "alpha": str(alpha)}."""
     from safetensors.torch import save_file
 
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapters.state_dict().items()}, str(path))
 
 
@@ -1435,6 +1494,7 @@ def _save_scale_as_alpha(adapters, path):
     from safetensors.torch import save_file
 
     first = next(iter(adapters.values()))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapters.state_dict().items()}, str(path),
               metadata={"rank": str(first.A.shape[0]), "alpha": str(first.scale)})
 
@@ -1445,6 +1505,7 @@ def _save_rank_from_wrong_dim(adapters, path):
 
     first = next(iter(adapters.values()))
     rank = first.A.shape[1]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapters.state_dict().items()}, str(path),
               metadata={"rank": str(rank), "alpha": str(first.scale * first.A.shape[0])})
 
@@ -1456,6 +1517,7 @@ def _save_only_B(adapters, path):
 
     first = next(iter(adapters.values()))
     rank = first.A.shape[0]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapters.state_dict().items() if k.endswith(".B")}, str(path),
               metadata={"rank": str(rank), "alpha": str(first.scale * rank)})
 
@@ -1467,13 +1529,43 @@ def _save_with_prefix(adapters, path):
 
     first = next(iter(adapters.values()))
     rank = first.A.shape[0]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file({f"adapters.{k}": v.contiguous() for k, v in adapters.state_dict().items()}, str(path),
               metadata={"rank": str(rank), "alpha": str(first.scale * rank)})
+
+
+def _save_without_making_the_folder(adapters, path):
+    """Writes into a folder that may not exist yet, so saving to runs/seed0/adapter.safetensors fails: create the
+    folder first, Path(path).parent.mkdir(parents=True, exist_ok=True)."""
+    from safetensors.torch import save_file
+
+    first = next(iter(adapters.values()))
+    rank = first.A.shape[0]
+    save_file({k: v.detach().contiguous() for k, v in adapters.state_dict().items()}, str(path),
+              metadata={"rank": str(rank), "alpha": str(first.scale * rank)})
+
+
+def _checked_file(path):
+    """What the wrong versions of load_adapter below get right (each has one other mistake): a path that is not a
+    safetensors file is refused, naming it."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no adapter file at {path}")
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder")
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except Exception as error:  # noqa: BLE001
+        raise ValueError(f"{path} is not a safetensors file") from error
 
 
 def _load_ignores_alpha(adapters, path):
     """Checks names and shapes but not the rank and alpha in the metadata: the same A and B with another alpha
     compute another model, so compare them with the adapters' and raise a ValueError."""
+    _checked_file(path)
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
@@ -1487,6 +1579,7 @@ def _load_ignores_alpha(adapters, path):
 def _load_without_checks(adapters, path):
     """Loads what fits (strict=False) and checks nothing: compare the file's rank, alpha, names and shapes with the
     adapters' and raise a ValueError that names the mismatch."""
+    _checked_file(path)
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
@@ -1504,6 +1597,7 @@ def _load_returns_nothing(adapters, path):
 def _load_keyerror_without_metadata(adapters, path):
     """Reads metadata["rank"] without checking that it is there, so a file without it raises a KeyError: raise the
     documented ValueError, saying that the file has no rank and alpha."""
+    _checked_file(path)
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -1519,7 +1613,7 @@ def _load_keyerror_without_metadata(adapters, path):
 def _load_lets_load_state_dict_refuse(adapters, path):
     """Leaves the name and shape check to load_state_dict, which raises a RuntimeError: check them yourself and
     raise the documented ValueError."""
-    from safetensors import safe_open
+    _checked_file(path)
     from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
@@ -1537,6 +1631,7 @@ def _load_lets_load_state_dict_refuse(adapters, path):
 def _load_compares_scale_with_alpha(adapters, path):
     """Compares the adapters' scale (alpha / rank) with the file's alpha, so it refuses a file that fits: compare
     scale · rank with it."""
+    _checked_file(path)
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -1550,7 +1645,7 @@ def _load_compares_scale_with_alpha(adapters, path):
 def _load_then_check(adapters, path):
     """Loads the tensors first and checks rank and alpha after: a refused file has already overwritten the
     adapters. Check everything before loading anything."""
-    from safetensors import safe_open
+    _checked_file(path)
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
@@ -1560,6 +1655,35 @@ def _load_then_check(adapters, path):
             if name in own and own[name].shape == t.shape:
                 own[name].copy_(t)
     return ref.load_adapter(adapters, path)
+
+
+@mistake("error")
+def _load_lets_safetensors_refuse_bad_files(adapters, path):
+    """Hands any path to safe_open, whose errors on a folder ("No such device"), an empty, truncated or random file or
+    one written by torch.save ("header too large") name neither the file nor what is wrong: raise IsADirectoryError
+    for a folder, and catch safe_open's error to raise a ValueError that names the file."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt"):
+        pass
+    return ref.load_adapter(adapters, path)
+
+
+@mistake("error")
+def _load_falls_back_to_torch_load(adapters, path):
+    """Falls back to torch.load when the file is not a safetensors file: torch.load unpickles, and a pickle can run
+    any code while it loads (this version at least passes weights_only=True). Refuse the file instead, with a
+    ValueError that names it: adapters are shared as safetensors precisely so that loading one runs nothing."""
+    try:
+        return ref.load_adapter(adapters, path)
+    except ValueError as refused:
+        try:
+            with open(path, "rb") as f:  # a file object: torch.load(path) reads a .safetensors name as safetensors
+                state = torch.load(f, weights_only=True)
+        except Exception:  # noqa: BLE001 - not a pickle either: the reference's refusal stands
+            raise refused from None
+        adapters.load_state_dict(state)
+        return adapters
 
 
 MUTANTS = {
@@ -1579,7 +1703,8 @@ MUTANTS = {
     "unmerge_lora": [_unmerge_adds_again, _unmerge_noop, _unmerge_no_scale, _unmerge_zeroes_B,
                      _unmerge_without_no_grad],
     "save_adapter": [_save_with_pickle, _save_without_metadata, _save_scale_as_alpha, _save_rank_from_wrong_dim,
-                     _save_only_B, _save_with_prefix],
+                     _save_only_B, _save_with_prefix, _save_without_making_the_folder],
     "load_adapter": [_load_without_checks, _load_ignores_alpha, _load_returns_nothing, _load_keyerror_without_metadata,
-                     _load_lets_load_state_dict_refuse, _load_compares_scale_with_alpha, _load_then_check],
+                     _load_lets_load_state_dict_refuse, _load_compares_scale_with_alpha, _load_then_check,
+                     _load_lets_safetensors_refuse_bad_files, _load_falls_back_to_torch_load],
 }

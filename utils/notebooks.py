@@ -5,7 +5,7 @@
 
 A source file (`chapters/source/partN_<topic>.py`) is a list of cells, each opened by a marker line:
 
-    # %% [markdown]          prose; each line starts with "# " (or is "#")
+    # %% [markdown]          prose; each line starts with "# " (or is "#"); {colab_badge} becomes the Colab badge
     # %% [colab]             the Colab install cell (COLAB_CELL, the same in every notebook, when left empty)
     # %% [setup]             imports the exercises need (the harness runs these when testing a notebook)
     # %% [exercise] name     the stub of `name`, made from solutions/partN_<topic>.py, then a `check(name)` cell
@@ -27,16 +27,55 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS, SOURCES, SOLUTIONS = ROOT / "chapters", ROOT / "chapters" / "source", ROOT / "solutions"
+# Where the course is published: the Colab badges (README.md and each notebook's first cell) and the Colab cell's
+# `git clone` are all made from these two names. A fork or a new home changes them here, then runs
+# `python -m utils.notebooks` (tests/test_colab.py checks that README.md's badges agree).
+REPOSITORY = "rlhf-first-principles/rlhf-transformerlens"  # owner/name on GitHub
+BRANCH = "main"  # the branch the badges open
+CLONE_URL = f"https://github.com/{REPOSITORY}"
+BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
+BADGE_PLACEHOLDER = "{colab_badge}"  # in a source's markdown: replaced by the notebook's own Colab badge
+
+
+def colab_url(part: str) -> str:
+    """The address that opens chapters/<part>.ipynb of the published course in Colab."""
+    return f"https://colab.research.google.com/github/{REPOSITORY}/blob/{BRANCH}/chapters/{part}.ipynb"
+
+
+def colab_badge(part: str) -> str:
+    return f"[![Open In Colab]({BADGE_IMAGE})]({colab_url(part)})"
+
+
+# Plain Python rather than `!`/`%` magics, so that tests/test_colab.py can run it. RLHF_COURSE_URL and
+# RLHF_COURSE_DIR override where it clones from and to (the test points them at a local clone).
 COLAB_CELL = """\
 # On Colab: fetch the course and install what Colab lacks (torch and Jupyter are already there; reinstalling
-# Jupyter's packages could break the Colab runtime). Elsewhere: nothing. Safe to re-run after a runtime restart.
-import os, sys
+# Jupyter's packages could break the Colab runtime). Elsewhere: nothing. Safe to re-run, also after a failure.
+import os, re, subprocess, sys
 if "google.colab" in sys.modules:
-    if not os.path.exists("/content/rlhf-course"):
-        !git clone --depth 1 https://github.com/rlhf-first-principles/rlhf-transformerlens /content/rlhf-course
-        !grep -v -E "^(torch|jupyter|nbclient|nbformat|ipykernel)" /content/rlhf-course/requirements.txt > /tmp/colab-requirements.txt
-        %pip install -q -r /tmp/colab-requirements.txt
-    %cd /content/rlhf-course/chapters"""
+    COURSE_URL = os.environ.get("RLHF_COURSE_URL", "CLONE_URL")
+    COURSE_DIR = os.environ.get("RLHF_COURSE_DIR", "/content/rlhf-course")
+    if not os.path.isdir(os.path.join(COURSE_DIR, ".git")):
+        # GIT_TERMINAL_PROMPT=0: a wrong or private address fails at once instead of waiting for a password
+        clone = subprocess.run(["git", "clone", "--depth", "1", COURSE_URL, COURSE_DIR], capture_output=True,
+                               text=True, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        if clone.returncode != 0:
+            raise RuntimeError(f"Could not clone the course from {COURSE_URL}:\\n{clone.stderr.strip()}\\n"
+                               "Check that the runtime has internet access and that this address is the course's "
+                               "(a fork? set it in utils/notebooks.py, see README.md), then run this cell again.")
+    installed = os.path.join(COURSE_DIR, ".git", "course-installed")  # written only once an install succeeded
+    if not os.path.exists(installed):
+        with open(os.path.join(COURSE_DIR, "requirements.txt")) as f:
+            wanted = [line.strip() for line in f if line.strip() and not line.startswith("#")
+                      and not re.match(r"(torch|jupyter|nbclient|nbformat|ipykernel)\\b", line)]
+        print("Installing the course's requirements (a minute or two)...")
+        install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *wanted], capture_output=True,
+                                 text=True)
+        if install.returncode != 0:
+            raise RuntimeError(f"Installing the course's requirements failed:\\n{install.stderr.strip()[-3000:]}\\n"
+                               "Fix what pip says (or restart the runtime), then run this cell again: it retries.")
+        open(installed, "w").close()
+    os.chdir(os.path.join(COURSE_DIR, "chapters"))""".replace("CLONE_URL", CLONE_URL)
 MARKER = re.compile(r"^# %%(?: \[(?P<kind>\w+)\](?: (?P<arg>\w+))?)?\s*$")
 
 
@@ -137,7 +176,9 @@ def build(part: str) -> dict:
             cells.append((kind, text or COLAB_CELL, [kind]))
         elif kind == "setup":
             cells.append((kind, text, [kind]))
-        elif kind in ("markdown", "code"):
+        elif kind == "markdown":
+            cells.append((kind, text.replace(BADGE_PLACEHOLDER, colab_badge(part)), []))
+        elif kind == "code":
             cells.append((kind, text, []))
         else:
             raise ValueError(f"{part}: unknown cell kind [{kind}]")
@@ -158,7 +199,9 @@ def with_solutions(part: str):
     for cell in nb.cells:
         if "exercise" in cell.metadata.get("tags", []):
             (name,) = defined_names(cell.source)
-            cell.source = solution_source(part, name)
+            # @no_type_check exempts hot inner functions from the solutions' run-time shape checks (see
+            # solutions/__init__.py); a notebook has no such checks, and no such import
+            cell.source = re.sub(r"^[ \t]*@no_type_check\b.*\n", "", solution_source(part, name), flags=re.M)
     return nb
 
 

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Part 0 — Warm-up: log-probs, sampling and hooks on a TransformerLens model
 #
-# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/rlhf-first-principles/rlhf-transformerlens/blob/main/chapters/part0_warmup.ipynb)
+# {colab_badge}
 #
 # Every RL method in this course — PPO, GRPO, DPO, RLOO — is built from three moves on a language model:
 #
@@ -30,6 +30,10 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
+if not (ROOT / "utils" / "harness.py").exists():
+    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
+                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
+                       "jupyter lab chapters/")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

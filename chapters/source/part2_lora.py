@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Part 2 — LoRA written by hand, as hooks
 #
-# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/rlhf-first-principles/rlhf-transformerlens/blob/main/chapters/part2_lora.ipynb)
+# {colab_badge}
 #
 # Part 1 fine-tuned every weight of the model, and so needed a second, frozen copy of it as the reference for the
 # KL penalty. LoRA (Hu et al. 2021) trains a small low-rank update instead:
@@ -32,11 +32,16 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
+if not (ROOT / "utils" / "harness.py").exists():
+    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
+                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
+                       "jupyter lab chapters/")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from solutions.part0_warmup import completion_logprobs  # Part 0, solved
 from solutions.part1_ppo import PPOConfig, PPOTrainer    # Part 1, solved
+from utils.files import why_unreadable  # says why a file is not a safetensors file
 from utils.harness import check
 from utils.logger import samples_table
 from utils.models import count_parameters, load_model

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Part 3 — GRPO with the hook LoRA, on a task with a verifiable reward
 #
-# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/rlhf-first-principles/rlhf-transformerlens/blob/main/chapters/part3_grpo.ipynb)
+# {colab_badge}
 #
 # PPO needs a critic: a value head, its loss, its learning rate, and GAE to turn its guesses into advantages.
 # **GRPO** (Group Relative Policy Optimization, Shao et al. 2024, DeepSeekMath) throws all of that away. For each
@@ -38,6 +38,10 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
+if not (ROOT / "utils" / "harness.py").exists():
+    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
+                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
+                       "jupyter lab chapters/")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Part 4 — The reference model, in every form
 #
-# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/rlhf-first-principles/rlhf-transformerlens/blob/main/chapters/part4_reference.ipynb)
+# {colab_badge}
 #
 # Every method so far penalised the distance to a **reference model** with a KL term. "The reference" has taken
 # several forms already; this chapter lists them all, puts the choice **in one function**, and measures what
@@ -31,6 +31,10 @@ from jaxtyping import Float
 from torch import Tensor
 
 ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
+if not (ROOT / "utils" / "harness.py").exists():
+    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
+                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
+                       "jupyter lab chapters/")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

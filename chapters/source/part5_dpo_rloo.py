@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Part 5 — DPO and RLOO, with the hook LoRA, on additions
 #
-# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/rlhf-first-principles/rlhf-transformerlens/blob/main/chapters/part5_dpo_rloo.ipynb)
+# {colab_badge}
 #
 # Two ways to do without most of PPO.
 #
@@ -39,6 +39,10 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
+if not (ROOT / "utils" / "harness.py").exists():
+    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
+                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
+                       "jupyter lab chapters/")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
