@@ -143,15 +143,13 @@ class MistakeFinder:
                 if set(funcargs) & {"monkeypatch", "capsys", "capfd", "caplog"}:
                     continue
                 for mutant in likely(name):
-                    if (node, mutant) in _cache or (budget_s is not None and self.spent > budget_s):
+                    if (node, mutant) in _cache or self.out_of_time():
                         continue
-                    start = time.perf_counter()
                     kept, item.funcargs = item.funcargs, funcargs
                     try:
-                        run = self.replay(item, impl, name, mutant, state)
+                        run = self.timed_replay(item, impl, name, mutant, state)
                     finally:
                         item.funcargs = kept
-                    self.spent += time.perf_counter() - start
                     if not run.failed or run.where[1] in ("CheckFailure", "AssertionError", "Failed"):
                         _cache[(node, mutant)] = run
         except Exception:  # noqa: BLE001 - naming a mistake is a courtesy; it must never break the test run
@@ -179,10 +177,8 @@ class MistakeFinder:
         if exc is None and under_test is not None and not any(under_test is m for m in mutants):
             self.passed[item.nodeid] = (item, dict(item.funcargs), impl, name, mutants, state)
             for mutant in likely(name):  # candidates named by earlier failures must pass this test too
-                if (item.nodeid, mutant) not in _cache and (budget_s is None or self.spent <= budget_s):
-                    start = time.perf_counter()
-                    _cache[(item.nodeid, mutant)] = self.replay(item, impl, name, mutant, state)
-                    self.spent += time.perf_counter() - start
+                if (item.nodeid, mutant) not in _cache and not self.out_of_time():
+                    _cache[(item.nodeid, mutant)] = self.timed_replay(item, impl, name, mutant, state)
         if exc is None or isinstance(exc, (NotImplementedError, KeyboardInterrupt, SystemExit, pytest.skip.Exception)):
             return
         if not learner.observations and learner.where[1] == "AssertionError":
@@ -197,14 +193,23 @@ class MistakeFinder:
         for mutant in mutants:
             key = (item.nodeid, mutant)
             if key not in _cache:
-                if budget_s is not None and self.spent > budget_s:
+                if self.out_of_time():
                     return None  # out of time: this failure stays undiagnosed rather than half-diagnosed
-                start = time.perf_counter()
-                _cache[key] = self.replay(item, impl, name, mutant, state)
-                self.spent += time.perf_counter() - start
+                _cache[key] = self.timed_replay(item, impl, name, mutant, state)
             if same_run(_cache[key], learner):
                 matches.append(mutant)
         return matches
+
+    def out_of_time(self) -> bool:
+        return budget_s is not None and self.spent > budget_s
+
+    def timed_replay(self, item, impl, name: str, mutant, state: tuple) -> Run:
+        """replay(), with its time counted against the session's diagnosis budget."""
+        start = time.perf_counter()
+        try:
+            return self.replay(item, impl, name, mutant, state)
+        finally:
+            self.spent += time.perf_counter() - start
 
     @staticmethod
     def replay(item, impl, name: str, mutant, state: tuple) -> Run:

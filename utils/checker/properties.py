@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from utils.checker.compare import CheckFailure, assert_close, describe_difference, expect, show
-from utils.checker.observe import observe, same
+from utils.checker.observe import freeze, observe, same
 
 # --- gradients -----------------------------------------------------------------------------------------------
 
@@ -277,23 +277,17 @@ def assert_reproducible(fn: Callable, *args, what: str, generator_arg: str = "ge
     untouched = torch.equal(state, torch.get_rng_state())
     torch.manual_seed(1234)  # a different global state: must not matter
     again = fn(*args, **kwargs, **{generator_arg: seeded(0)})
-    expect(same(_frozen(first), _frozen(again), rtol=0, atol=0), f"{what} with the same seed twice",
+    expect(same(freeze(first), freeze(again), rtol=0, atol=0), f"{what} with the same seed twice",
            f"the same `{generator_arg}` seed gave different results: draw every random number from `{generator_arg}` "
            f"(e.g. torch.multinomial(p, 1, generator={generator_arg}), torch.randperm(n, generator={generator_arg}))",
-           observed=_frozen(again))
+           observed=freeze(again))
     expect(untouched, f"{what} and the global random state", f"the call drew from torch's global random state "
            f"although a `{generator_arg}` was given: pass generator={generator_arg} to every random function",
            observed=untouched)
     if differs:
         other = fn(*args, **kwargs, **{generator_arg: seeded(1)})
-        expect(not same(_frozen(first), _frozen(other), rtol=0, atol=0), f"{what} with seeds 0 and 1",
-               f"seeds 0 and 1 gave the same result: is `{generator_arg}` used at all?", observed=_frozen(other))
-
-
-def _frozen(value):
-    from utils.checker.observe import freeze
-
-    return freeze(value)
+        expect(not same(freeze(first), freeze(other), rtol=0, atol=0), f"{what} with seeds 0 and 1",
+               f"seeds 0 and 1 gave the same result: is `{generator_arg}` used at all?", observed=freeze(other))
 
 
 # --- refusals -----------------------------------------------------------------------------------------------
