@@ -1,6 +1,7 @@
-"""What the run-time shape contracts cost: the main job's GRPO step, and single calls of the loss functions, with
-the solutions' jaxtyping + beartype checks on (the default) and off (RLHF_SHAPE_CHECKS=0), each in its own process
-(the checks are installed when `solutions` is imported). A benchmark, not a test.
+"""What the run-time contracts cost: the main job's GRPO step, and single calls of the loss functions, with the
+solutions' checks on (the default: jaxtyping + beartype shapes, and utils/contracts.py's values) and off
+(RLHF_SHAPE_CHECKS=0 RLHF_VALUE_CHECKS=0), each in its own process (the checks are installed when `solutions` is
+imported). A benchmark, not a test.
 
     python bench/shape_checks.py            # 20 GRPO steps of the main job's settings, 3 processes each way
     python bench/shape_checks.py --json     # ... ending with a JSON line of the figures
@@ -44,7 +45,8 @@ print(json.dumps(out))
 
 
 def measure(checks: bool, steps: int) -> dict:
-    env = {**os.environ, "RLHF_SHAPE_CHECKS": "1" if checks else "0", "HF_HUB_OFFLINE": "1"}
+    flag = "1" if checks else "0"
+    env = {**os.environ, "RLHF_SHAPE_CHECKS": flag, "RLHF_VALUE_CHECKS": flag, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-c", MEASURE.format(root=str(ROOT), steps=steps)], env=env,
                             capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -138,6 +138,8 @@ def addition_accuracy(model, pairs: list[tuple[int, int]], batch_size: int = 512
     """Greedy exact-match accuracy of `model` on the additions `pairs` (answer then EOS, nothing else)."""
     from utils.sampling import sample
 
+    if not pairs:
+        raise ValueError("addition_accuracy needs at least one (a, b) pair: the accuracy of no answers is undefined")
     correct = 0
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start:start + batch_size]

@@ -8,7 +8,11 @@ from torch import Tensor
 
 
 def masked_mean(x: Float[Tensor, "..."], mask: Bool[Tensor, "..."], dim: int | None = None) -> Tensor:
-    """Mean of `x` over the positions where `mask` is True (over all of them, or along `dim`)."""
+    """Mean of `x` over the positions where `mask` is True (over all of them, or along `dim`). `x` and `mask` have
+    the same shape: a broadcast would silently average over the wrong positions."""
+    if x.shape != mask.shape:
+        raise ValueError(f"masked_mean: x has shape {tuple(x.shape)} but mask {tuple(mask.shape)}; they must be the "
+                         "same")
     mask = mask.to(x.dtype)
     if dim is None:
         count = mask.sum()

@@ -106,7 +106,7 @@ def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: flo
     bridge's weights (plus a LoRA model's `weight_updates()`, merged) and refuses to run while a hook is active;
     "auto" (the default) takes "lean" whenever it can compute exactly what "bridge" would, else "bridge".
     """
-    if temperature < 0:
+    if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
