@@ -14,6 +14,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from utils.contracts import (a_finite_value_per_row, a_number, at_least, at_most_size, contract, d_model_of, layer_of, optional, token_ids_of,
+                             within_context)
 from utils.data import addition_accuracy, addition_pairs
 from utils.logger import print_figures, samples_table
 from utils.models import load_model
@@ -23,6 +25,7 @@ from utils.sampling import Samples, sample
 
 # --- 1. Log-probs of given tokens --------------------------------------------------------------------------
 
+@contract(token_ids_of("tokens", "logits"), no_nan=("logits",))
 def get_logprobs(
     logits: Float[Tensor, "batch seq vocab"],
     tokens: Int[Tensor, "batch seq"],
@@ -41,6 +44,10 @@ def get_logprobs(
 
 # --- 2. Sampling one token: temperature and top-k ----------------------------------------------------------
 
+@contract(at_most_size("top_k", "logits", -1, "the vocabulary's tokens"), a_finite_value_per_row("logits"),
+          no_nan=("logits",),
+          temperature=at_least(0.0, "0 is greedy; below 0 the least likely tokens would win"),
+          top_k=optional(at_least(1, "None keeps the whole vocabulary")))
 def sample_next_token(
     logits: Float[Tensor, "batch vocab"],
     temperature: float = 1.0,
@@ -62,6 +69,9 @@ def sample_next_token(
 # --- 3. A sampling loop, without a KV cache ----------------------------------------------------------------
 
 @torch.no_grad()
+@contract(within_context("tokens", "max_new_tokens"), max_new_tokens=at_least(0),
+          temperature=at_least(0.0, "0 is greedy; below 0 the least likely tokens would win"),
+          top_k=optional(at_least(1, "None keeps the whole vocabulary")))
 def generate_no_cache(
     model,
     tokens: Int[Tensor, "batch pos"],
@@ -94,6 +104,7 @@ def completion_logprobs(model, samples: Samples) -> Float[Tensor, "batch gen"]:
 
 # --- 5. A forward hook that changes an activation ----------------------------------------------------------
 
+@contract(finite=("direction",), scale=a_number())
 def make_steering_hook(direction: Float[Tensor, "d_model"], scale: float) -> Callable:
     """A TransformerLens hook function that adds `scale * direction` to the residual stream at every position."""
 
@@ -103,6 +114,7 @@ def make_steering_hook(direction: Float[Tensor, "d_model"], scale: float) -> Cal
     return hook
 
 
+@contract(layer_of("layer"), d_model_of("direction"), finite=("direction",), scale=a_number())
 def steered_logprobs(
     model,
     tokens: Int[Tensor, "batch seq"],

@@ -28,6 +28,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from solutions.part0_warmup import get_logprobs
+from utils.contracts import above, at_least, between, check_fields, contract, needs, nonempty, one_of, optional
 from utils.data import NEGATIVE, POSITIVE
 from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean, masked_var, masked_whiten
@@ -92,6 +93,7 @@ def completion_slice(
 
 # --- 2. Rewards ---------------------------------------------------------------------------------------------
 
+@contract(char=nonempty("an empty string would be counted between every two characters"))
 def reward_char_count(texts: list[str], char: str = ".") -> Float[Tensor, "batch"]:
     """How many times `char` appears in each text, as a float tensor."""
     return torch.tensor([float(text.count(char)) for text in texts])
@@ -144,6 +146,7 @@ def load_sentiment_classifier(name: str = "lvwerra/distilbert-imdb", device: tor
     return classifier.to(device or ("cuda" if torch.cuda.is_available() else "cpu")), AutoTokenizer.from_pretrained(name)
 
 
+@contract(eps=above(0.0, "it keeps the division by a standard deviation of 0 finite"))
 def normalize_rewards(rewards: Float[Tensor, "batch"], eps: float = 1e-5) -> Float[Tensor, "batch"]:
     """Rewards shifted to mean 0 and scaled to standard deviation 1 over the batch: (rewards - mean) / (std + eps),
     with the population standard deviation (unbiased=False).
@@ -159,6 +162,8 @@ def normalize_rewards(rewards: Float[Tensor, "batch"], eps: float = 1e-5) -> Flo
 # --- 3. Advantages and returns ------------------------------------------------------------------------------
 
 @torch.no_grad()
+@contract(finite=("values", "rewards"), gamma=between(0.0, 1.0, "the discount"),
+          lam=between(0.0, 1.0, "GAE's lambda mixes 1-step (0) and Monte Carlo (1) estimates"))
 def compute_advantages(
     values: Float[Tensor, "batch gen"],
     rewards: Float[Tensor, "batch"],
@@ -194,6 +199,7 @@ def compute_advantages(
 
 # --- 4. The KL penalty: exact, and sampled -------------------------------------------------------------------
 
+@contract(no_nan=("logits", "ref_logits"))
 def kl_exact(
     logits: Float[Tensor, "batch gen vocab"],
     ref_logits: Float[Tensor, "batch gen vocab"],
@@ -206,6 +212,7 @@ def kl_exact(
     return kl * completion_mask
 
 
+@contract(no_nan=("logprobs", "ref_logprobs"))
 def kl_k1(
     logprobs: Float[Tensor, "batch gen"],
     ref_logprobs: Float[Tensor, "batch gen"],
@@ -218,6 +225,7 @@ def kl_k1(
     return (logprobs - ref_logprobs) * completion_mask
 
 
+@contract(no_nan=("logprobs", "ref_logprobs"))
 def kl_k3(
     logprobs: Float[Tensor, "batch gen"],
     ref_logprobs: Float[Tensor, "batch gen"],
@@ -234,6 +242,7 @@ def kl_k3(
 
 # --- 5. The three losses -------------------------------------------------------------------------------------
 
+@contract(no_nan=("logits",))
 def entropy(
     logits: Float[Tensor, "batch gen vocab"],
     completion_mask: Bool[Tensor, "batch gen"],
@@ -243,15 +252,32 @@ def entropy(
     return -(logprobs.exp() * logprobs).sum(dim=-1) * completion_mask
 
 
+@contract(needs("old_values", when="clip", why="the values stored at rollout time, to clip around"), tensors="loss",
+          clip=optional(at_least(0.0, "each value moves at most clip from its old value")))
 def value_loss(
     values: Float[Tensor, "batch gen"],
     returns: Float[Tensor, "batch gen"],
     completion_mask: Bool[Tensor, "batch gen"],
+    old_values: Float[Tensor, "batch gen"] | None = None,
+    clip: float | None = None,
 ) -> Float[Tensor, ""]:
-    """0.5 * mean squared error between the values and the (fixed) returns, over the valid tokens."""
-    return 0.5 * masked_mean((values - returns.detach()) ** 2, completion_mask)
+    """0.5 * mean squared error between the values and the (fixed) returns, over the valid tokens.
+
+    With `clip` (not None), each token's error is the larger of (values - returns)^2 and (v_clipped - returns)^2,
+    where v_clipped = old_values + clamp(values - old_values, -clip, clip): CleanRL's `clip_vloss`, TRL's
+    `cliprange_value`. A value that has moved more than clip from its old value towards the return then gets no
+    gradient; one that moved away from it still does. The old values are constants, like the returns. Without
+    clip, old_values is not used; clip without old_values is refused (ValueError).
+    """
+    errors = (values - returns.detach()) ** 2
+    if clip is not None:
+        old = old_values.detach()
+        clipped = old + (values - old).clamp(-clip, clip)
+        errors = torch.maximum(errors, (clipped - returns.detach()) ** 2)  # the pessimistic one, as in the surrogate
+    return 0.5 * masked_mean(errors, completion_mask)
 
 
+@contract(tensors="loss", clip_eps=at_least(0.0, "the ratio is clipped to [1 - clip_eps, 1 + clip_eps]"))
 def clipped_surrogate(
     logprobs: Float[Tensor, "batch gen"],
     old_logprobs: Float[Tensor, "batch gen"],
@@ -271,6 +297,11 @@ def clipped_surrogate(
     return masked_mean(torch.minimum(unclipped, clipped), completion_mask)
 
 
+@contract(needs("old_values", when="clip_value", why="the values stored at rollout time, to clip around"),
+          tensors="loss", clip_eps=at_least(0.0, "the ratio is clipped to [1 - clip_eps, 1 + clip_eps]"),
+          vf_coef=at_least(0.0, "a weight of a term to minimise"), ent_coef=at_least(0.0, "a weight of a bonus"),
+          kl_coef=at_least(0.0, "a negative KL weight would push the policy away from the reference"),
+          clip_value=optional(at_least(0.0, "each value moves at most clip_value from its old value")))
 def ppo_loss(
     logits: Float[Tensor, "batch gen vocab"],
     values: Float[Tensor, "batch gen"],
@@ -284,15 +315,18 @@ def ppo_loss(
     vf_coef: float = 0.5,
     ent_coef: float = 0.001,
     kl_coef: float = 0.2,
+    old_values: Float[Tensor, "batch gen"] | None = None,
+    clip_value: float | None = None,
 ) -> tuple[Float[Tensor, ""], dict[str, float]]:
     """The loss to minimise on one minibatch, and its four terms (as floats, for logging).
 
     loss = -clipped_surrogate + vf_coef * value_loss - ent_coef * entropy + kl_coef * KL, where the entropy and
     the exact KL(policy || reference) are averaged over the valid tokens. Every input is at the completion
-    positions (logits and values through completion_slice). The terms: {"objective", "value_loss", "entropy", "kl"}.
+    positions (logits and values through completion_slice). The value loss is clipped around old_values when
+    clip_value is not None (value_loss's `clip`). The terms: {"objective", "value_loss", "entropy", "kl"}.
     """
     objective = clipped_surrogate(logprobs, old_logprobs, advantages, completion_mask, clip_eps)
-    v_loss = value_loss(values, returns, completion_mask)
+    v_loss = value_loss(values, returns, completion_mask, old_values, clip_value)
     ent = masked_mean(entropy(logits, completion_mask), completion_mask)
     kl = masked_mean(kl_exact(logits, ref_logits, completion_mask), completion_mask)
     # The objective and the entropy are to be maximised, the value loss and the KL minimised: hence the signs.
@@ -303,6 +337,7 @@ def ppo_loss(
 
 # --- 6. Minibatches and the optimiser ------------------------------------------------------------------------
 
+@contract(n=at_least(1, "a batch of no samples has no minibatch"), minibatch_size=at_least(1))
 def get_minibatch_indices(
     n: int,
     minibatch_size: int,
@@ -318,6 +353,8 @@ def get_minibatch_indices(
     return list(torch.randperm(n, generator=generator).split(minibatch_size))
 
 
+@contract(lr_model=at_least(0.0), lr_head=at_least(0.0), warmup_steps=at_least(0), total_steps=at_least(0),
+          final_lr_fraction=between(0.0, 1.0, "the learning rate decays to this fraction of its peak"))
 def make_optimizer(
     policy: PolicyWithValueHead,
     lr_model: float,
@@ -345,21 +382,29 @@ def make_optimizer(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
-# --- 7. The trainer ------------------------------------------------------------------------------------------
+# --- 7. The loop: a rollout phase, then a learning phase, repeated -------------------------------------------
 
 @dataclass
 class ReplayMemory:
-    """One rollout phase's samples and what was computed from them, to be replayed in minibatches."""
+    """One rollout phase's samples and what was computed from them, to be replayed in minibatches.
+
+    Every tensor is a constant (computed under torch.no_grad()); the per-token ones are 0 outside completion_mask.
+    """
 
     ids: Int[Tensor, "batch seq"]
     attention_mask: Int[Tensor, "batch seq"]
     completion_mask: Bool[Tensor, "batch gen"]
     prompt_len: int
     logprobs: Float[Tensor, "batch gen"]          # under the policy that sampled them (the "old" policy)
-    values: Float[Tensor, "batch gen"]
-    advantages: Float[Tensor, "batch gen"]
-    returns: Float[Tensor, "batch gen"]
+    values: Float[Tensor, "batch gen"]            # the value head's before each token is chosen: the clip's old values
+    advantages: Float[Tensor, "batch gen"]        # GAE, from the (normalised) rewards: not yet whitened
+    returns: Float[Tensor, "batch gen"]           # advantages + values: the value head's targets
     ref_logits: Float[Tensor, "batch gen vocab"]  # the reference model's next-token logits, for the exact KL
+    # For the logs only (the learning phase never reads them):
+    ref_logprobs: Float[Tensor, "batch gen"]      # the sampled tokens' log-probs under the reference
+    kl: Float[Tensor, "batch gen"]                # kl_exact(policy, reference) per token, at sampling time
+    rewards: Float[Tensor, "batch"]               # reward_fn's scores, before any normalisation
+    texts: list[str]                              # the completions, decoded
 
     def minibatches(self, minibatch_size: int, generator: torch.Generator | None = None):
         """Yield dicts of the same fields, cut along the batch by `get_minibatch_indices`."""
@@ -386,6 +431,7 @@ class PPOConfig:
     warmup_steps: int = 10                 # optimiser steps
     final_lr_fraction: float = 0.1
     clip_eps: float = 0.2
+    clip_value: float | None = None        # clip the value loss around the rollout's values (CleanRL, TRL: 0.2)
     vf_coef: float = 0.5
     ent_coef: float = 0.001
     kl_coef: float = 0.2                   # beta: the weight of the exact KL to the reference in the loss
@@ -401,6 +447,27 @@ class PPOConfig:
     device: str | None = None
     wandb: bool = False
 
+    # Each setting's contract, checked when a config is made or replaced (utils/contracts.py)
+    RULES = {
+        "reward": one_of("periods", "sentiment", "classifier"), "prompts": nonempty("every sample needs a prompt"),
+        "phases": at_least(0, "0 only measures the starting model"), "batch_size": at_least(1),
+        "minibatch_size": at_least(1), "epochs": at_least(1), "max_new_tokens": at_least(1),
+        "temperature": at_least(0.0, "0 is greedy"), "lr_model": at_least(0.0), "lr_head": at_least(0.0),
+        "warmup_steps": at_least(0), "final_lr_fraction": between(0.0, 1.0),
+        "clip_eps": at_least(0.0, "the ratio is clipped to [1 - clip_eps, 1 + clip_eps]"),
+        "clip_value": optional(at_least(0.0, "each value moves at most clip_value from its rollout value")),
+        "vf_coef": at_least(0.0), "ent_coef": at_least(0.0),
+        "kl_coef": at_least(0.0, "a negative KL weight would push the policy away from the reference"),
+        "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "max_grad_norm": above(0.0),
+        "value_hidden": at_least(1), "table_every": at_least(1), "table_rows": at_least(0),
+    }
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.batch_size % self.minibatch_size:
+            raise ValueError(f"PPOConfig: batch_size ({self.batch_size}) must be a multiple of minibatch_size "
+                             f"({self.minibatch_size}), so that every sample is in exactly one minibatch")
+
     @classmethod
     def gpt2(cls, **overrides) -> "PPOConfig":
         """GPT-2 small on a GPU: a gentler learning rate and a bigger batch; the '.' reward still works."""
@@ -412,8 +479,98 @@ class PPOConfig:
         return self.phases * self.epochs * (self.batch_size // self.minibatch_size)
 
 
+def rollout(
+    policy: PolicyWithValueHead,
+    reference: nn.Module,
+    reward_fn: Callable[[list[str]], Tensor],
+    prompts: list[str],
+    cfg: PPOConfig,
+) -> ReplayMemory:
+    """The rollout phase: sample one completion per prompt, score it, and store everything the updates will need.
+
+    Under torch.no_grad() (the memory holds constants, no graph): sample from the policy's own model (`sample`, with
+    cfg.max_new_tokens and cfg.temperature); one forward pass of the policy (logits and values) and one of the
+    reference on the samples; the sampled tokens' log-probs under both, logits and values cut to the completion
+    positions with completion_slice, per-token tensors 0 outside the completion mask; rewards = reward_fn(texts),
+    normalised with normalize_rewards if cfg.normalize_rewards; GAE advantages and returns (cfg.gamma, cfg.lam);
+    kl_exact of the policy against the reference per token. Fills every field of ReplayMemory (`rewards`: the raw
+    scores, before normalisation).
+    """
+    with torch.no_grad():
+        samples = sample(policy.model, prompts, cfg.max_new_tokens, cfg.temperature)
+        p, mask = samples.prompt_len, samples.completion_mask
+        logits, values = policy(samples.ids, samples.attention_mask)
+        ref_logits = reference(samples.ids, attention_mask=samples.attention_mask)  # hooks off: no LoRA, no head
+        logprobs = get_logprobs(logits, samples.ids, p) * mask
+        ref_logprobs = get_logprobs(ref_logits, samples.ids, p) * mask
+        gen_logits, gen_ref_logits = completion_slice(logits, p), completion_slice(ref_logits, p)
+        values = completion_slice(values, p) * mask  # the value *before* each completion token is chosen
+        rewards = reward_fn(samples.texts).to(values.device)
+        scaled = normalize_rewards(rewards) if cfg.normalize_rewards else rewards
+        advantages, returns = compute_advantages(values, scaled, mask, cfg.gamma, cfg.lam)
+        kl = kl_exact(gen_logits, gen_ref_logits, mask)
+    return ReplayMemory(samples.ids, samples.attention_mask, mask, p, logprobs, values, advantages, returns,
+                        gen_ref_logits, ref_logprobs, kl, rewards, samples.texts)
+
+
+def learn(
+    policy: PolicyWithValueHead,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    memory: ReplayMemory,
+    cfg: PPOConfig,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """The learning phase: cfg.epochs passes over the memory, one optimiser step per minibatch.
+
+    Each pass draws its minibatches with memory.minibatches(cfg.minibatch_size, generator). For each: one forward
+    pass of the policy; the log-probs of the sampled tokens now; the minibatch's advantages, whitened over its valid
+    tokens (masked_whiten) if cfg.normalize_advantages; ppo_loss against the memory's old log-probs, returns and
+    reference logits, with cfg's coefficients and, for the value clip (cfg.clip_value), the memory's values as the
+    old values; then zero the gradients, backpropagate, clip the norm of all the policy's gradients to
+    cfg.max_grad_norm, step the optimiser, step the scheduler. The memory is left unchanged.
+
+    Returns the mean over the steps of: the four terms of ppo_loss ("objective", "value_loss", "entropy", "kl");
+    "clip_fraction", the share of valid tokens whose ratio new/old lies outside [1 - clip_eps, 1 + clip_eps];
+    "approx_kl", the mean over valid tokens of kl_k3(old log-probs, new log-probs), an estimate of KL(old || new);
+    "grad_norm", the norm before clipping (what clip_grad_norm_ returns). The last three use the log-probs of the
+    forward pass, before that step's update.
+    """
+    stats: dict[str, list[float]] = {}
+    for _ in range(cfg.epochs):
+        for mb in memory.minibatches(cfg.minibatch_size, generator):
+            p, mask = mb["prompt_len"], mb["completion_mask"]
+            logits, values = policy(mb["ids"], mb["attention_mask"])
+            logprobs = get_logprobs(logits, mb["ids"], p)
+            advantages = masked_whiten(mb["advantages"], mask) if cfg.normalize_advantages else mb["advantages"]
+            loss, terms = ppo_loss(completion_slice(logits, p), completion_slice(values, p), logprobs,
+                                   mb["logprobs"], advantages, mb["returns"], mb["ref_logits"], mask,
+                                   cfg.clip_eps, cfg.vf_coef, cfg.ent_coef, cfg.kl_coef, mb["values"], cfg.clip_value)
+
+            optimizer.zero_grad(set_to_none=True)  # else this step would add the last minibatch's gradient
+            loss.backward()
+            grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()  # the schedule counts optimiser steps
+
+            with torch.no_grad():
+                log_ratio = logprobs - mb["logprobs"]  # log(new / old) per token
+                # CleanRL's clip fraction: |ratio - 1| > eps whatever the advantage's sign (Part 3's is TRL's,
+                # which counts a token only where the clip actually cuts its gradient).
+                clipped = ((log_ratio.exp() - 1).abs() > cfg.clip_eps).float()
+                # kl_k3(p, q) estimates KL(p || q) from tokens sampled from p: these came from the old policy, so its
+                # log-probs go first (CleanRL's approx_kl).
+                step = terms | {"clip_fraction": masked_mean(clipped, mask).item(),
+                                "approx_kl": masked_mean(kl_k3(mb["logprobs"], logprobs, mask), mask).item(),
+                                "grad_norm": grad_norm.item()}
+            for key, value in step.items():
+                stats.setdefault(key, []).append(value)
+    return {key: sum(values) / len(values) for key, values in stats.items()}
+
+
 class PPOTrainer:
-    """Rollout phase (sample, score, compute advantages), then learning phase (minibatch updates), repeated.
+    """Rollout phase (`rollout`: sample, score, compute advantages), then learning phase (`learn`: minibatch
+    updates), cfg.phases times, logging what practitioners watch.
 
     Without `reference`, this is full fine-tuning: the reference is a frozen copy of the starting weights (2x the
     model's memory). Part 2 passes a LoRA model as `model` and its base model as `reference`.
@@ -456,73 +613,35 @@ class PPOTrainer:
             raise ValueError(f"unknown reward {self.cfg.reward!r}: choose 'periods', 'sentiment' or 'classifier'")
         return rewards[self.cfg.reward]
 
-    @torch.no_grad()
     def rollout_phase(self) -> ReplayMemory:
+        """One call of `rollout` on cfg.batch_size prompts (cycling through cfg.prompts); logs and prints its samples."""
         cfg = self.cfg
         prompts = [cfg.prompts[i % len(cfg.prompts)] for i in range(cfg.batch_size)]
-        samples = sample(self.model, prompts, cfg.max_new_tokens, cfg.temperature)
-        p, mask = samples.prompt_len, samples.completion_mask
-        logits, values = self.policy(samples.ids, samples.attention_mask)
-        ref_logits = self.reference(samples.ids, attention_mask=samples.attention_mask)
-        logprobs = get_logprobs(logits, samples.ids, p) * mask
-        ref_logprobs = get_logprobs(ref_logits, samples.ids, p) * mask
-        gen_logits, gen_ref_logits = completion_slice(logits, p), completion_slice(ref_logits, p)
-        values = completion_slice(values, p) * mask  # the value *before* each completion token is chosen
-        rewards = self.reward_fn(samples.texts).to(values.device)
-        scaled = normalize_rewards(rewards) if cfg.normalize_rewards else rewards
-        advantages, returns = compute_advantages(values, scaled, mask, cfg.gamma, cfg.lam)
-
-        kl = kl_exact(gen_logits, gen_ref_logits, mask).sum(dim=1)  # per sample: summed over its tokens
+        memory = rollout(self.policy, self.reference, self.reward_fn, prompts, cfg)
+        mask, rewards = memory.completion_mask, memory.rewards
+        kl = memory.kl.sum(dim=1)  # per sample: summed over its tokens
         # How much of the returns' variance the value head predicted (CleanRL's measure): 1 is perfect, 0 is no
         # better than a constant. Undefined when every reward is the same (the normalised returns are all ~0).
-        returns_var = masked_var(returns, mask)
-        explained = (1 - masked_var(returns - values, mask) / returns_var).item() if returns_var > 1e-4 else math.nan
+        returns_var = masked_var(memory.returns, mask)
+        explained = (1 - masked_var(memory.returns - memory.values, mask) / returns_var).item() \
+            if returns_var > 1e-4 else math.nan
         self.logger.log({"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-                         "explained_variance": explained,
-                         "kl": kl.mean().item(), "kl_k1": kl_k1(logprobs, ref_logprobs, mask).sum(1).mean().item(),
+                         "explained_variance": explained, "kl": kl.mean().item(),
+                         "kl_k1": kl_k1(memory.logprobs, memory.ref_logprobs, mask).sum(1).mean().item(),
                          "completion_tokens": mask.sum(dim=1).float().mean().item()}, step=self.phase)
         if self.phase % cfg.table_every == 0 or self.phase == cfg.phases - 1:
             n = cfg.table_rows
             rows = [{"reward": r.item(), "ref log-prob": lp.item(), "prompt": pr, "completion": t}
-                    for r, lp, pr, t in zip(rewards[:n], ref_logprobs.sum(1)[:n], samples.prompts, samples.texts)]
+                    for r, lp, pr, t in zip(rewards[:n], memory.ref_logprobs.sum(1)[:n], prompts, memory.texts)]
             tqdm.write(f"\nphase {self.phase}: mean reward {rewards.mean():.3f}, KL {kl.mean():.3f}\n"
                        + samples_table(rows))
-        return ReplayMemory(samples.ids, samples.attention_mask, mask, p, logprobs, values, advantages, returns,
-                            gen_ref_logits)
+        return memory
 
     def learning_phase(self, memory: ReplayMemory) -> None:
-        cfg = self.cfg
-        stats: dict[str, list[float]] = {k: [] for k in ("clip_fraction", "approx_kl", "entropy", "value_loss")}
-        for _ in range(cfg.epochs):
-            for mb in memory.minibatches(cfg.minibatch_size, self.generator):
-                p, mask = mb["prompt_len"], mb["completion_mask"]
-                logits, values = self.policy(mb["ids"], mb["attention_mask"])
-                logprobs = get_logprobs(logits, mb["ids"], p)
-                advantages = mb["advantages"]
-                if cfg.normalize_advantages:
-                    advantages = masked_whiten(advantages, mask)
-                loss, terms = ppo_loss(completion_slice(logits, p), completion_slice(values, p), logprobs,
-                                       mb["logprobs"], advantages, mb["returns"], mb["ref_logits"], mask,
-                                       cfg.clip_eps, cfg.vf_coef, cfg.ent_coef, cfg.kl_coef)
-
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
-                self.optimizer.step()
-                self.scheduler.step()
-
-                with torch.no_grad():
-                    log_ratio = logprobs - mb["logprobs"]  # log(new / old) per token
-                    stats["clip_fraction"].append(masked_mean(((log_ratio.exp() - 1).abs() > cfg.clip_eps).float(),
-                                                              mask).item())
-                    # kl_k3(p, q) estimates KL(p || q) from tokens sampled from p. These were sampled from the old
-                    # policy, so its log-probs go first: (r - 1) - log r with r = new / old, CleanRL's approx_kl,
-                    # an estimate of KL(old || new).
-                    stats["approx_kl"].append(masked_mean(kl_k3(mb["logprobs"], logprobs, mask), mask).item())
-                    stats["entropy"].append(terms["entropy"])
-                    stats["value_loss"].append(terms["value_loss"])
-        self.logger.log({k: sum(v) / len(v) for k, v in stats.items()} | {"lr_model": self.scheduler.get_last_lr()[0]},
-                        step=self.phase)
+        """One call of `learn` on the memory; logs its statistics (the loss's per-token KL as kl_per_token)."""
+        stats = learn(self.policy, self.optimizer, self.scheduler, memory, self.cfg, self.generator)
+        stats["kl_per_token"] = stats.pop("kl")  # "kl" is the rollout's KL per sample
+        self.logger.log(stats | {"lr_model": self.scheduler.get_last_lr()[0]}, step=self.phase)
 
     def train(self) -> RunLogger:
         for self.phase in tqdm(range(self.cfg.phases), desc="PPO phases"):

@@ -34,6 +34,7 @@ from utils.models import count_parameters, load_model
 from utils.logger import print_figures
 from utils.plotting import plot_curves
 from utils import cli
+from utils.contracts import above, at_least, contract, nonempty, not_a_folder
 from utils.files import why_unreadable
 from utils.sampling import Samples
 
@@ -61,6 +62,7 @@ class LoRA(nn.Module):
     forward maps [..., d_in] to [..., d_out].
     """
 
+    @contract(rank=at_least(1), alpha=above(0.0, "the update is scaled by alpha / rank: 0 would switch it off"))
     def __init__(self, d_in: int, d_out: int, rank: int = 8, alpha: float = 16.0):
         super().__init__()
         self.A = nn.Parameter(torch.empty(rank, d_in))
@@ -72,6 +74,8 @@ class LoRA(nn.Module):
         return (x @ self.A.T) @ self.B.T * self.scale
 
 
+@contract(rank=at_least(1), alpha=above(0.0, "the update is scaled by alpha / rank: 0 would switch it off"),
+          targets=nonempty("with no target there is nothing to train"))
 def make_adapters(model, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] = ("q", "k", "v", "o"),
                   ) -> nn.ModuleDict:
     """One LoRA per block and target, keyed "L{layer}_{target}" (e.g. "L0_q"), on the model's device."""
@@ -124,6 +128,8 @@ class LoRAModel(nn.Module):
 
     def __init__(self, base, adapters: nn.ModuleDict):
         super().__init__()
+        for key in adapters:
+            base_weight(base, key)  # refuses a key that names no weight of this model
         self.base, self.adapters = base, adapters
 
     @property
@@ -199,8 +205,12 @@ def freeze_base(model, adapters: nn.ModuleDict) -> tuple[int, int]:
 
 def base_weight(model, key: str) -> tuple[nn.Parameter, bool]:
     """The base weight that adapter `key` updates, and whether it is stored [d_in, d_out] (GPT-2's Conv1D)
-    rather than [d_out, d_in] (nn.Linear)."""
-    layer, target = key[1:].split("_", 1)
+    rather than [d_out, d_in] (nn.Linear). Raises a ValueError for a key that names no weight of this model."""
+    layer, _, target = key[1:].partition("_")
+    if not (key.startswith("L") and layer.isdigit() and int(layer) < model.cfg.n_layers and target in TARGETS):
+        raise ValueError(f"adapter key {key!r} names no weight of this model: keys are 'L<layer>_<target>' with a "
+                         f"layer from 0 to {model.cfg.n_layers - 1} and a target in {list(TARGETS)}, as "
+                         "make_adapters(model, ...) names them")
     block = model.blocks[int(layer)]
     projection = {"q": block.attn.q, "k": block.attn.k, "v": block.attn.v, "o": block.attn.o,
                   "mlp_in": getattr(block.mlp, "in"), "mlp_out": block.mlp.out}[target]
@@ -226,6 +236,7 @@ def unmerge_lora(model, adapters: nn.ModuleDict) -> None:
 
 # --- 6. Saving and loading an adapter ---------------------------------------------------------------------------
 
+@contract(path=not_a_folder("save_adapter writes one file: name it inside the folder, e.g. folder/adapter.safetensors"))
 def save_adapter(adapters: nn.ModuleDict, path: str | Path) -> None:
     """Write the adapters' A and B tensors to a safetensors file, with rank and alpha in its metadata.
 

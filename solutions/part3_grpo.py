@@ -10,7 +10,10 @@ GRPO (Shao et al. 2024, DeepSeekMath) drops PPO's value head: it samples a group
 and uses each completion's reward relative to its group as the advantage of all its tokens. `group_advantages`
 and `grpo_loss` follow the definitions of TRL's GRPOTrainer (trl 1.x, `_generate_and_score_completions` and
 `_compute_loss`), loss types and all, down to completions that no reward function judged (left out of their group's
-baseline, advantage 0); tests/test_part3_grpo.py checks them against TRL's own code when it is installed.
+baseline, advantage 0), with one difference on purpose: a group whose rewards are all equal gets advantages of
+exactly 0, where TRL keeps the float rounding of its mean (see group_advantages). tests/test_part3_grpo.py checks
+them against TRL's own code when it is installed. `grpo_step` is one training step made of these pieces; the
+trainer calls it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from solutions.part1_ppo import kl_k3, reward_char_count
 from solutions.part2_lora import LoRAModel, freeze_base, load_adapter, make_adapters
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
 from utils.concurrency import run_sync
+from utils.contracts import (a_number, above, at_least, at_most, check_fields, contract, covers_width, distinct_names,
+                             nonempty, one_of, optional, same_length)
 from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean
 from utils.models import load_model
@@ -43,7 +48,7 @@ from utils import cli
 from utils.sampling import Samples, sample
 
 # Not exercises: the notebook shows them in full for the learner to read and run.
-PROVIDED = ("RewardFunction", "GRPOConfig", "GRPOTrainer")
+PROVIDED = ("RewardFunction", "GRPOConfig", "GRPOStepOutput", "GRPOTrainer")
 
 
 # --- 1. Sampling groups --------------------------------------------------------------------------------------
@@ -78,6 +83,7 @@ def completion_loss_mask(samples: Samples, mask_truncated_completions: bool = Fa
 
 # --- 2. Rewards, composed --------------------------------------------------------------------------------------
 
+@contract(same_length("prompts", "completions", "one prompt per completion"))
 def reward_exact_answer(prompts: list[str], completions: list[str]) -> list[float | None]:
     """1.0 if the completion is exactly the sum asked for in an "a+b=" prompt, else 0.0; None for a prompt that
     is not an addition (this reward does not judge it)."""
@@ -105,7 +111,15 @@ class RewardFunction:
     fn: Callable
     weight: float = 1.0
 
+    RULES = {"name": nonempty("it names the reward in the logs"), "weight": a_number()}
 
+    def __post_init__(self):
+        check_fields(self)
+
+
+@contract(same_length("prompts", "completions", "one prompt per completion"),
+          distinct_names("reward_functions"),
+          reward_functions=nonempty("a completion no function judges has no reward"))
 def compose_rewards(
     reward_functions: list[RewardFunction],
     prompts: list[str],
@@ -141,6 +155,8 @@ def compose_rewards(
 
 # --- 3. Group-relative advantages ------------------------------------------------------------------------------
 
+@contract(group_size=at_least(2, "an advantage is relative to the other completions of its group"),
+          eps=at_least(0.0, "below 0 it could cancel a standard deviation; 0 is safe: a group without spread is 0"))
 def group_advantages(
     rewards: Float[Tensor, "batch"],
     group_size: int,
@@ -158,7 +174,7 @@ def group_advantages(
     nan_to_num), it is left out of every mean and standard deviation, and its advantage is 0.
 
     Raises a ValueError when the rewards are not whole groups (1-D, a multiple of group_size long), when a reward is
-    infinite, or when `scale` is none of the three.
+    infinite, or when `scale` is none of the three (and, through its contract, when group_size < 2 or eps < 0).
     """
     if rewards.dim() != 1 or len(rewards) % group_size != 0:
         raise ValueError(f"rewards must be [n_prompts * group_size]; got shape {tuple(rewards.shape)} with "
@@ -199,6 +215,12 @@ def reference_logprobs(lora_model: LoRAModel, samples: Samples, beta: float) -> 
 
 # --- 5. The GRPO loss ------------------------------------------------------------------------------------------
 
+@contract(covers_width("max_completion_length", "mask", "'dr_grpo' divides by batch * max_completion_length, "
+                       "which must count every completion position"),
+          tensors="loss", epsilon=at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"),
+          epsilon_high=optional(at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")),
+          beta=at_least(0.0, "a negative KL weight would push the policy away from the reference"),
+          max_completion_length=optional(at_least(1)))
 def grpo_loss(
     logprobs: Float[Tensor, "batch gen"],
     old_logprobs: Float[Tensor, "batch gen"] | None,
@@ -217,10 +239,13 @@ def grpo_loss(
 
     Per token: -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * k3, with
     ratio = exp(logprobs - old_logprobs) (old_logprobs=None: on-policy, old = logprobs.detach(), so the ratio is
-    1 and still carries the gradient) and k3 = exp(ref - logp) - (ref - logp) - 1 (times the ratio with
-    use_bias_correction_kl). Aggregated over the `mask`ed tokens by loss_type:
-    "grpo": mean over each sequence's tokens, then over sequences; "bnpo" and "dapo": sum / number of tokens;
-    "dr_grpo": sum / (batch * max_completion_length), max_completion_length defaulting to mask.shape[1].
+    1 and still carries the gradient), epsilon_high=None meaning epsilon (0.0 is a value: no room above 1), and
+    k3 = exp(ref - logp) - (ref - logp) - 1, times the ratio with use_bias_correction_kl; that ratio is not detached
+    (as in TRL's `_compute_loss`, trl 1.16), so the term's expected gradient is the per-token reverse KL's rather
+    than the forward KL's that plain k3 gives. Aggregated over the tokens where `mask` is True, by loss_type:
+    "grpo": mean over each sequence's tokens, then over all sequences (one with no such token counts, with a
+    loss of 0, as in TRL); "bnpo" and "dapo": sum / number of tokens; "dr_grpo": sum / (batch *
+    max_completion_length), max_completion_length defaulting to mask.shape[1]. No token at all gives 0, not NaN.
 
     Raises a ValueError for an unknown loss_type, and when beta != 0 comes without ref_logprobs.
     """
@@ -278,6 +303,24 @@ class GRPOConfig:
     device: str | None = None
     wandb: bool = False
 
+    # Each setting's contract, checked when a config is made or replaced (utils/contracts.py)
+    RULES = {
+        "task": one_of("addition", "periods"), "steps": at_least(0, "0 only evaluates the starting model"),
+        "n_prompts": at_most(len(addition_pairs("train")), "prompts are drawn without replacement from the additions"),
+        "group_size": at_least(2, "an advantage is relative to the other completions of its group"),
+        "max_new_tokens": at_least(1), "temperature": at_least(0.0, "0 is greedy"), "lr": above(0.0),
+        "lora_rank": at_least(1), "lora_alpha": above(0.0, "the update is scaled by alpha / rank"),
+        "beta": at_least(0.0, "0 turns the KL term off"),
+        "epsilon": at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"),
+        "epsilon_high": optional(at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")),
+        "loss_type": one_of("grpo", "bnpo", "dapo", "dr_grpo"), "scale_rewards": one_of("group", "batch", "none"),
+        "num_iterations": at_least(1), "format_weight": at_least(0.0), "max_grad_norm": above(0.0),
+        "eval_every": at_least(0, "0: never"), "table_every": at_least(1),
+    }
+
+    def __post_init__(self):
+        check_fields(self)
+
     @classmethod
     def gpt2(cls, **overrides) -> "GRPOConfig":
         """GPT-2 small on a GPU, on the '.' count of Part 1 (GPT-2 has never seen our additions)."""
@@ -286,8 +329,73 @@ class GRPOConfig:
                            eval_every=0), **overrides)
 
 
+@dataclass
+class GRPOStepOutput:
+    """What one GRPO step did, for the trainer's logs and tables (grpo_step returns it)."""
+
+    loss: float                                   # the last update's loss
+    samples: Samples                              # the groups sampled from the policy
+    rewards: Float[Tensor, "batch"]               # compose_rewards' total (NaN: unscorable)
+    per_function: dict[str, Tensor]               # each reward function's raw rewards
+    advantages: Float[Tensor, "batch"]
+    mask: Bool[Tensor, "batch gen"]               # the tokens that counted in the loss
+    ref_logprobs: Tensor | None                   # None: no reference forward pass ran (beta == 0)
+    old_logprobs: Tensor | None                   # None: on-policy (num_iterations == 1)
+    logprobs: list[Tensor]                        # each update's log-probs, detached, as it saw them (before its step)
+
+
+def grpo_step(
+    model: LoRAModel,
+    optimizer: torch.optim.Optimizer,
+    reward_functions: list[RewardFunction],
+    reference: Callable[[Samples], Tensor | None],
+    prompts: list[str],
+    cfg: GRPOConfig,
+) -> GRPOStepOutput:
+    """One GRPO step on `prompts`, updating `model`'s adapters with `optimizer`. In order:
+
+    1. cfg.group_size completions of each prompt, sampled from `model` itself (its LoRA hooks on) at
+       cfg.temperature, at most cfg.max_new_tokens tokens each;
+    2. their rewards, composed from `reward_functions`; the group advantages (cfg.scale_rewards); the loss mask
+       (cfg.mask_truncated_completions);
+    3. the reference log-probs `reference(samples)`, called once when cfg.beta != 0 and not at all when
+       cfg.beta == 0 (no reference forward pass);
+    4. when cfg.num_iterations > 1, the old log-probs: the policy's, as it sampled, computed once, without gradient;
+    5. cfg.num_iterations updates, each: the policy's log-probs (with gradient), grpo_loss with cfg's settings and
+       max_completion_length=cfg.max_new_tokens (the longest a completion can be), zero_grad, backward, the
+       adapters' gradient norm clipped to cfg.max_grad_norm, optimizer.step().
+
+    Returns a GRPOStepOutput: the last update's loss as a number, and what the trainer logs.
+    """
+    samples = sample_groups(model, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
+    rewards, per_function = compose_rewards(reward_functions, samples.prompts, samples.texts)
+    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards).to(samples.ids.device)
+    mask = completion_loss_mask(samples, cfg.mask_truncated_completions)
+    ref_logprobs = reference(samples) if cfg.beta != 0 else None
+    old_logprobs = None
+    if cfg.num_iterations > 1:  # the policy that sampled, for the importance ratio of every update
+        with torch.no_grad():
+            old_logprobs = completion_logprobs(model, samples)
+
+    seen = []
+    for _ in range(cfg.num_iterations):
+        logits = model(samples.ids, attention_mask=samples.attention_mask)
+        logprobs = get_logprobs(logits, samples.ids, samples.prompt_len)
+        loss = grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, epsilon=cfg.epsilon,
+                         epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                         max_completion_length=cfg.max_new_tokens)
+        optimizer.zero_grad(set_to_none=True)  # the previous update's gradients are spent
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.adapters.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        seen.append(logprobs.detach())
+    return GRPOStepOutput(loss.item(), samples, rewards, per_function, advantages, mask, ref_logprobs, old_logprobs,
+                          seen)
+
+
 class GRPOTrainer:
-    """Sample groups with the LoRA hooks on, score, compute group advantages, then num_iterations updates.
+    """Each step, one grpo_step (sample groups with the LoRA hooks on, score, advantages, num_iterations updates);
+    around it, the prompts, the logs, the held-out evaluation and the count of reference forward passes.
 
     The reference is the LoRA model's own base module run without hooks; with beta == 0 it never runs.
     `adapters` starts training from existing adapters (re-training them) instead of fresh ones (B = 0): an
@@ -356,40 +464,23 @@ class GRPOTrainer:
                 **{f"reward/{name}": torch.nanmean(r).item() for name, r in per_function.items()}}
 
     def step(self, step: int) -> dict:
+        """One grpo_step (looked up by its name when the step runs: in the notebook, the one you wrote), then its
+        metrics, the sample table every table_every steps, and the count of reference forward passes."""
         cfg = self.cfg
-        samples = sample_groups(self.model, self.next_prompts(), cfg.group_size, cfg.max_new_tokens, cfg.temperature)
-        rewards, per_function = compose_rewards(self.reward_functions, samples.prompts, samples.texts)
-        advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards).to(samples.ids.device)
-        mask = completion_loss_mask(samples, cfg.mask_truncated_completions)
-        ref_lp = self.reference(samples)
-        self.reference_forward_passes += ref_lp is not None
-        old_lp = None
-        if cfg.num_iterations > 1:  # stored at sampling time, for the importance ratio of later passes
-            with torch.no_grad():
-                old_lp = completion_logprobs(self.model, samples)
+        out = grpo_step(self.model, self.optimizer, self.reward_functions, self.reference, self.next_prompts(), cfg)
+        self.reference_forward_passes += out.ref_logprobs is not None
+        samples, rewards, advantages, mask = out.samples, out.rewards, out.advantages, out.mask
+        with torch.no_grad():  # the ratio each update saw (before its step); 1 on-policy
+            clips = [self.clip_ratios(torch.exp(lp - (out.old_logprobs if out.old_logprobs is not None else lp)),
+                                      advantages, mask) for lp in out.logprobs]
 
-        clips = []
-        for _ in range(cfg.num_iterations):
-            logits = self.model(samples.ids, attention_mask=samples.attention_mask)
-            logprobs = get_logprobs(logits, samples.ids, samples.prompt_len)
-            loss = grpo_loss(logprobs, old_lp, ref_lp, advantages, mask, epsilon=cfg.epsilon,
-                             epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                             max_completion_length=cfg.max_new_tokens)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.adapters.parameters(), cfg.max_grad_norm)
-            self.optimizer.step()
-            with torch.no_grad():  # the ratio this update saw (before its step); 1 on-policy
-                clips.append(self.clip_ratios(torch.exp(logprobs - (old_lp if old_lp is not None else logprobs)),
-                                              advantages, mask))
-
-        metrics = {"loss": loss.item(), **self.reward_metrics(rewards, per_function),
+        metrics = {"loss": float(out.loss), **self.reward_metrics(rewards, out.per_function),
                    **{k: sum(c[k] for c in clips) / len(clips) for k in clips[0]},
                    "completion_length": samples.completion_mask.sum(1).float().mean().item(),
                    "truncated_fraction": samples.truncated.float().mean().item()}
-        if ref_lp is not None:
-            with torch.no_grad():
-                metrics["kl"] = masked_mean(kl_k3(logprobs, ref_lp, mask), mask).item() if mask.any() else 0.0
+        if out.ref_logprobs is not None:  # the policy of the last update, against the reference
+            metrics["kl"] = (masked_mean(kl_k3(out.logprobs[-1], out.ref_logprobs, mask), mask).item()
+                             if mask.any() else 0.0)
         if step % cfg.table_every == 0:
             rows = [{"reward": r.item(), "advantage": a.item(), "prompt": p, "completion": t}
                     for r, a, p, t in list(zip(rewards, advantages, samples.prompts, samples.texts))[:cfg.group_size]]

@@ -1,9 +1,11 @@
 """Part 4: the reference model in every form, decided in one place.
 
 The reference solutions of `chapters/part4_reference.ipynb`, in the notebook's order. Run it as a script for the
-experiment of the chapter, a static reference against references synced every tau steps:
+experiment of the chapter: a static reference, a reference synced every tau steps by merging into the base (which
+also restarts the LoRA), and the control, synced by moving a frozen adapter copy (the reference alone), each over
+several seeds, with the KL to the original model logged in every run:
 
-    python -m solutions.part4_reference            # GRPO + LoRA with beta > 0 on additions, one run per setting
+    python -m solutions.part4_reference            # GRPO + LoRA with beta > 0 on additions, 3 runs x 3 seeds
     python -m solutions.part4_reference --json     # ... ending with a JSON line of the figures
 
 The cases (the table of ../shared/CURRICULUM.md):
@@ -14,7 +16,9 @@ The cases (the table of ../shared/CURRICULUM.md):
     re-training an adapter    the base with a frozen copy of the *old* adapter's hooks
     precomputed               any of the three above, its log-probs computed once over a fixed dataset before
                               training; no reference model (no copy, no old adapter) after that
-    synced (TR-DPO style)     every tau steps ref <- alpha * policy + (1 - alpha) * ref (Gorbatovski et al. 2024)
+    synced (TR-DPO style)     every tau steps ref <- alpha * policy + (1 - alpha) * ref (Gorbatovski et al. 2024);
+                              with hook-LoRA either merged into the base (lora_sync="merge") or, moving the
+                              reference alone, base + a frozen adapter copy that the syncs move ("reference_only")
 
 `reference_kind` decides, in one place, which model the reference is and whether it is precomputed; `Reference`
 builds what that answer needs, and every trainer asks it (Part 5's too).
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import os
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,16 +39,24 @@ from jaxtyping import Float
 from torch import Tensor
 
 from solutions.part0_warmup import completion_logprobs
-from solutions.part2_lora import LoRAModel, base_weight, lora_hooks
+from solutions.part1_ppo import completion_slice, kl_exact
+from solutions.part2_lora import LoRAModel, base_weight, load_adapter, lora_hooks, make_adapters, save_adapter
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer
+from utils.contracts import a_number, at_least, between, check_fields, contract
+from utils.data import addition_accuracy
 from utils.logger import print_figures
+from utils.masks import masked_mean
+from utils.models import load_model
 from utils import cli
 from utils.sampling import Samples
 
 # Not exercises: the notebook shows them in full for the learner to read and run.
-PROVIDED = ("ReferenceSettings", "sync_old_adapter", "Reference", "SyncedGRPOTrainer", "plot_sync_experiment")
+PROVIDED = ("ReferenceSettings", "sync_old_adapter", "Reference", "SyncedGRPOTrainer", "kl_to_original",
+            "saved_adapter_accuracy", "run_sync_experiment", "last_mean", "summarize_sync_experiment",
+            "plot_sync_experiment")
 
 KINDS = ("none", "hooks_removed", "frozen_copy", "old_adapter")  # which model the reference is
+LORA_SYNCS = ("merge", "reference_only")  # how a hook-LoRA run moves its reference (section 4)
 
 
 # --- 1. One function decides ---------------------------------------------------------------------------------
@@ -58,6 +71,15 @@ class ReferenceSettings:
     precomputed: bool = False         # a fixed dataset: reference log-probs computed once, before training
     sync_every: int = 0               # tau: sync the reference every tau steps (0: never)
     sync_alpha: float = 0.0           # alpha: how far each sync moves the reference towards the policy
+    lora_sync: str = "merge"          # how a LoRA run syncs (one of LORA_SYNCS): "merge" alpha of the update into the
+                                      # base (the reference) and shrink B, or "reference_only": the reference is the
+                                      # base + a frozen adapter copy, and a sync moves that copy alone
+
+    # beta and sync_alpha are checked, with how they combine, by reference_kind, the one function that decides
+    RULES = {"beta": a_number(), "sync_every": at_least(0, "0 never syncs"), "sync_alpha": a_number()}
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 def reference_kind(settings: ReferenceSettings) -> tuple[str, bool]:
@@ -65,10 +87,13 @@ def reference_kind(settings: ReferenceSettings) -> tuple[str, bool]:
     says whether its log-probs are computed once, before training, over a fixed dataset, instead of at every step.
 
     kind is "none" when beta == 0 (whatever else is set, and then precomputed is False: there is nothing to
-    compute); else "old_adapter" when re-training an adapter; else "hooks_removed" for LoRA and "frozen_copy" for
-    full fine-tuning. Precomputing changes when the reference runs, not which model it is. Raises ValueError for
-    settings that contradict each other: syncing precomputed log-probs, re-training an adapter without LoRA, a
-    sync with alpha outside (0, 1], a negative beta.
+    compute); else "old_adapter" when re-training an adapter, and also for a LoRA run synced with
+    lora_sync="reference_only" (sync_every > 0): its reference is the base + a frozen copy of the adapter, which
+    the syncs move; else "hooks_removed" for LoRA and "frozen_copy" for full fine-tuning (whose syncs always move
+    the reference alone, so lora_sync does not apply). Precomputing changes when the reference runs, not which
+    model it is. Raises ValueError for settings that contradict each other: syncing precomputed log-probs,
+    re-training an adapter without LoRA, a sync with alpha outside (0, 1], a negative beta, a lora_sync that is
+    not one of LORA_SYNCS.
     """
     s = settings
     if s.beta < 0:
@@ -77,12 +102,14 @@ def reference_kind(settings: ReferenceSettings) -> tuple[str, bool]:
         return "none", False
     if s.retraining_adapter and not s.lora:
         raise ValueError("retraining_adapter needs lora=True: an adapter is a LoRA")
+    if s.lora_sync not in LORA_SYNCS:
+        raise ValueError(f"lora_sync must be one of {LORA_SYNCS}, got {s.lora_sync!r}")
     if s.sync_every:
         if s.precomputed:
             raise ValueError("precomputed reference log-probs cannot be synced: they come from a model that is gone")
         if not 0 < s.sync_alpha <= 1:
             raise ValueError(f"sync_alpha must be in (0, 1] when sync_every > 0, got {s.sync_alpha}")
-    if s.retraining_adapter:
+    if s.retraining_adapter or (s.lora and s.sync_every and s.lora_sync == "reference_only"):
         return "old_adapter", s.precomputed
     return ("hooks_removed" if s.lora else "frozen_copy"), s.precomputed
 
@@ -129,6 +156,7 @@ def precompute_reference_logprobs(model, kind: str, dataset: list[Samples]) -> l
 # --- 4. Syncing the reference -------------------------------------------------------------------------------------
 
 @torch.no_grad()
+@contract(alpha=between(0.0, 1.0, "the fraction of the way to the policy", low_open=True))
 def sync_full(policy: nn.Module, reference: nn.Module, alpha: float) -> None:
     """Full fine-tuning: move every reference weight alpha of the way to the policy's, in place:
     ref <- alpha * policy + (1 - alpha) * ref. The policy is not changed."""
@@ -137,10 +165,15 @@ def sync_full(policy: nn.Module, reference: nn.Module, alpha: float) -> None:
 
 
 @torch.no_grad()
+@contract(alpha=between(0.0, 1.0, "the fraction of the way to the policy", low_open=True))
 def sync_lora(lora_model: LoRAModel, alpha: float) -> None:
     """Hook-LoRA: the reference is the base, so move the base alpha of the way to the policy, i.e. merge
     alpha * scale * B A into the base weights, and shrink B to (1 - alpha) B so that the policy
-    (base + scale * B A) computes exactly what it did before."""
+    (base + scale * B A) computes exactly what it did before.
+
+    The policy's function is unchanged, but its LoRA is not: the merged part leaves the adapter for good (the
+    total update's rank grows past r, a saved adapter no longer holds the whole policy) and B shrinks (alpha = 1
+    sets it to 0, where A's gradient is 0), so training goes on from a restarted LoRA."""
     for key, adapter in lora_model.adapters.items():
         weight, in_out = base_weight(lora_model.base, key)
         delta = alpha * adapter.scale * (adapter.B @ adapter.A)
@@ -149,6 +182,7 @@ def sync_lora(lora_model: LoRAModel, alpha: float) -> None:
 
 
 @torch.no_grad()
+@contract(alpha=between(0.0, 1.0, "the fraction of the way to the policy", low_open=True))
 def sync_old_adapter(old_adapters: nn.ModuleDict, adapters: nn.ModuleDict, alpha: float) -> nn.ModuleDict:
     """Re-training an adapter: the reference is base + old adapter, so move the *old adapter* alpha of the way to
     the policy's adapters, exactly. Its update must become alpha * s B A + (1 - alpha) * s_old B_old A_old, and
@@ -235,10 +269,14 @@ class SyncedGRPOTrainer(GRPOTrainer):
     `adapters` (an nn.ModuleDict, or a file written by Part 2's save_adapter): it is loaded before the Reference
     is built, so that the reference keeps a frozen copy of it. Precomputed log-probs need a fixed dataset, and
     GRPO samples new completions at every step, so they are refused here (Part 5's DPO precomputes).
+
+    track_original=True keeps a frozen copy of the policy as it starts (base and adapters: 2x the memory) and logs
+    "kl_original" at every step: kl_to_original on the step's samples, before its update. The "kl" of Part 3 is to
+    the reference of the moment, which a sync moves; this one is to the model the run started from.
     """
 
     def __init__(self, cfg: GRPOConfig, settings: ReferenceSettings | None = None, model=None,
-                 adapters: nn.ModuleDict | str | Path | None = None):
+                 adapters: nn.ModuleDict | str | Path | None = None, track_original: bool = False):
         settings = settings if settings is not None else ReferenceSettings(beta=cfg.beta)
         if not settings.lora:
             raise ValueError("SyncedGRPOTrainer trains a LoRA, so lora=False (full fine-tuning) does not apply: "
@@ -252,69 +290,158 @@ class SyncedGRPOTrainer(GRPOTrainer):
                              "every step: there is nothing to precompute")
         super().__init__(replace(cfg, beta=settings.beta), model=model, adapters=adapters)
         self.ref = Reference(settings, self.model)
+        self.original = copy.deepcopy(self.model).requires_grad_(False) if track_original else None
+        self.kl_original = None
 
     def reference(self, samples: Samples) -> Tensor | None:
+        if self.original is not None:  # the step's samples, before its update: where Part 3 measures "kl" too
+            self.kl_original = kl_to_original(self.model, self.original, samples)
         return self.ref.logprobs(samples)
 
     def step(self, step: int) -> dict:
         metrics = super().step(step)
+        if self.kl_original is not None:
+            metrics["kl_original"], self.kl_original = self.kl_original, None
         metrics["synced"] = float(self.ref.maybe_sync(step))
         return metrics
 
 
-# --- The script: a static reference against synced ones ---------------------------------------------------------
+@torch.no_grad()
+def kl_to_original(policy, original, samples: Samples) -> float:
+    """The drift from the starting model: the exact KL(policy || original) of the next-token distributions,
+    summed over the whole vocabulary (Part 1's kl_exact) at each completion token where samples.completion_mask
+    is True, averaged over those tokens. Exact, not k3: no sampling noise, and 0 exactly while the two agree."""
+    logits = completion_slice(policy(samples.ids, attention_mask=samples.attention_mask), samples.prompt_len)
+    original_logits = completion_slice(original(samples.ids, attention_mask=samples.attention_mask),
+                                       samples.prompt_len)
+    mask = samples.completion_mask
+    return masked_mean(kl_exact(logits, original_logits, mask), mask).item() if mask.any() else 0.0
 
-SETTINGS = {"static": (0, 0.0), "tau=10, alpha=0.5": (10, 0.5), "tau=10, alpha=1": (10, 1.0),
-            "tau=30, alpha=1": (30, 1.0)}
+
+# --- 6. The experiment: what moving the reference changes, with a control -----------------------------------------
+# A merge-sync (sync_lora) moves the reference *and* restarts the LoRA (B shrinks, to 0 with alpha = 1; the merged
+# part leaves the adapter; Adam's moments were built for the old B). The control moves the reference alone: the
+# reference is the base + a frozen adapter copy, and a sync moves that copy (sync_old_adapter); the policy's
+# parameters and the optimizer are not touched. Same tau and alpha in both.
+
+SYNC_RUNS = {"static": dict(),  # ReferenceSettings' fields besides beta, per run; the same tau and alpha in both syncs
+             "merge-sync": dict(sync_every=10, sync_alpha=1.0, lora_sync="merge"),
+             "reference-only sync": dict(sync_every=10, sync_alpha=1.0, lora_sync="reference_only")}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = cli.ArgumentParser(
-        description="GRPO with beta > 0: a static reference against synced ones.",
-        epilog="--steps 0 trains nothing: each run measures the starting model's held-out accuracy, and its "
-               "reward_end and kl_end, means over training batches, are null.")
-    parser.add_argument("--steps", type=cli.at_least(0, "0 only evaluates the starting model"),
-                        help="default 120 (4 with RLHF_SMOKE=1)")
-    parser.add_argument("--beta", type=cli.above(0.0, "with beta 0 there is no reference to sync"), default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="reference_sync_curves.png", help="where to save the curves ('' for none)")
-    parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
-    args = parser.parse_args(argv)
+def saved_adapter_accuracy(trainer: SyncedGRPOTrainer) -> float:
+    """Held-out accuracy of the trained adapter saved with save_adapter and loaded onto a fresh copy of the starting
+    model: what someone who receives the adapter file gets. It is the policy's accuracy unless a merge-sync moved
+    part of the update into the base weights, which the file does not hold."""
+    cfg = trainer.cfg
+    with tempfile.TemporaryDirectory() as folder:
+        save_adapter(trainer.model.adapters, Path(folder) / "adapter.safetensors")
+        base = load_model(cfg.model, cfg.device)
+        adapters = load_adapter(make_adapters(base, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets),
+                                Path(folder) / "adapter.safetensors")
+    return addition_accuracy(LoRAModel(base, adapters), trainer.held_out)
 
-    steps = args.steps if args.steps is not None else 4 if os.environ.get("RLHF_SMOKE") else 120
-    cfg = GRPOConfig(steps=steps, eval_every=max(1, steps // 6), table_every=10**9, seed=args.seed)
-    histories, figures, start = {}, {"beta": args.beta, "steps": steps}, time.perf_counter()
-    for name, (tau, alpha) in SETTINGS.items():
-        trainer = SyncedGRPOTrainer(cfg, ReferenceSettings(beta=args.beta, sync_every=tau, sync_alpha=alpha))
-        logger = trainer.train()
-        histories[name] = logger.history
-        rewards, kls = logger.curve("reward")[1][-5:], logger.curve("kl")[1][-5:]
-        figures[name] = {"accuracy_end": round(logger.curve("accuracy")[1][-1], 4),
-                         "reward_end": round(sum(rewards) / len(rewards), 4) if rewards else None,
-                         "kl_end": round(sum(kls) / len(kls), 4) if kls else None}
-    figures["seconds"] = round(time.perf_counter() - start, 1)
-    if args.plot:
-        plot_sync_experiment(histories, path=args.plot)
-    print_figures(figures, args.json)
+
+def run_sync_experiment(cfg: GRPOConfig, beta: float, seeds: list[int], runs: dict[str, dict] = SYNC_RUNS
+                        ) -> dict[str, list[dict]]:
+    """Train each run of `runs` (ReferenceSettings fields besides beta) once per seed, from the same model, with
+    the KL to the original model tracked. Returns {run: [one result per seed]}, a result being {"seed", "history"
+    (the RunLogger's), "saved_adapter_accuracy"}."""
+    results = {name: [] for name in runs}
+    for seed in seeds:
+        for name, fields in runs.items():
+            trainer = SyncedGRPOTrainer(replace(cfg, seed=seed), ReferenceSettings(beta=beta, **fields),
+                                        track_original=True)
+            history = trainer.train().history
+            results[name].append({"seed": seed, "history": history,
+                                  "saved_adapter_accuracy": saved_adapter_accuracy(trainer)})
+    return results
+
+
+def last_mean(history: list[dict], key: str, k: int = 5) -> float | None:
+    """The mean of the last k values of `key` in a history (None if it has none): training batches are noisy."""
+    values = [h[key] for h in history if key in h][-k:]
+    return sum(values) / len(values) if values else None
+
+
+def summarize_sync_experiment(results: dict[str, list[dict]]) -> dict:
+    """For each run, each figure per seed (in seed order) and its mean: the held-out accuracy at the end, the KL to
+    the original model and to the current reference (means of the last 5 steps), and the saved adapter's accuracy
+    on a fresh base."""
+    def spread(values):
+        if any(v is None for v in values):
+            return {"seeds": values}
+        return {"mean": round(sum(values) / len(values), 4), "min": round(min(values), 4),
+                "max": round(max(values), 4), "seeds": [round(v, 4) for v in values]}
+
+    figures = {}
+    for name, per_seed in results.items():
+        figures[name] = {
+            "accuracy_end": spread([[h["accuracy"] for h in r["history"] if "accuracy" in h][-1] for r in per_seed]),
+            "kl_original_end": spread([last_mean(r["history"], "kl_original") for r in per_seed]),
+            "kl_end": spread([last_mean(r["history"], "kl") for r in per_seed]),
+            "saved_adapter_accuracy": spread([r["saved_adapter_accuracy"] for r in per_seed])}
     return figures
 
 
-def plot_sync_experiment(histories: dict[str, list[dict]], path=None):
-    """Reward, KL to the current reference, and held-out accuracy of each run, side by side."""
+def plot_sync_experiment(results: dict[str, list[dict]], path=None):
+    """Held-out accuracy, KL to the original model and KL to the current reference of each run: the mean over
+    seeds as a line, the band from the lowest to the highest seed around it."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.2))
-    for name, history in histories.items():
-        for ax, key in zip(axes, ("reward", "kl", "accuracy")):
-            points = [(h["step"], h[key]) for h in history if key in h]
-            ax.plot([p for p, _ in points], [v for _, v in points], label=name)
-            ax.set_title(key if key != "kl" else "KL to the (current) reference, per token")
-            ax.set_xlabel("step")
+    titles = {"accuracy": "held-out accuracy", "kl_original": "KL to the original model, per token (exact)",
+              "kl": "KL to the current reference, per token (k3)"}
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.4))
+    for (name, per_seed), color in zip(results.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        for ax, key in zip(axes, titles):
+            curves = [dict((h["step"], h[key]) for h in r["history"] if key in h) for r in per_seed]
+            steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+            if not steps:
+                continue
+            values = torch.tensor([[c[s] for s in steps] for c in curves])  # [seeds, steps]
+            ax.plot(steps, values.mean(0), color=color, label=f"{name} ({len(per_seed)} seeds)")
+            ax.fill_between(steps, values.min(0).values, values.max(0).values, color=color, alpha=0.2)
+    for ax, title in zip(axes, titles.values()):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=100)
     return fig
+
+
+# --- The script -----------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    tau, alpha = SYNC_RUNS["merge-sync"]["sync_every"], SYNC_RUNS["merge-sync"]["sync_alpha"]
+    parser = cli.ArgumentParser(
+        description="GRPO with beta > 0: a static reference, a merge-sync, and a sync that moves only the reference "
+                    f"(tau = {tau}, alpha = {alpha:g}), over several seeds.",
+        epilog="--steps 0 trains nothing: each run measures the starting model's held-out accuracy, and its "
+               "kl_end and kl_original_end, means over training batches, are null.")
+    parser.add_argument("--steps", type=cli.at_least(0, "0 only evaluates the starting model"),
+                        help="default 100 (1 with RLHF_SMOKE=1)")
+    parser.add_argument("--beta", type=cli.above(0.0, "with beta 0 there is no reference to sync"), default=0.1)
+    parser.add_argument("--seeds", type=cli.at_least(1, "one seed at least"),
+                        help="how many seeds (0, 1, ...): default 3 (2 with RLHF_SMOKE=1)")
+    parser.add_argument("--plot", default="reference_sync_curves.png", help="where to save the curves ('' for none)")
+    parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
+    args = parser.parse_args(argv)
+
+    smoke = bool(os.environ.get("RLHF_SMOKE"))
+    steps = args.steps if args.steps is not None else 1 if smoke else 100
+    seeds = list(range(args.seeds if args.seeds is not None else 2 if smoke else 3))
+    cfg = GRPOConfig(steps=steps, eval_every=max(1, steps if smoke else steps // 5), table_every=10**9,
+                     **(dict(n_prompts=4, group_size=4) if smoke else {}))
+    start = time.perf_counter()
+    results = run_sync_experiment(cfg, args.beta, seeds)
+    figures = {"beta": args.beta, "steps": steps, "seeds": seeds, "tau": tau, "alpha": alpha,
+               **summarize_sync_experiment(results), "seconds": round(time.perf_counter() - start, 1)}
+    if args.plot:
+        plot_sync_experiment(results, path=args.plot)
+    print_figures(figures, args.json)
+    return figures
 
 
 if __name__ == "__main__":

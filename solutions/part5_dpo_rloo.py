@@ -33,6 +33,7 @@ from solutions.part0_warmup import completion_logprobs, get_logprobs
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer, completion_loss_mask, compose_rewards, sample_groups
 from solutions.part4_reference import ReferenceSettings, SyncedGRPOTrainer, reference_kind
+from utils.contracts import above, at_least, at_most, check_fields, contract, one_of, optional
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
 from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean
@@ -103,6 +104,8 @@ def sequence_logps(
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 
 
+@contract(tensors="loss", beta=above(0.0, "beta scales the margin: at 0 every pair's loss is the same constant, "
+                                          "and IPO's target margin 1 / (2 beta) is infinite"))
 def dpo_loss(
     policy_chosen_logps: Float[Tensor, "batch"],
     policy_rejected_logps: Float[Tensor, "batch"],
@@ -159,7 +162,7 @@ def precompute_reference_logps(
     return torch.cat(chosen), torch.cat(rejected)
 
 
-# --- 5. The DPO trainer ----------------------------------------------------------------------------------------
+# --- 5. One DPO step, and the DPO trainer ----------------------------------------------------------------------
 
 @dataclass
 class DPOConfig:
@@ -184,11 +187,67 @@ class DPOConfig:
     device: str | None = None
     wandb: bool = False
 
+    # Each setting's contract, checked when a config is made or replaced (utils/contracts.py)
+    RULES = {
+        "steps": at_least(0, "0 only evaluates the starting model"),
+        "n_pairs": at_most(len(addition_pairs("train")), "pairs are drawn without replacement from the additions"),
+        "batch_pairs": at_least(1),
+        "rejected": one_of("own", "offset"), "lr": above(0.0), "lora_rank": at_least(1),
+        "lora_alpha": above(0.0, "the update is scaled by alpha / rank"),
+        "beta": above(0.0, "DPO's loss is a function of beta times the margin: at 0 it is a constant"),
+        "loss_type": one_of(*DPO_LOSS_TYPES), "reference": one_of("precomputed", "implicit"),
+        "sft_weight": at_least(0.0), "max_grad_norm": above(0.0),
+        "eval_every": at_least(0, "0: at the start and end only"),
+    }
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+def dpo_step(
+    lora_model: LoRAModel,
+    optimizer: torch.optim.Optimizer,
+    triples: list[tuple[str, str, str]],
+    ref_logps: tuple[Float[Tensor, "pairs"], Float[Tensor, "pairs"]] | None,
+    cfg: DPOConfig,
+) -> dict[str, Tensor]:
+    """One DPO update of the LoRA on a batch of preference pairs (prompt, chosen, rejected); returns what is logged.
+
+    1. The policy: score the pairs with the LoRA on, with gradients (preference_batch, completion_logprobs), and
+       take each answer's sequence_logps: per-token means when cfg.loss_type is "ipo", sums otherwise.
+    2. The reference: `ref_logps` = (chosen, rejected), one per pair, when given (rows of the table computed
+       before training); None means the implicit reference, computed now by the base without hooks and without
+       gradients (precompute_reference_logps, with the same averaging).
+    3. loss = dpo_loss(..., cfg.beta, cfg.loss_type) + cfg.sft_weight * nll, where nll is the mean of -log-prob
+       over every token of the chosen answers (where the completion mask is True).
+    4. Zero the gradients, backward, clip the adapters' gradient norm to cfg.max_grad_norm, step the optimizer.
+
+    Returns detached tensors: "loss" (the total) and "nll", scalars; "chosen", "rejected" (the policy's sequence
+    log-probs, as they were before the update), "ref_chosen", "ref_rejected", one per pair.
+    """
+    batch = preference_batch(lora_model.tokenizer, triples, lora_model.cfg.device)  # rows [chosen; rejected]
+    average = cfg.loss_type == "ipo"  # TRL's IPO compares per-token means
+    token_logps = completion_logprobs(lora_model, batch)  # (2n, gen), through the LoRA
+    chosen, rejected = sequence_logps(token_logps, batch.completion_mask, average).chunk(2)
+    if ref_logps is None:  # the implicit reference: the same pairs through the base without hooks
+        ref_logps = precompute_reference_logps(lora_model, triples, average)
+    ref_chosen, ref_rejected = ref_logps
+    n = len(triples)  # the chosen rows' NLL per token keeps the right answers likely (RPO)
+    nll = -masked_mean(token_logps[:n], batch.completion_mask[:n])
+    loss = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta, cfg.loss_type) + cfg.sft_weight * nll
+    optimizer.zero_grad(set_to_none=True)  # no gradient left over from the last step
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(lora_model.adapters.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    return {"loss": loss.detach(), "nll": nll.detach(), "chosen": chosen.detach(), "rejected": rejected.detach(),
+            "ref_chosen": ref_chosen, "ref_rejected": ref_rejected}
+
 
 class DPOTrainer:
     """DPO on preference pairs of additions, training a LoRA. Which reference, and when it runs, is Part 4's
     reference_kind's answer: the same module without hooks, run on each batch ("implicit") or once over all
-    pairs before training ("precomputed")."""
+    pairs before training ("precomputed"). Each update is `dpo_step`, looked up by its name when the step runs
+    (in the notebook: the learner's); the trainer draws the batches, counts the reference's rows and logs."""
 
     def __init__(self, cfg: DPOConfig, model=None, triples: list[tuple[str, str, str]] | None = None):
         if cfg.reference not in ("precomputed", "implicit"):
@@ -225,32 +284,17 @@ class DPOTrainer:
     def step(self, step: int) -> dict:
         cfg = self.cfg
         idx = self.rng.sample(range(len(self.triples)), min(cfg.batch_pairs, len(self.triples)))
-        triples = [self.triples[i] for i in idx]
-        batch = preference_batch(self.model.tokenizer, triples, self.model.cfg.device)
-        token_logps = completion_logprobs(self.model, batch)
-        logps = sequence_logps(token_logps, batch.completion_mask, self.average)
-        chosen, rejected = logps.chunk(2)
-        if self.precomputed:
-            ref_chosen, ref_rejected = self.ref_chosen[idx], self.ref_rejected[idx]
-        else:
-            ref_chosen, ref_rejected = precompute_reference_logps(self.model, triples, self.average)
-            self.reference_rows += 2 * len(idx)
-        loss = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta, cfg.loss_type)
-        n = len(idx)  # the chosen rows' negative log-likelihood per token: keeps the right answers likely
-        nll = -masked_mean(token_logps[:n], batch.completion_mask[:n])
-        if cfg.sft_weight:
-            loss = loss + cfg.sft_weight * nll
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.adapters.parameters(), cfg.max_grad_norm)
-        self.optimizer.step()
-        with torch.no_grad():  # TRL's implicit rewards: beta * log-ratio to the reference
-            reward_chosen, reward_rejected = cfg.beta * (chosen - ref_chosen), cfg.beta * (rejected - ref_rejected)
-        return {"loss": loss.item(), "nll/chosen": nll.item(), "rewards/chosen": reward_chosen.mean().item(),
-                "rewards/rejected": reward_rejected.mean().item(),
+        ref_logps = (self.ref_chosen[idx], self.ref_rejected[idx]) if self.precomputed else None
+        out = dpo_step(self.model, self.optimizer, [self.triples[i] for i in idx], ref_logps, cfg)
+        self.reference_rows += 0 if self.precomputed else 2 * len(idx)  # the implicit reference scored the batch
+        # TRL's implicit rewards: beta * log-ratio to the reference
+        reward_chosen = cfg.beta * (out["chosen"] - out["ref_chosen"])
+        reward_rejected = cfg.beta * (out["rejected"] - out["ref_rejected"])
+        return {"loss": out["loss"].item(), "nll/chosen": out["nll"].item(),
+                "rewards/chosen": reward_chosen.mean().item(), "rewards/rejected": reward_rejected.mean().item(),
                 "rewards/margin": (reward_chosen - reward_rejected).mean().item(),
                 "rewards/accuracy": (reward_chosen > reward_rejected).float().mean().item(),
-                "logps/chosen": chosen.mean().item(), "logps/rejected": rejected.mean().item()}
+                "logps/chosen": out["chosen"].mean().item(), "logps/rejected": out["rejected"].mean().item()}
 
     def train(self) -> RunLogger:
         cfg = self.cfg
@@ -304,6 +348,7 @@ def rloo_advantages(
 
 # --- 7. The KL penalty, folded into the reward -----------------------------------------------------------------
 
+@contract(beta=at_least(0.0, "a negative KL weight would reward moving away from the reference"))
 def kl_penalized_rewards(
     rewards: Float[Tensor, "batch"],
     logprobs: Float[Tensor, "batch gen"],
@@ -319,6 +364,8 @@ def kl_penalized_rewards(
 
 # --- 8. The RLOO loss ------------------------------------------------------------------------------------------
 
+@contract(tensors="loss", epsilon=at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"),
+          epsilon_high=optional(at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")))
 def rloo_loss(
     seq_logprobs: Float[Tensor, "batch"],
     old_seq_logprobs: Float[Tensor, "batch"] | None,

@@ -26,7 +26,9 @@ def test_notebook_is_built_from_its_source(part):
 
 def test_stub_keeps_signature_and_docstring_and_drops_the_body():
     stub = notebooks.stub_source("part0_warmup", "get_logprobs")
-    assert stub.startswith("def get_logprobs(") and '"""Log-probability' in stub
+    decorators, _, rest = stub.partition("def get_logprobs(")
+    assert decorators.startswith("@contract(") and rest, "the stub keeps the solution's decorators and signature"
+    assert '"""Log-probability' in rest
     assert stub.rstrip().endswith('raise NotImplementedError("write get_logprobs")')
     assert "log_softmax" not in stub, "the stub gives the solution away"
 

@@ -6,6 +6,8 @@ are proven to catch and name (tests/test_harness.py runs them); each one's docst
 their version fails the same way.
 """
 
+import contextlib
+import dataclasses
 import functools
 import math
 import re
@@ -23,7 +25,7 @@ from utils.masks import masked_mean
 exercise = pytest.mark.exercise
 
 # Exercises the course also runs on Part 2's LoRAModel (a base model whose adapters act through hooks).
-ON_LORA_MODEL = {"PolicyWithValueHead", "make_optimizer"}
+ON_LORA_MODEL = {"PolicyWithValueHead", "make_optimizer", "rollout"}
 
 ALWAYS_DEFAULT: dict = {}
 
@@ -619,6 +621,69 @@ def test_value_loss_gradient_and_inputs(impl):
     assert_inputs_unchanged(impl.value_loss, values, returns, mask, what="value_loss")
 
 
+def value_clip_inputs(seed):
+    """values, returns, old values and a mask: the values have moved about 0.4 from their old values, so a clip of
+    0.2 cuts some of them on the side of the return and leaves others."""
+    mask = random_mask(seed=seed)
+    old_values = randn(4, 7, seed=seed)
+    return old_values + 0.4 * randn(4, 7, seed=seed + 1), randn(4, 7, seed=seed + 2), old_values, mask
+
+
+VALUE_CLIP_HINT = ("with clip, each token's error is max((values - returns)^2, (v_clipped - returns)^2), where "
+                   "v_clipped = old_values + clamp(values - old_values, -clip, clip); then 0.5 * its mean over the "
+                   "valid tokens")
+
+
+@exercise("value_loss")
+def test_value_loss_clipped(impl):
+    for seed, clip in ((11, 0.2), (12, 0.5), (13, 0.0)):
+        values, returns, old_values, mask = value_clip_inputs(seed)
+        got = crash_free(impl.value_loss, leaf(values), returns, mask, old_values, clip,
+                         what=f"value_loss(values, returns, mask, old_values, clip={clip})")
+        assert_close(got, ref.value_loss(leaf(values), returns, mask, old_values, clip),
+                     f"value_loss(values, returns, mask, old_values, clip={clip})", mask=mask,
+                     factors=token_factors(mask), hint=VALUE_CLIP_HINT)
+    values, returns, old_values, mask = value_clip_inputs(14)
+    assert_close(impl.value_loss(leaf(values), returns, mask, old_values, None), ref.value_loss(leaf(values), returns,
+                 mask), "value_loss(values, returns, mask, old_values, clip=None)", mask=mask,
+                 factors=token_factors(mask), hint="without clip the old values are not used: the plain loss")
+
+
+@exercise("value_loss")
+def test_value_loss_clip_cuts_the_gradient_past_the_clip(impl):
+    """The gradient of each token over a sweep of values around an old value of 0, for a return above (+1) and one
+    below (-1): it must vanish exactly where the value has moved more than clip towards the return."""
+    clip = 0.2
+    moves = torch.arange(-0.4875, 0.5, 0.025)  # never exactly on a boundary
+    values = moves.repeat(2, 1)
+    returns = torch.tensor([[1.0], [-1.0]]).expand_as(values).clone()
+    old_values, mask = torch.zeros_like(values), torch.ones_like(values, dtype=torch.bool)
+    leaves = leaf(values), leaf(values)
+    crash_free(lambda: impl.value_loss(leaves[0], returns, mask, old_values, clip).backward(),
+               what="value_loss(..., old_values, clip).backward() over a sweep of values")
+    ref.value_loss(leaves[1], returns, mask, old_values, clip).backward()
+    got, want = leaves[0].grad, leaves[1].grad
+    hint = None
+    if isinstance(got, torch.Tensor) and got.shape == want.shape:
+        bad = ~torch.isclose(got, want, atol=1e-7)
+        if bad.any():
+            where = [f"value {moves[j]:.4g} with return {1 if i == 0 else -1}" for i, j in bad.nonzero().tolist()]
+            hint = (f"the gradient differs at {', '.join(where[:4])}{', ...' if len(where) > 4 else ''}. With old "
+                    f"value 0 and clip = {clip}, a token gets no gradient exactly when its value is above {clip} with "
+                    f"the return above it, or below {-clip} with the return below it; elsewhere it gets (value - "
+                    "return) / (number of valid tokens)")
+    assert_close(got, want, "the gradient of the clipped value_loss with respect to values, over values -0.49 .. 0.49 "
+                 "around an old value of 0", check_grad=False, hint=hint)
+
+
+@exercise("value_loss")
+def test_value_loss_clipped_gradient_and_inputs(impl):
+    values, returns, old_values, mask = value_clip_inputs(15)
+    assert_gradients_match(impl.value_loss, ref.value_loss, (values, returns, mask, old_values, 0.2),
+                           what="value_loss with clip=0.2", hint="the old values, like the returns, are constants")
+    assert_inputs_unchanged(impl.value_loss, values, returns, mask, old_values, 0.2, what="value_loss with clip=0.2")
+
+
 def surrogate_inputs(seed):
     mask = random_mask(seed=seed)
     return randn(4, 7, seed=seed) * 0.3 - 1, randn(4, 7, seed=seed + 1) * 0.3 - 1, randn(4, 7, seed=seed + 2), mask
@@ -776,6 +841,50 @@ def test_ppo_loss_gradient_and_inputs(impl):
     assert_inputs_unchanged(impl.ppo_loss, *inputs, what="ppo_loss")
 
 
+def old_values_for(inputs, seed):
+    """Old values about 0.4 from the values of `inputs`: a value clip of 0.2 cuts some tokens and not others."""
+    return inputs[1] + 0.4 * randn(*inputs[1].shape, seed=seed)
+
+
+@exercise("ppo_loss")
+def test_ppo_loss_clips_the_value_loss(impl):
+    for seed, clip_value in ((7, 0.2), (8, 0.05)):
+        inputs = loss_inputs(seed=seed)
+        old_values = old_values_for(inputs, seed + 50)
+        settings = dict(clip_eps=0.3, old_values=old_values, clip_value=clip_value)
+        loss, terms = crash_free(impl.ppo_loss, *with_leaves(inputs), **settings,
+                                 what=f"ppo_loss(..., old_values=..., clip_value={clip_value})")
+        want, want_terms = ref.ppo_loss(*with_leaves(inputs), **settings)
+        where = f"ppo_loss(..., clip_eps=0.3, old_values=..., clip_value={clip_value})"
+        hint = ("the value loss is value_loss(values, returns, completion_mask, old_values, clip_value): clipped with "
+                "clip_value, not clip_eps")
+        assert_close(loss, want, where, hint=hint)
+        assert_close(terms["value_loss"], want_terms["value_loss"], f"terms['value_loss'] of {where}",
+                     check_grad=False, factors=token_factors(inputs[-1]), hint=hint)
+    inputs = loss_inputs(seed=9)
+    loss, _ = impl.ppo_loss(*with_leaves(inputs), old_values=old_values_for(inputs, 59), clip_value=None)
+    assert_close(loss, ref.ppo_loss(*with_leaves(inputs))[0], "ppo_loss(..., old_values=..., clip_value=None)",
+                 hint="without clip_value the old values are not used: the value loss is not clipped")
+
+
+@exercise("ppo_loss")
+def test_ppo_loss_clipped_gradient_and_inputs(impl):
+    inputs = loss_inputs(seed=10)
+    old_values = old_values_for(inputs, 60)
+
+    def loss_of(fn):
+        @functools.wraps(ref.ppo_loss)
+        def run(*args, **kwargs):
+            return fn(*args, **kwargs)[0]
+        return run
+
+    assert_gradients_match(loss_of(impl.ppo_loss), loss_of(ref.ppo_loss), tuple(inputs),
+                           dict(old_values=old_values, clip_value=0.2), what="ppo_loss with clip_value=0.2",
+                           wrt=["values", "returns", "old_values"])
+    assert_inputs_unchanged(impl.ppo_loss, *inputs, old_values=old_values, clip_value=0.2,
+                            what="ppo_loss with clip_value=0.2")
+
+
 # --- minibatches and the optimiser -------------------------------------------------------------------------
 
 @exercise("get_minibatch_indices")
@@ -898,14 +1007,238 @@ def test_make_optimizer_on_a_lora_model(impl, tiny_model):
                       "with requires_grad=False")
 
 
+# --- 7. the loop: rollout and learn ------------------------------------------------------------------------
+
+LOOP_PROMPTS = ("This is", "The", "We", "My friend")
+
+
+def length_reward(texts):
+    """Characters per completion: a reward that differs from sample to sample (equal rewards would normalise to 0
+    and hide most mistakes)."""
+    return torch.tensor([float(len(t)) for t in texts])
+
+
+def loop_config(**overrides):
+    """A tiny run: 4 samples of at most 6 tokens, minibatches of 2, 2 epochs, steps big enough to see."""
+    settings = dict(batch_size=4, minibatch_size=2, epochs=2, max_new_tokens=6, lr_model=1e-3, lr_head=1e-2,
+                    warmup_steps=2, value_hidden=16)
+    return ref.PPOConfig(**(settings | overrides))
+
+
+class CountingModel(nn.Module):
+    """A model that counts its forward passes and is otherwise the model it wraps."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.calls = model, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+def loop_models(tiny_model, case):
+    """(policy, reference) for a rollout. "lora": the policy is a LoRA model (random B), the reference its own base
+    with no hooks (Part 2). "full": the policy is the bare model and the reference another model (the same base
+    with a frozen adapter of its own, Part 4's "old adapter" form), so that the two differ from the start."""
+    if case == "lora":
+        policy_model, reference = make_lora_model(tiny_model, seed=0), tiny_model
+    else:
+        policy_model, reference = tiny_model, make_lora_model(tiny_model, seed=1)
+    torch.manual_seed(7)
+    return ref.PolicyWithValueHead(policy_model, d_hidden=16), CountingModel(reference)
+
+
+MEMORY_HINTS = {
+    "ids": "sample once, from policy.model (with a LoRA model, the adapted model), with cfg.max_new_tokens and "
+           "cfg.temperature, before any other random draw: the same random state must give the same samples",
+    "completion_mask": "the samples' completion_mask, as `sample` returns it",
+    "prompt_len": "the samples' prompt_len",
+    "texts": "the completions' texts, as `sample` returns them",
+    "rewards": "reward_fn(texts): the raw scores, before normalisation (they are for the logs)",
+    "logprobs": "the sampled tokens' log-probs under the policy at sampling time (Part 0's get_logprobs), 0 outside "
+                "the completion mask",
+    "ref_logprobs": "the sampled tokens' log-probs under the reference, run as it is: reference(ids, "
+                    "attention_mask=...), no LoRA hooks, no value head; 0 outside the completion mask",
+    "values": "the value head's values at the positions that choose the completion tokens (completion_slice), 0 "
+              "outside the completion mask",
+    "advantages": "compute_advantages(values, rewards normalised when cfg.normalize_rewards, completion_mask, "
+                  "cfg.gamma, cfg.lam)",
+    "returns": "the returns of compute_advantages (advantages + values)",
+    "ref_logits": "the reference's logits at the completion positions: completion_slice(ref_logits, prompt_len)",
+    "kl": "kl_exact(policy logits, reference logits, completion_mask) at the completion positions",
+}
+
+
+def run_rollout(fn, policy, reference, cfg, seed):
+    reference.calls = 0
+    torch.manual_seed(seed)
+    memory = crash_free(fn, policy, reference, length_reward, list(LOOP_PROMPTS), cfg,
+                        what="rollout(policy, reference, reward_fn, prompts, cfg)")
+    return memory, reference.calls
+
+
+def assert_memory_matches(got, want, where):
+    expect(type(got).__name__ == "ReplayMemory", f"what rollout returns {where}",  # the notebook has its own class
+           f"expected a ReplayMemory, got {type(got).__name__}", observed=type(got).__name__)
+    for name, hint in MEMORY_HINTS.items():
+        mine, theirs = getattr(got, name), getattr(want, name)
+        if not isinstance(theirs, torch.Tensor):
+            assert_equal(mine, theirs, f"memory.{name} {where}", hint=hint)
+            continue
+        if name in ("ids", "completion_mask"):
+            assert_equal(mine, theirs, f"memory.{name} {where}", hint=hint)
+        else:
+            assert_close(mine, theirs, f"memory.{name} {where}", hint=hint)  # also fails on a tensor with a graph
+    assert_equal(got.attention_mask, want.attention_mask, f"memory.attention_mask {where}",
+                 hint="the samples' attention_mask")
+
+
+@exercise("rollout")
+def test_rollout_fills_the_memory_as_the_reference_does(impl, tiny_model):
+    """One rollout of a LoRA policy (the reference its base without hooks), and one of a bare policy against another
+    model, each from the same random state as the reference solution's."""
+    for case, cfg in (("lora", loop_config()),
+                      ("full", loop_config(gamma=0.9, lam=0.5, normalize_rewards=False, temperature=0.7,
+                                           max_new_tokens=5))):
+        policy, reference = loop_models(tiny_model, case)
+        want, want_calls = run_rollout(ref.rollout, policy, reference, cfg, seed=3)
+        got, calls = run_rollout(impl.rollout, policy, reference, cfg, seed=3)
+        where = (f"(a {'LoRA' if case == 'lora' else 'bare'} policy; gamma={cfg.gamma}, lam={cfg.lam}, "
+                 f"normalize_rewards={cfg.normalize_rewards}, temperature={cfg.temperature})")
+        assert_memory_matches(got, want, where)
+        assert_equal(calls, want_calls, f"forward passes of the reference in one rollout {where}",
+                     hint="one pass of the reference on the samples (its logits serve the log-probs and the exact "
+                          "KL); never the policy in its place")
+
+
+@exercise("rollout")
+def test_rollout_keeps_no_graph(impl, tiny_model):
+    policy, reference = loop_models(tiny_model, "lora")
+    memory, _ = run_rollout(impl.rollout, policy, reference, loop_config(), seed=5)
+    graphs = sorted(k for k, v in vars(memory).items() if isinstance(v, torch.Tensor) and v.requires_grad)
+    expect(not graphs, "the memory's tensors and autograd", f"memory fields {graphs} carry a computation graph: "
+           "run the whole rollout under torch.no_grad(). The memory holds constants (targets and old log-probs), and "
+           "a graph kept alive across the learning phase costs memory and lets gradients flow where they must not",
+           observed=graphs)
+
+
+def learning_setup(tiny_model, **overrides):
+    """A policy on the bare model, its starting state, and a memory from the reference rollout (the reference a
+    different model, so that the KL term is not 0)."""
+    cfg = loop_config(**overrides)
+    policy, reference = loop_models(tiny_model, "full")
+    torch.manual_seed(11)
+    memory = ref.rollout(policy, reference, length_reward, list(LOOP_PROMPTS), cfg)
+    state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    return cfg, policy, memory, state
+
+
+def run_learn(fn, policy, state, memory, cfg, seed=0):
+    """Put the policy back to `state`, make a fresh optimiser and schedule, run fn; return what it did."""
+    policy.load_state_dict(state)
+    for p in policy.parameters():
+        p.grad = None
+    optimizer, scheduler = ref.make_optimizer(policy, cfg.lr_model, cfg.lr_head, cfg.warmup_steps, cfg.total_steps,
+                                              cfg.final_lr_fraction)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    stats = crash_free(fn, policy, optimizer, scheduler, memory, cfg, torch.Generator().manual_seed(seed),
+                       what="learn(policy, optimizer, scheduler, memory, cfg, generator)")
+    head = policy.value_head[-1].bias  # the value head's last parameter: every step with a gradient counts
+    counters = {"optimizer steps (AdamW's count for the value head)": int(optimizer.state.get(head, {}).get("step", 0)),
+                "scheduler steps": scheduler.last_epoch}
+    updates = {part: torch.cat([(p.detach() - before[n]).flatten() for n, p in policy.named_parameters()
+                                if n.startswith(part)]) for part in ("value_head", "model")}
+    return stats, counters, updates
+
+
+STAT_KEYS = ("objective", "value_loss", "entropy", "kl", "clip_fraction", "approx_kl", "grad_norm")
+
+
+def loop_where(cfg):
+    return (f"(epochs={cfg.epochs}, minibatch_size={cfg.minibatch_size} of {cfg.batch_size}, normalize_advantages="
+            f"{cfg.normalize_advantages}, clip_eps={cfg.clip_eps}, max_grad_norm={cfg.max_grad_norm}, clip_value="
+            f"{cfg.clip_value})")
+
+
+@exercise("learn")
+def test_learn_makes_the_reference_update(impl, tiny_model):
+    for overrides in ({}, dict(epochs=1, minibatch_size=4, normalize_advantages=False, clip_eps=0.1, vf_coef=1.0,
+                               ent_coef=0.05, kl_coef=0.5, max_grad_norm=0.3), dict(clip_value=0.05)):
+        cfg, policy, memory, state = learning_setup(tiny_model, **overrides)
+        _, want_counters, want_updates = run_learn(ref.learn, policy, state, memory, cfg)
+        _, counters, updates = run_learn(impl.learn, policy, state, memory, cfg)
+        where = loop_where(cfg)
+        steps = cfg.epochs * cfg.batch_size // cfg.minibatch_size
+        assert_equal(counters, want_counters, f"the counters after learn {where}",
+                     hint=f"{steps} minibatches ({cfg.epochs} epochs of {cfg.batch_size // cfg.minibatch_size}): one "
+                          "optimiser step and one scheduler step each, every step with the gradient of its own "
+                          "minibatch's loss")
+        assert_close(updates["value_head"], want_updates["value_head"], f"the update of the value head's "
+                     f"parameters by learn {where}", atol=1e-6, check_grad=False,
+                     hint="the value head learns from the value loss term of ppo_loss, through the values of this "
+                          "forward pass, clipped around the memory's values when cfg.clip_value is set")
+        assert_close(updates["model"], want_updates["model"], f"the update of the language model's parameters by "
+                     f"learn {where}", atol=1e-6, check_grad=False)
+
+
+@exercise("learn")
+def test_learn_returns_the_mean_statistics(impl, tiny_model):
+    cfg, policy, memory, state = learning_setup(tiny_model)
+    want, _, _ = run_learn(ref.learn, policy, state, memory, cfg)
+    got, _, _ = run_learn(impl.learn, policy, state, memory, cfg)
+    expect(isinstance(got, dict), "what learn returns", f"expected a dict of statistics, got {type(got).__name__}",
+           observed=type(got).__name__)
+    missing = sorted(set(STAT_KEYS) - set(got))
+    expect(not missing, "the keys of the statistics learn returns", f"{missing} are missing: learn returns the mean "
+           f"over the steps of each of {list(STAT_KEYS)}", observed=missing)
+    for key in STAT_KEYS:
+        value = got[key]
+        expect(isinstance(value, float), f"the type of stats[{key!r}]", f"expected a Python float (the mean over the "
+               f"steps, for logging), got {type(value).__name__}", observed=type(value).__name__)
+        assert_close(torch.tensor(value), torch.tensor(want[key]), f"stats[{key!r}], the mean over the steps",
+                     check_grad=False, hint=f"{key}: see learn's docstring; each step's value is computed from that "
+                                            "step's forward pass, before its update")
+
+
+@exercise("learn")
+def test_learn_draws_minibatches_from_the_generator(impl, tiny_model):
+    cfg, policy, memory, state = learning_setup(tiny_model)
+
+    def updated_head(generator):
+        policy.load_state_dict(state)
+        optimizer, scheduler = ref.make_optimizer(policy, cfg.lr_model, cfg.lr_head, cfg.warmup_steps,
+                                                  cfg.total_steps, cfg.final_lr_fraction)
+        impl.learn(policy, optimizer, scheduler, memory, cfg, generator=generator)
+        return torch.cat([p.detach().flatten() for p in policy.value_head.parameters()])
+
+    assert_reproducible(updated_head, what="the value head after learn(..., generator)")
+
+
+@exercise("learn")
+def test_learn_leaves_the_memory_alone(impl, tiny_model):
+    cfg, policy, memory, state = learning_setup(tiny_model)
+    optimizer, scheduler = ref.make_optimizer(policy, cfg.lr_model, cfg.lr_head, cfg.warmup_steps, cfg.total_steps)
+
+    def learn_from(memory):
+        return impl.learn(policy, optimizer, scheduler, memory, cfg, torch.Generator().manual_seed(0))
+
+    assert_inputs_unchanged(learn_from, memory, what="learn(..., memory, ...)")
+
+
+
 # --- the trainer (provided, not an exercise: checked once here) --------------------------------------------
 
 @pytest.mark.slow
-def test_trainer_runs_and_leaves_the_reference_alone(capsys):
+def test_trainer_runs_and_leaves_the_reference_alone(capsys, monkeypatch):
     from utils.models import load_model
 
     cfg = ref.PPOConfig(phases=2, batch_size=8, minibatch_size=4, max_new_tokens=8, table_rows=2)
     assert ref.PPOConfig().table_every == 1, "the issue asks for a table of samples each phase"
+    calls = []
+    for name in ("rollout", "learn"):  # the trainer must call the module's functions by name (in a notebook, the
+        original = getattr(ref, name)  # learner's own)
+        monkeypatch.setattr(ref, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     model = load_model("tiny", device="cpu")
     trainer = ref.PPOTrainer(cfg, model=model)
     before = {k: v.clone() for k, v in trainer.reference.state_dict().items()}
@@ -919,6 +1252,7 @@ def test_trainer_runs_and_leaves_the_reference_alone(capsys):
     logged = {k for h in logger.history for k in h}
     assert {"reward", "kl", "clip_fraction", "approx_kl", "entropy", "explained_variance"} <= logged
     assert len(logger.curve("reward")[1]) == 2
+    assert calls == ["rollout", "learn"] * 2, calls
 
 
 def test_sentiment_classifier_offline_fails_fast_with_an_alternative(monkeypatch):
@@ -1693,57 +2027,104 @@ def _entropy_in_place(logits, completion_mask):
     return ref.entropy(logits, completion_mask)
 
 
-def _value_loss_no_half(values, returns, completion_mask):
+def _value_errors(values, returns, old_values, clip, *, distance=torch.square, detach_returns=True,
+                  detach_old=True, combine=torch.maximum, clipped_at=None):
+    """Each token's error as the reference computes it (clipped when clip is not None), with the mistakes the keywords
+    name: a mutant keeps its mistake when the loss is clipped too."""
+    target = returns.detach() if detach_returns else returns
+    errors = distance(values - target)
+    if clip is None:
+        return errors
+    old = old_values.detach() if detach_old else old_values
+    clipped = clipped_at(values, old, clip) if clipped_at else old + (values - old).clamp(-clip, clip)
+    return combine(errors, distance(clipped - target))
+
+
+def _value_loss_no_half(values, returns, completion_mask, old_values=None, clip=None):
     """Forgets the 0.5 in front of the mean squared error."""
-    return masked_mean((values - returns.detach()) ** 2, completion_mask)
+    return masked_mean(_value_errors(values, returns, old_values, clip), completion_mask)
 
 
-def _value_loss_unmasked(values, returns, completion_mask):
+def _value_loss_unmasked(values, returns, completion_mask, old_values=None, clip=None):
     """Averages over every position, padding after the first EOS included. Average over the valid tokens:
     masked_mean(..., completion_mask)."""
-    return 0.5 * ((values - returns.detach()) ** 2).mean()
+    return 0.5 * _value_errors(values, returns, old_values, clip).mean()
 
 
-def _value_loss_masked_sum_over_all(values, returns, completion_mask):
+def _value_loss_masked_sum_over_all(values, returns, completion_mask, old_values=None, clip=None):
     """Zeroes the padding but divides by the number of all positions (.mean() after masking). Divide by the number
     of valid tokens: masked_mean."""
-    return 0.5 * (((values - returns.detach()) ** 2) * completion_mask).mean()
+    return 0.5 * (_value_errors(values, returns, old_values, clip) * completion_mask).mean()
 
 
-def _value_loss_sum(values, returns, completion_mask):
+def _value_loss_sum(values, returns, completion_mask, old_values=None, clip=None):
     """Sums over the valid tokens instead of averaging."""
-    return 0.5 * (((values - returns.detach()) ** 2) * completion_mask).sum()
+    return 0.5 * (_value_errors(values, returns, old_values, clip) * completion_mask).sum()
 
 
-def _value_loss_mean_of_rows(values, returns, completion_mask):
+def _value_loss_mean_of_rows(values, returns, completion_mask, old_values=None, clip=None):
     """Averages each completion over its tokens, then averages the completions: short completions then weigh as
     much as long ones. Average over all valid tokens at once: masked_mean(..., completion_mask)."""
-    return 0.5 * masked_mean((values - returns.detach()) ** 2, completion_mask, dim=1).mean()
+    return 0.5 * masked_mean(_value_errors(values, returns, old_values, clip), completion_mask, dim=1).mean()
 
 
-def _value_loss_l1(values, returns, completion_mask):
+def _value_loss_l1(values, returns, completion_mask, old_values=None, clip=None):
     """Uses the absolute error; the value loss is 0.5 * the mean *squared* error."""
-    return 0.5 * masked_mean((values - returns.detach()).abs(), completion_mask)
+    return 0.5 * masked_mean(_value_errors(values, returns, old_values, clip, distance=torch.abs), completion_mask)
 
 
 @mistake("gradient")
-def _value_loss_returns_not_detached(values, returns, completion_mask):
+def _value_loss_returns_not_detached(values, returns, completion_mask, old_values=None, clip=None):
     """Lets the gradient flow into the returns. They are fixed targets: detach them."""
-    return 0.5 * masked_mean((values - returns) ** 2, completion_mask)
+    return 0.5 * masked_mean(_value_errors(values, returns, old_values, clip, detach_returns=False), completion_mask)
 
 
 @mistake("gradient")
-def _value_loss_values_detached(values, returns, completion_mask):
+def _value_loss_values_detached(values, returns, completion_mask, old_values=None, clip=None):
     """Detaches the values, so the loss cannot train the value head. Only the returns are constants."""
-    return 0.5 * masked_mean((values.detach() - returns.detach()) ** 2, completion_mask)
+    return 0.5 * masked_mean(_value_errors(values.detach(), returns, old_values, clip), completion_mask)
 
 
 @mistake("inputs")
-def _value_loss_in_place(values, returns, completion_mask):
+def _value_loss_in_place(values, returns, completion_mask, old_values=None, clip=None):
     """Subtracts the returns from the caller's values in place (values -= returns). Compute a new tensor."""
     with torch.no_grad():
         values -= returns
-    return 0.5 * masked_mean(values ** 2, completion_mask)
+    return 0.5 * masked_mean(_value_errors(values + returns, returns, old_values, clip), completion_mask)
+
+
+@mistake("argument")
+def _value_loss_ignores_clip(values, returns, completion_mask, old_values=None, clip=None):
+    """Never clips, whatever clip says. With clip, each token's error is the larger of (values - returns)^2 and
+    (old_values + clamp(values - old_values, -clip, clip) - returns)^2."""
+    return 0.5 * masked_mean((values - returns.detach()) ** 2, completion_mask)
+
+
+def _value_loss_min_of_errors(values, returns, completion_mask, old_values=None, clip=None):
+    """Takes the smaller of the clipped and the unclipped errors. Take the larger (torch.maximum), as the surrogate
+    takes the smaller of two objectives: the pessimistic choice, so that moving a value past the clip earns nothing."""
+    return 0.5 * masked_mean(_value_errors(values, returns, old_values, clip, combine=torch.minimum), completion_mask)
+
+
+def _value_loss_clipped_error_only(values, returns, completion_mask, old_values=None, clip=None):
+    """With clip, uses only the clipped error (v_clipped - returns)^2. Take the larger of it and the unclipped error
+    (values - returns)^2: a value that moved *away* from the return must still be pulled back."""
+    return 0.5 * masked_mean(_value_errors(values, returns, old_values, clip, combine=lambda e, c: c),
+                             completion_mask)
+
+
+def _value_loss_clamps_the_values(values, returns, completion_mask, old_values=None, clip=None):
+    """Clamps the values themselves to [-clip, clip]. The clip bounds how far each value moves from its old value:
+    v_clipped = old_values + clamp(values - old_values, -clip, clip)."""
+    return 0.5 * masked_mean(_value_errors(values, returns, old_values, clip,
+                                           clipped_at=lambda v, old, c: v.clamp(-c, c)), completion_mask)
+
+
+@mistake("gradient")
+def _value_loss_old_values_not_detached(values, returns, completion_mask, old_values=None, clip=None):
+    """Lets the gradient flow into the old values. They were stored at rollout time, constants like the returns:
+    detach them."""
+    return 0.5 * masked_mean(_value_errors(values, returns, old_values, clip, detach_old=False), completion_mask)
 
 
 def _surrogate(logprobs, old_logprobs, advantages, completion_mask, clip_eps, *, combine=torch.minimum,
@@ -1838,17 +2219,20 @@ def _surrogate_masks_advantages_in_place(logprobs, old_logprobs, advantages, com
 # --- ppo_loss ---
 
 def _ppo_loss_with(name, doc, kind="values", entropy_sign=-1.0, objective_sign=-1.0, fixed=None, detach=False,
-                   kl_fn=None, mean_all=False, weighted_terms=False, normalise_in_place=False, tensor_terms=False):
-    """A ppo_loss with one mistake, named `name` and described by `doc`."""
+                   kl_fn=None, mean_all=False, weighted_terms=False, normalise_in_place=False, tensor_terms=False,
+                   value_clip="clip_value"):
+    """A ppo_loss with one mistake, named `name` and described by `doc`. value_clip: what clips the value loss
+    ("clip_value", "clip_eps", or None for nothing)."""
 
     def loss_fn(logits, values, logprobs, old_logprobs, advantages, returns, ref_logits, completion_mask,
-                clip_eps=0.2, vf_coef=0.5, ent_coef=0.001, kl_coef=0.2):
+                clip_eps=0.2, vf_coef=0.5, ent_coef=0.001, kl_coef=0.2, old_values=None, clip_value=None):
         coefs = dict(clip_eps=clip_eps, vf_coef=vf_coef, ent_coef=ent_coef, kl_coef=kl_coef) | (fixed or {})
+        clip = {"clip_value": clip_value, "clip_eps": clip_eps if clip_value is not None else None}.get(value_clip)
         if normalise_in_place:
             with torch.no_grad():
                 advantages -= masked_mean(advantages, completion_mask)
         objective = ref.clipped_surrogate(logprobs, old_logprobs, advantages, completion_mask, coefs["clip_eps"])
-        v_loss = ref.value_loss(values, returns, completion_mask)
+        v_loss = ref.value_loss(values, returns, completion_mask, old_values, clip)
         reduce = (lambda x: x.mean()) if mean_all else (lambda x: masked_mean(x, completion_mask))
         ent = reduce(ref.entropy(logits, completion_mask))
         kl = reduce((kl_fn or ref.kl_exact)(logits, ref_logits, completion_mask))
@@ -1903,6 +2287,13 @@ _ppo_loss_normalises_in_place = _ppo_loss_with(
     "_ppo_loss_normalises_in_place", "Centres the caller's advantages in place (advantages -= mean). Leave the "
     "inputs alone: the trainer normalises the advantages before calling ppo_loss.", kind="inputs",
     normalise_in_place=True)
+_ppo_loss_value_not_clipped = _ppo_loss_with(
+    "_ppo_loss_value_not_clipped", "Never clips the value loss, whatever clip_value says: pass old_values and "
+    "clip_value on to value_loss.", kind="argument", value_clip=None)
+_ppo_loss_value_clipped_with_clip_eps = _ppo_loss_with(
+    "_ppo_loss_value_clipped_with_clip_eps", "Clips the value loss with clip_eps, the ratio's clip range. CleanRL "
+    "uses one coefficient for both, but here the value clip is its own setting: value_loss(..., old_values, "
+    "clip_value).", value_clip="clip_eps")
 
 
 # --- minibatches and the optimiser ---
@@ -2059,6 +2450,195 @@ def _optimizer_adam(policy, lr_model, lr_head, warmup_steps, total_steps, final_
     return _optimizer(policy, lr_model, lr_head, warmup_steps, total_steps, final_lr_fraction, optim=torch.optim.Adam)
 
 
+# --- rollout ---
+
+def _rollout_with(name, doc, kind="values", *, sampler=None, reference_logits=None, grad=False, values_at=None,
+                  normalise=None, advantages_from_raw=False, store_scaled=False, default_gae=False):
+    """A rollout with one mistake, named `name` and described by `doc` (the keywords say which)."""
+
+    def rollout(policy, reference, reward_fn, prompts, cfg):
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            samples = ref.sample((sampler or (lambda pol, r: pol.model))(policy, reference), prompts,
+                                 cfg.max_new_tokens, cfg.temperature)
+            p, mask = samples.prompt_len, samples.completion_mask
+            logits, values = policy(samples.ids, samples.attention_mask)
+            ref_logits = (reference_logits or (lambda pol, r, s: r(s.ids, attention_mask=s.attention_mask)))(
+                policy, reference, samples)
+            logprobs = ref.get_logprobs(logits, samples.ids, p) * mask
+            ref_logprobs = ref.get_logprobs(ref_logits, samples.ids, p) * mask
+            gen_logits, gen_ref_logits = ref.completion_slice(logits, p), ref.completion_slice(ref_logits, p)
+            values = (values_at or ref.completion_slice)(values, p) * mask
+            rewards = reward_fn(samples.texts).to(values.device)
+            normalising = cfg.normalize_rewards if normalise is None else normalise
+            scaled = ref.normalize_rewards(rewards) if normalising else rewards
+            gae = () if default_gae else (cfg.gamma, cfg.lam)
+            advantages, returns = ref.compute_advantages(values, rewards if advantages_from_raw else scaled, mask, *gae)
+            kl = ref.kl_exact(gen_logits, gen_ref_logits, mask)
+        return ref.ReplayMemory(samples.ids, samples.attention_mask, mask, p, logprobs, values, advantages, returns,
+                                gen_ref_logits, ref_logprobs, kl, scaled if store_scaled else rewards, samples.texts)
+
+    rollout.__name__, rollout.__qualname__, rollout.__doc__ = name, name, doc
+    return mistake(kind)(rollout)
+
+
+def _adapted_reference(policy, reference, samples):
+    adapted = getattr(policy.model, "adapted", None)
+    with adapted() if adapted else contextlib.nullcontext():
+        return reference(samples.ids, attention_mask=samples.attention_mask)
+
+
+_rollout_reference_is_the_policy = _rollout_with(
+    "_rollout_reference_is_the_policy", "Runs the policy's model where the reference belongs (policy.model(...) "
+    "rather than reference(...)). The KL is then 0 at sampling time and the penalty holds the policy to itself: "
+    "run the reference model you were given, once, on the samples.",
+    reference_logits=lambda pol, r, s: pol.model(s.ids, attention_mask=s.attention_mask))
+_rollout_reference_with_lora_hooks = _rollout_with(
+    "_rollout_reference_with_lora_hooks", "Runs the reference inside the LoRA model's adapted() context, with the "
+    "LoRA hooks on: with a LoRA policy whose reference is its own base, that computes the *policy's* logits, and the "
+    "KL to the reference is 0. Call reference(...) as it is, outside any hook context.", kind="lora",
+    reference_logits=_adapted_reference)
+_rollout_samples_from_the_reference = _rollout_with(
+    "_rollout_samples_from_the_reference", "Samples from the reference (or, with LoRA, from the base model) rather "
+    "than from the policy: PPO learns from the policy's own samples. Sample from policy.model, which with a LoRA "
+    "model is the adapted model.", sampler=lambda pol, r: r)
+_rollout_keeps_the_graph = _rollout_with(
+    "_rollout_keeps_the_graph", "Runs the rollout with autograd on (no torch.no_grad()): the stored log-probs and "
+    "values carry a computation graph. They are constants for the learning phase: compute them under "
+    "torch.no_grad().", kind="gradient", grad=True)
+_rollout_values_unshifted = _rollout_with(
+    "_rollout_values_unshifted", "Stores values[:, prompt_len:], the value *after* each completion token, where the "
+    "value *before* it is chosen belongs: cut the values with completion_slice, like the logits.",
+    values_at=lambda v, p: v[:, p:])
+_rollout_always_normalises = _rollout_with(
+    "_rollout_always_normalises", "Normalises the rewards whatever cfg.normalize_rewards says: normalise them only "
+    "when it is True.", kind="argument", normalise=True)
+_rollout_advantages_from_raw_rewards = _rollout_with(
+    "_rollout_advantages_from_raw_rewards", "Normalises the rewards but hands the raw ones to compute_advantages: "
+    "the advantages and returns come from the normalised rewards (when cfg.normalize_rewards).",
+    advantages_from_raw=True)
+_rollout_stores_normalised_rewards = _rollout_with(
+    "_rollout_stores_normalised_rewards", "Stores the normalised rewards in memory.rewards: that field is reward_fn's "
+    "raw scores, which the logs and the tables show.", store_scaled=True)
+_rollout_default_gae = _rollout_with(
+    "_rollout_default_gae", "Calls compute_advantages without cfg.gamma and cfg.lam (so always 1.0 and 0.95): pass "
+    "the config's values.", kind="argument", default_gae=True)
+
+
+# --- learn ---
+
+def _learn_with(name, doc, kind="values", *, zero_grad=True, step_before_backward=False, old_from_now=False,
+                stored_values=False, whiten="minibatch", clip=True, scheduler_step=True, use_generator=True,
+                epochs=None, whiten_memory_in_place=False, approx_kl_reversed=False, value_clip=True,
+                old_values_from_now=False):
+    """A learn with one mistake, named `name` and described by `doc` (the keywords say which)."""
+
+    def learn(policy, optimizer, scheduler, memory, cfg, generator=None):
+        if whiten_memory_in_place:
+            memory.advantages = ref.masked_whiten(memory.advantages, memory.completion_mask)
+        replayed = memory
+        if whiten == "batch" and cfg.normalize_advantages:
+            replayed = dataclasses.replace(memory, advantages=ref.masked_whiten(memory.advantages,
+                                                                                memory.completion_mask))
+        stats = {}
+        for _ in range(cfg.epochs if epochs is None else epochs):
+            for mb in replayed.minibatches(cfg.minibatch_size, generator if use_generator else None):
+                p, mask = mb["prompt_len"], mb["completion_mask"]
+                if stored_values:
+                    logits, values = policy.model(mb["ids"], attention_mask=mb["attention_mask"]), None
+                else:
+                    logits, values = policy(mb["ids"], mb["attention_mask"])
+                logprobs = ref.get_logprobs(logits, mb["ids"], p)
+                advantages = mb["advantages"]
+                if whiten == "minibatch" and cfg.normalize_advantages:
+                    advantages = ref.masked_whiten(advantages, mask)
+                old = logprobs.detach() if old_from_now else mb["logprobs"]
+                gen_values = mb["values"] if stored_values else ref.completion_slice(values, p)
+                old_values = gen_values.detach() if old_values_from_now else mb["values"]
+                loss, terms = ref.ppo_loss(ref.completion_slice(logits, p), gen_values, logprobs, old, advantages,
+                                           mb["returns"], mb["ref_logits"], mask, cfg.clip_eps, cfg.vf_coef,
+                                           cfg.ent_coef, cfg.kl_coef, old_values if value_clip else None,
+                                           cfg.clip_value if value_clip else None)
+                if step_before_backward:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+                else:
+                    if zero_grad:
+                        optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if clip
+                                                         else float("inf"))
+                    optimizer.step()
+                if scheduler_step:
+                    scheduler.step()
+                with torch.no_grad():
+                    log_ratio = logprobs - mb["logprobs"]
+                    clipped = ((log_ratio.exp() - 1).abs() > cfg.clip_eps).float()
+                    approx = (ref.kl_k3(logprobs, mb["logprobs"], mask) if approx_kl_reversed
+                              else ref.kl_k3(mb["logprobs"], logprobs, mask))
+                    step = terms | {"clip_fraction": masked_mean(clipped, mask).item(),
+                                    "approx_kl": masked_mean(approx, mask).item(), "grad_norm": grad_norm.item()}
+                for key, value in step.items():
+                    stats.setdefault(key, []).append(value)
+        return {key: sum(values) / len(values) for key, values in stats.items()}
+
+    learn.__name__, learn.__qualname__, learn.__doc__ = name, name, doc
+    return mistake(kind)(learn)
+
+
+_learn_no_zero_grad = _learn_with(
+    "_learn_no_zero_grad", "Never zeroes the gradients: backward() *adds* to .grad, so each step follows the sum of "
+    "every gradient so far. Call optimizer.zero_grad() before each backward().", zero_grad=False)
+_learn_steps_before_backward = _learn_with(
+    "_learn_steps_before_backward", "Steps the optimiser before backward(): each step applies the previous "
+    "minibatch's gradient (the first applies none, the last gradient is never used). The order is zero_grad, "
+    "backward, clip, step.", step_before_backward=True)
+_learn_old_logprobs_from_now = _learn_with(
+    "_learn_old_logprobs_from_now", "Uses the log-probs of this forward pass, detached, as the old log-probs: the "
+    "ratio is then always 1, nothing is ever clipped, and PPO becomes a plain policy gradient that can run far from "
+    "the policy that sampled. The old log-probs are the memory's (memory.logprobs), stored at sampling time.",
+    old_from_now=True)
+_learn_value_head_untrained = _learn_with(
+    "_learn_value_head_untrained", "Feeds ppo_loss the memory's stored values (and runs policy.model without the "
+    "value head): the value loss then has no gradient and the value head never learns. Use the values of this "
+    "forward pass of the policy.", stored_values=True)
+_learn_whitens_the_whole_batch = _learn_with(
+    "_learn_whitens_the_whole_batch", "Whitens the advantages over the whole batch, once, instead of over each "
+    "minibatch: whiten each minibatch's advantages over its own valid tokens (masked_whiten), as CleanRL does.",
+    whiten="batch")
+_learn_never_whitens = _learn_with(
+    "_learn_never_whitens", "Never whitens the advantages, whatever cfg.normalize_advantages says: when it is True, "
+    "whiten each minibatch's advantages (masked_whiten).", kind="argument", whiten="never")
+_learn_no_grad_clipping = _learn_with(
+    "_learn_no_grad_clipping", "Does not clip the gradient norm: call nn.utils.clip_grad_norm_(policy.parameters(), "
+    "cfg.max_grad_norm) between backward() and step().", clip=False)
+_learn_scheduler_not_stepped = _learn_with(
+    "_learn_scheduler_not_stepped", "Never steps the scheduler, so the learning rate stays at its first warm-up "
+    "value: call scheduler.step() after each optimizer.step().", scheduler_step=False)
+_learn_global_rng = _learn_with(
+    "_learn_global_rng", "Draws the minibatches from torch's global random state (the generator is not passed on): "
+    "memory.minibatches(cfg.minibatch_size, generator).", kind="seed", use_generator=False)
+_learn_one_epoch = _learn_with(
+    "_learn_one_epoch", "Makes one pass over the memory whatever cfg.epochs says: loop over cfg.epochs passes.",
+    kind="argument", epochs=1)
+_learn_whitens_the_memory_in_place = _learn_with(
+    "_learn_whitens_the_memory_in_place", "Whitens memory.advantages over the whole batch and writes them back into "
+    "the memory: the caller's memory changes, and the advantages are whitened over the batch rather than per "
+    "minibatch. Whiten a copy, per minibatch.", kind="inputs", whiten_memory_in_place=True, whiten="never")
+_learn_approx_kl_reversed = _learn_with(
+    "_learn_approx_kl_reversed", "Logs kl_k3(new log-probs, old log-probs): the tokens were sampled by the old "
+    "policy, so the estimate of KL(old || new) is kl_k3(old, new), the old log-probs first.",
+    approx_kl_reversed=True)
+_learn_ignores_clip_value = _learn_with(
+    "_learn_ignores_clip_value", "Never clips the value loss, whatever cfg.clip_value says: pass the memory's values "
+    "and cfg.clip_value on to ppo_loss (its old_values and clip_value).", kind="argument", value_clip=False)
+_learn_old_values_from_now = _learn_with(
+    "_learn_old_values_from_now", "Uses the values of this forward pass, detached, as the old values of the value "
+    "clip: a value is then never more than 0 from its \"old\" value, and the clip never cuts anything. The old "
+    "values are the memory's (memory.values), stored at rollout time.", old_values_from_now=True)
+
+
 MUTANTS = {
     "PolicyWithValueHead": [_PolicyReadsResidPre, _PolicyReadsFirstBlock, _PolicyReadsLnFinal, _PolicyTwoPasses,
                             _PolicyHookLeftBehind, _PolicyResetHooks, _PolicyNoFinally, _PolicyDetached,
@@ -2089,7 +2669,9 @@ MUTANTS = {
                 _entropy_softmax_wrong_dim, _entropy_detached_probs, _entropy_in_place],
     "value_loss": [_value_loss_no_half, _value_loss_unmasked, _value_loss_masked_sum_over_all, _value_loss_sum,
                    _value_loss_mean_of_rows, _value_loss_l1, _value_loss_returns_not_detached,
-                   _value_loss_values_detached, _value_loss_in_place],
+                   _value_loss_values_detached, _value_loss_in_place, _value_loss_ignores_clip,
+                   _value_loss_min_of_errors, _value_loss_clipped_error_only, _value_loss_clamps_the_values,
+                   _value_loss_old_values_not_detached],
     "clipped_surrogate": [_surrogate_max, _surrogate_log_ratio, _surrogate_inverted_ratio, _surrogate_no_clip,
                           _surrogate_clips_advantages, _surrogate_unmasked, _surrogate_negated,
                           _surrogate_min_of_ratios, _surrogate_fixed_clip, _surrogate_not_detached,
@@ -2097,11 +2679,20 @@ MUTANTS = {
     "ppo_loss": [_ppo_loss_entropy_sign, _ppo_loss_objective_not_negated, _ppo_loss_no_vf_coef, _ppo_loss_no_kl,
                  _ppo_loss_no_entropy, _ppo_loss_fixed_clip, _ppo_loss_detached, _ppo_loss_kl_reversed,
                  _ppo_loss_mean_over_all, _ppo_loss_weighted_terms, _ppo_loss_tensor_terms,
-                 _ppo_loss_normalises_in_place],
+                 _ppo_loss_normalises_in_place, _ppo_loss_value_not_clipped, _ppo_loss_value_clipped_with_clip_eps],
     "get_minibatch_indices": [_minibatch_no_shuffle, _minibatch_with_replacement, _minibatch_chunk,
                               _minibatch_shuffled_within, _minibatch_global_rng, _minibatch_own_seed,
                               _minibatch_drops_remainder, _minibatch_asserts],
     "make_optimizer": [_optimizer_one_lr, _optimizer_head_in_model_group, _optimizer_keeps_frozen,
                        _optimizer_no_warmup, _optimizer_warmup_from_zero, _optimizer_decays_to_zero,
                        _optimizer_decay_over_total, _optimizer_no_floor, _optimizer_cosine, _optimizer_adam],
+    "rollout": [_rollout_reference_is_the_policy, _rollout_reference_with_lora_hooks,
+                _rollout_samples_from_the_reference, _rollout_keeps_the_graph, _rollout_values_unshifted,
+                _rollout_always_normalises, _rollout_advantages_from_raw_rewards, _rollout_stores_normalised_rewards,
+                _rollout_default_gae],
+    "learn": [_learn_no_zero_grad, _learn_steps_before_backward, _learn_old_logprobs_from_now,
+              _learn_value_head_untrained, _learn_whitens_the_whole_batch, _learn_never_whitens,
+              _learn_no_grad_clipping, _learn_scheduler_not_stepped, _learn_global_rng, _learn_one_epoch,
+              _learn_whitens_the_memory_in_place, _learn_approx_kl_reversed, _learn_ignores_clip_value,
+              _learn_old_values_from_now],
 }

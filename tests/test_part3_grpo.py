@@ -31,7 +31,7 @@ from utils.sampling import Samples, completion_mask_from_ids, sample, tokenize_p
 exercise = pytest.mark.exercise
 
 # The exercises the course runs on a LoRAModel (Part 2's hooks): tested with one whose B is random.
-ON_LORA_MODEL = {"sample_groups", "reference_logprobs"}
+ON_LORA_MODEL = {"sample_groups", "reference_logprobs", "grpo_step"}
 
 
 def lora_model_with_random_B(model, seed=0):
@@ -843,6 +843,153 @@ def test_group_advantages_all_equal_rewards_and_bad_input():
         ref.group_advantages(torch.ones(8), 4, scale="std")
 
 
+# --- grpo_step -------------------------------------------------------------------------------------------------
+# A tiny deterministic step: 2 prompts x 4 completions, a few tokens, plain SGD (its update is lr x the gradient, so
+# a wrong gradient shows in the parameters), every optional part of the step switched on by one test or another.
+
+STEP_PROMPTS = ["12+34=", "7+58="]
+
+
+def _reward_length(prompts, completions):
+    """Spreads the rewards inside a group (the tiny model answers both prompts right only sometimes)."""
+    return [float(len(c)) for c in completions]
+
+
+def step_rewards():
+    return [ref.RewardFunction("exact_answer", ref.reward_exact_answer, 1.0),
+            ref.RewardFunction("length", _reward_length, 0.25)]
+
+
+def step_config(**settings):
+    return ref.GRPOConfig(**{"n_prompts": len(STEP_PROMPTS), "group_size": 4, "max_new_tokens": 3, "lr": 0.5,
+                             "max_grad_norm": 0.5, **settings})
+
+
+def step_lora_model(model, seed):
+    """A LoRA model whose adapters change the samples but not the format (still digits, then EOS)."""
+    torch.manual_seed(seed)
+    adapters = make_adapters(model, 4, 8.0, ("q", "k", "v", "o"))
+    with torch.no_grad():
+        for a in adapters.values():
+            a.B.normal_(0, 0.1)
+    return LoRAModel(model, adapters)
+
+
+def run_step(fn, tiny_model, cfg, steps=1):
+    """Run `fn` (grpo_step, or a version of it) `steps` times from the same start: a LoRA model whose B is random,
+    plain SGD, and a reference that is *not* the bare base (the base with other adapters, as in Part 4's re-trained
+    adapter), so that a step that bypasses `reference` is seen. Returns what a check looks at."""
+    lora_model, other = step_lora_model(tiny_model, seed=3), step_lora_model(tiny_model, seed=4)
+    for p in tiny_model.parameters():
+        p.requires_grad_(False)
+    optimizer = torch.optim.SGD(lora_model.adapters.parameters(), lr=cfg.lr)
+    optimizer_steps, reference_calls, forward_passes = [], [], []
+    optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
+    handle = tiny_model.hook_embed.register_forward_hook(lambda *_: forward_passes.append(1))
+
+    def reference(samples):
+        reference_calls.append(1)
+        with torch.no_grad():
+            return completion_logprobs(other, samples)
+
+    outs = []
+    try:
+        torch.manual_seed(11)
+        for _ in range(steps):
+            outs.append(fn(lora_model, optimizer, step_rewards(), reference, list(STEP_PROMPTS), cfg))
+    finally:
+        handle.remove()
+    params = torch.cat([p.detach().flatten() for p in lora_model.adapters.parameters()])
+    return SimpleNamespace(outs=outs, out=outs[-1], params=params, optimizer_steps=len(optimizer_steps),
+                           reference_calls=len(reference_calls), forward_passes=len(forward_passes),
+                           lora_model=lora_model)
+
+
+def checked_step(impl, tiny_model, cfg, what, steps=1):
+    """(the learner's run, the reference's run), after checking that the learner's returns a GRPOStepOutput."""
+    got = calling(run_step, impl.grpo_step, tiny_model, cfg, steps, what=what)
+    kind = type(got.out).__name__
+    expect(kind == "GRPOStepOutput", f"{what}: the type of the result", f"expected a GRPOStepOutput (what the trainer "
+           f"reads its metrics from), got {kind}", observed=kind)
+    return got, run_step(ref.grpo_step, tiny_model, cfg, steps)
+
+
+def compare_steps(got, expected, what, tiny_model=None, cfg=None):
+    """The samples, the advantages, the counters, the loss and the update, in the order a step makes them."""
+    hint = None
+    if tiny_model is not None and got.out.samples.ids.shape == expected.out.samples.ids.shape:
+        torch.manual_seed(11)
+        base = ref.sample_groups(tiny_model, STEP_PROMPTS, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
+        if torch.equal(got.out.samples.ids, base.ids) and not torch.equal(base.ids, expected.out.samples.ids):
+            hint = ("They are the base model's samples: sampling ran without the LoRA hooks. Sample from the LoRA "
+                    "model itself (sample_groups(model, ...)): the policy being trained must make its own samples.")
+    assert_close(got.out.samples.ids, expected.out.samples.ids, f"{what}: the sampled token ids (same seed)", hint=hint)
+    assert_close(got.out.advantages, expected.out.advantages, f"{what}: the advantages", check_grad=False)
+    assert_close(got.out.mask, expected.out.mask, f"{what}: the loss mask (which tokens count)")
+    assert_equal(got.reference_calls, expected.reference_calls, f"{what}: calls of `reference`",
+                 hint=f"With beta={cfg.beta}, the reference runs once per step when beta != 0 (through `reference`, "
+                      "which Part 4 replaces) and never when beta == 0.")
+    assert_equal(got.forward_passes, expected.forward_passes, f"{what}: forward passes of the model (the reference's "
+                 "included; sampling's lean decoder makes none)",
+                 hint=f"One per update ({cfg.num_iterations}), plus one for the old log-probs when num_iterations > "
+                      "1 (once, before the updates), plus the reference's when beta != 0.")
+    assert_equal(got.optimizer_steps, expected.optimizer_steps, f"{what}: optimizer steps",
+                 hint="One optimizer step per update: cfg.num_iterations per grpo_step.")
+    assert_close(torch.tensor(float(got.out.loss)), torch.tensor(float(expected.out.loss)),
+                 f"{what}: the loss of the last update", check_grad=False)
+    assert_close(got.params, expected.params, f"{what}: the adapters' parameters after the step (SGD, lr "
+                 f"{cfg.lr}, max_grad_norm {cfg.max_grad_norm})",
+                 hint="Each update: zero_grad, backward, clip the adapters' gradient norm, then optimizer.step().")
+
+
+@exercise("grpo_step")
+def test_grpo_step_on_policy_matches_the_reference_step(impl, tiny_model):
+    cfg = step_config()
+    what = "two grpo_steps in a row (on-policy, beta 0, loss_type 'dapo')"
+    got, expected = checked_step(impl, tiny_model, cfg, what, steps=2)
+    compare_steps(got, expected, what, tiny_model, cfg)
+
+
+@exercise("grpo_step")
+def test_grpo_step_with_a_kl_term_and_two_updates(impl, tiny_model):
+    cfg = step_config(beta=0.5, num_iterations=2, epsilon=0.1, epsilon_high=0.15, loss_type="grpo",
+                      scale_rewards="batch")
+    what = ("grpo_step(beta=0.5, num_iterations=2, epsilon=0.1, epsilon_high=0.15, loss_type='grpo', "
+            "scale_rewards='batch')")
+    got, expected = checked_step(impl, tiny_model, cfg, what)
+    compare_steps(got, expected, what, tiny_model, cfg)
+    expect(got.out.old_logprobs is not None and not got.out.old_logprobs.requires_grad, f"{what}: the old log-probs",
+           "with num_iterations > 1, the old log-probs are the policy's at sampling time, computed once, as constants "
+           "(under torch.no_grad())", observed=None if got.out.old_logprobs is None else got.out.old_logprobs)
+
+
+@exercise("grpo_step")
+def test_grpo_step_dr_grpo_divides_by_max_new_tokens(impl, tiny_model):
+    cfg = step_config(loss_type="dr_grpo", max_new_tokens=6, temperature=0.7)
+    what = "grpo_step(loss_type='dr_grpo', max_new_tokens=6)"
+    got, expected = checked_step(impl, tiny_model, cfg, what)
+    width = expected.out.mask.shape[1]
+    expect(width < cfg.max_new_tokens, "test set-up", "every completion should end before max_new_tokens")
+    assert_close(torch.tensor(float(got.out.loss)), torch.tensor(float(expected.out.loss)),
+                 f"{what}: the loss, where every completion ended within {width} tokens",
+                 factors={f"{cfg.max_new_tokens}/{width} (max_new_tokens / the width of the completions)":
+                          cfg.max_new_tokens / width},
+                 hint="'dr_grpo' divides by batch x max_completion_length, a constant: pass "
+                      "max_completion_length=cfg.max_new_tokens, the longest a completion can be, not the width that "
+                      "this batch happened to need.", check_grad=False)
+    compare_steps(got, expected, what, tiny_model, cfg)
+
+
+@exercise("grpo_step")
+def test_grpo_step_masks_truncated_completions(impl, tiny_model):
+    cfg = step_config(mask_truncated_completions=True)
+    what = "grpo_step(max_new_tokens=3, mask_truncated_completions=True)"
+    got, expected = checked_step(impl, tiny_model, cfg, what)
+    truncated = expected.out.samples.truncated
+    expect(bool(truncated.any() and not truncated.all()), "test set-up", "some completions should be cut off")
+    compare_steps(got, expected, what, tiny_model, cfg)
+
+
 # --- the trainer (provided) --------------------------------------------------------------------------------------
 
 def count_forward_passes(base, adapters) -> list[bool]:
@@ -895,6 +1042,22 @@ def test_trainer_off_policy_with_clip_higher_and_truncation_masking():
             h["clip_ratio/low_mean"] + h["clip_ratio/high_mean"]), "a token is clipped low or high, never both"
 
 
+def test_trainer_runs_grpo_step_by_its_name(tiny_model, monkeypatch):
+    """GRPOTrainer.step looks grpo_step up by its name when it runs, so that in the notebook the provided trainer runs
+    the learner's step; it counts the reference passes from what the step returns."""
+    calls, original = [], ref.grpo_step
+
+    def recorded(*args):
+        calls.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(ref, "grpo_step", recorded)
+    cfg = ref.GRPOConfig(n_prompts=2, group_size=2, max_new_tokens=3, beta=0.04, eval_every=0, table_every=100)
+    trainer = ref.GRPOTrainer(cfg, model=tiny_model)
+    metrics = trainer.step(1)
+    assert calls == [cfg] and trainer.reference_forward_passes == 1
+    assert {"loss", "reward", "kl", "clip_ratio/region_mean", "zero_std_fraction"} <= set(metrics)
+
 def test_trainer_clip_ratios_follow_trl():
     cfg = ref.GRPOConfig(epsilon=0.2, epsilon_high=0.0)  # 0 is a valid epsilon_high, not "unset"
     trainer = SimpleNamespace(cfg=cfg)
@@ -946,13 +1109,15 @@ def trl_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilon=
 def test_grpo_loss_agrees_with_trl():
     pytest.importorskip("trl", reason="pip install -r requirements-bench.txt to compare with TRL")
     logprobs, old, ref_lp, adv, mask = loss_inputs(seed=3)
-    for settings, on_policy in itertools.product(SETTINGS, [False, True]):
+    empty_rows = mask & torch.tensor([True, False, True, True, False, True])[:, None]  # rows 1 and 4: no token
+    for settings, on_policy, m in itertools.product(SETTINGS, [False, True], [mask, empty_rows]):
         old_lp = None if on_policy else old
         r = ref_lp if settings["beta"] else None
-        ours, our_grad = loss_and_grad(ref.grpo_loss, logprobs, old_lp, r, adv, mask, **settings)
-        theirs, their_grad = loss_and_grad(trl_loss, logprobs, old_lp, r, adv, mask, **settings)
-        assert torch.allclose(ours, theirs, atol=1e-5), f"{settings}, on_policy={on_policy}: {ours} vs TRL {theirs}"
-        assert torch.allclose(our_grad, their_grad, atol=1e-5), f"{settings}, on_policy={on_policy}: gradients"
+        ours, our_grad = loss_and_grad(ref.grpo_loss, logprobs, old_lp, r, adv, m, **settings)
+        theirs, their_grad = loss_and_grad(trl_loss, logprobs, old_lp, r, adv, m, **settings)
+        case = f"{settings}, on_policy={on_policy}, {'rows 1 and 4 fully masked' if m is empty_rows else 'every row'}"
+        assert torch.allclose(ours, theirs, atol=1e-5), f"{case}: {ours} vs TRL {theirs}"
+        assert torch.allclose(our_grad, their_grad, atol=1e-5), f"{case}: gradients"
 
 
 def trl_source_lines(method, first: str, last: str) -> str:
@@ -1490,7 +1655,8 @@ def _reference_resets_hooks(lora_model, samples, beta):
 def _loss_core(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilon=0.2, epsilon_high=None, beta=0.0,
                loss_type="dapo", max_completion_length=None, use_bias_correction_kl=False,
                ratio_fn=None, one_sided=False, kl_reversed=False, detach_clip=False, detach_kl=False, use_max=False,
-               eh_or=False, dr_count=False, grpo_unclamped=False, grpo_nonempty_rows=False, bias_ignored=False):
+               eh_or=False, dr_count=False, grpo_unclamped=False, grpo_nonempty_rows=False, bias_ignored=False,
+               bias_detached=False):
     """The reference with switches, one per registered mistake below."""
     if loss_type not in ("grpo", "bnpo", "dapo", "dr_grpo"):
         raise ValueError(f"unknown loss_type {loss_type!r}")
@@ -1507,7 +1673,8 @@ def _loss_core(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilo
         lp = logprobs.detach() if detach_kl else logprobs
         d = (lp - ref_logprobs) if kl_reversed else (ref_logprobs - lp)
         kl = torch.exp(d) - d - 1
-        per_token = per_token + beta * (kl * ratio if use_bias_correction_kl and not bias_ignored else kl)
+        weight = ratio.detach() if bias_detached else ratio
+        per_token = per_token + beta * (kl * weight if use_bias_correction_kl and not bias_ignored else kl)
     m = mask.to(logprobs.dtype)
     if loss_type == "grpo":
         per_row = (per_token * m).sum(1) / (m.sum(1) if grpo_unclamped else m.sum(1).clamp(min=1))
@@ -1546,6 +1713,15 @@ def _loss_kl_reversed(logprobs, old_logprobs, ref_logprobs, advantages, mask, **
 def _loss_bias_correction_ignored(logprobs, old_logprobs, ref_logprobs, advantages, mask, **kw):
     """use_bias_correction_kl is ignored: with it, k3 is multiplied by the ratio."""
     return _loss_core(logprobs, old_logprobs, ref_logprobs, advantages, mask, bias_ignored=True, **kw)
+
+
+@mistake("gradient")
+def _loss_bias_correction_ratio_detached(logprobs, old_logprobs, ref_logprobs, advantages, mask, **kw):
+    """With use_bias_correction_kl, the ratio that multiplies k3 was detached: the values are right, but the term
+    keeps plain k3's gradient (in expectation the forward KL(ref||pi)'s). TRL does not detach it either: with the
+    ratio's own gradient, the expected gradient is the per-token reverse KL(pi||ref)'s. Multiply by the ratio
+    itself."""
+    return _loss_core(logprobs, old_logprobs, ref_logprobs, advantages, mask, bias_detached=True, **kw)
 
 
 def _loss_unmasked(logprobs, old_logprobs, ref_logprobs, advantages, mask, **kw):
@@ -1665,6 +1841,165 @@ def _loss_no_reference_check(logprobs, old_logprobs, ref_logprobs, advantages, m
     return ref.grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, **kw)
 
 
+# grpo_step
+
+def _step_core(model, optimizer, reward_functions, reference, prompts, cfg, *, sample_from=None, zero_grad=True,
+               step_first=False, old_in_loop=False, old_with_grad=False, reference_fn=None, reference_always=False,
+               reference_per_update=False, iterations=None, clip=True, clip_after_step=False, max_length="cfg",
+               loss_mask=None, loss_settings=True):
+    """The reference step with switches, one per registered mistake below."""
+    samples = ref.sample_groups(sample_from(model) if sample_from else model, prompts, cfg.group_size,
+                                cfg.max_new_tokens, cfg.temperature)
+    rewards, per_function = ref.compose_rewards(reward_functions, samples.prompts, samples.texts)
+    advantages = ref.group_advantages(rewards, cfg.group_size, cfg.scale_rewards)
+    mask = loss_mask(samples) if loss_mask else ref.completion_loss_mask(samples, cfg.mask_truncated_completions)
+    get_reference = reference_fn(model) if reference_fn else reference
+    ref_lp = get_reference(samples) if (cfg.beta != 0 or reference_always) else None
+    ref_lp = ref_lp if cfg.beta != 0 else None
+
+    def old_logprobs():
+        if old_with_grad:
+            return completion_logprobs(model, samples)
+        with torch.no_grad():
+            return completion_logprobs(model, samples)
+
+    old_lp = old_logprobs() if cfg.num_iterations > 1 and not old_in_loop else None
+    length = {"cfg": cfg.max_new_tokens, "mask": None, "sequence": samples.ids.shape[1]}[max_length]
+    settings = dict(epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type,
+                    max_completion_length=length) if loss_settings else {}
+    seen = []
+    for _ in range(cfg.num_iterations if iterations is None else iterations):
+        if old_in_loop and cfg.num_iterations > 1:
+            old_lp = old_logprobs()
+        if reference_per_update and cfg.beta != 0:
+            ref_lp = get_reference(samples)
+        logits = model(samples.ids, attention_mask=samples.attention_mask)
+        logprobs = get_logprobs(logits, samples.ids, samples.prompt_len)
+        loss = ref.grpo_loss(logprobs, old_lp, ref_lp, advantages, mask, beta=cfg.beta, **settings)
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=True)
+        if step_first:
+            optimizer.step()
+        loss.backward()
+        if clip and not clip_after_step:
+            torch.nn.utils.clip_grad_norm_(model.adapters.parameters(), cfg.max_grad_norm)
+        if not step_first:
+            optimizer.step()
+        if clip_after_step:
+            torch.nn.utils.clip_grad_norm_(model.adapters.parameters(), cfg.max_grad_norm)
+        seen.append(logprobs.detach())
+    return ref.GRPOStepOutput(loss.item(), samples, rewards, per_function, advantages, mask, ref_lp, old_lp, seen)
+
+
+def _step_no_zero_grad(model, optimizer, reward_functions, reference, prompts, cfg):
+    """optimizer.zero_grad() is never called, so each backward adds its gradient to the ones left by the previous
+    update (and the previous step): call optimizer.zero_grad() before every loss.backward()."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, zero_grad=False)
+
+
+def _step_optimizer_before_backward(model, optimizer, reward_functions, reference, prompts, cfg):
+    """optimizer.step() ran before loss.backward(): it applied the gradients of the previous update (none at all on
+    the first), and this loss's gradient is thrown away by the next zero_grad. Order: zero_grad, backward, clip,
+    step."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, step_first=True)
+
+
+def _step_old_logprobs_in_the_loop(model, optimizer, reward_functions, reference, prompts, cfg):
+    """The old log-probs were recomputed inside the update loop, after the previous update: the ratio is then always
+    1 and the clip never acts. They are the policy's as it sampled: compute them once, before the first update."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, old_in_loop=True)
+
+
+@mistake("gradient")
+def _step_old_logprobs_with_grad(model, optimizer, reward_functions, reference, prompts, cfg):
+    """The old log-probs were computed with gradient: the ratio exp(logp - old) then has no gradient at the first
+    update (both move together), and the next backward runs into a graph already freed. They are constants: compute
+    them under torch.no_grad()."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, old_with_grad=True)
+
+
+@mistake("lora")
+def _step_reference_is_the_policy(model, optimizer, reward_functions, reference, prompts, cfg):
+    """The reference log-probs came from the LoRA model itself, hooks on: that is the policy, so the KL term is 0 and
+    pulls nowhere. Call `reference(samples)`, the reference you were given."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg,
+                      reference_fn=lambda m: lambda s: torch.no_grad()(completion_logprobs)(m, s))
+
+
+@mistake("argument")
+def _step_reference_bypassed(model, optimizer, reward_functions, reference, prompts, cfg):
+    """The reference was computed by hand from the base model (reference_logprobs(model, samples, beta)) instead of
+    calling `reference(samples)`: whatever reference the caller set up (Part 4's old adapter, a synced copy) is
+    ignored. Call `reference`."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg,
+                      reference_fn=lambda m: lambda s: ref.reference_logprobs(m, s, cfg.beta))
+
+
+def _step_reference_when_beta_is_zero(model, optimizer, reward_functions, reference, prompts, cfg):
+    """`reference(samples)` was called even with beta == 0, a forward pass thrown away: with no KL term the right
+    amount of reference computation is none. Call it only when cfg.beta != 0."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, reference_always=True)
+
+
+def _step_reference_per_update(model, optimizer, reward_functions, reference, prompts, cfg):
+    """The reference ran again for every update; its log-probs do not change (the reference is not trained): compute
+    them once per step, before the updates."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, reference_per_update=True)
+
+
+@mistake("lora")
+def _step_samples_from_base(model, optimizer, reward_functions, reference, prompts, cfg):
+    """The groups were sampled from model.base, with the LoRA hooks off: the policy learns from the untrained model's
+    samples, and its ratios are wrong. Sample from the LoRA model itself."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, sample_from=lambda m: m.base)
+
+
+@mistake("argument")
+def _step_one_update(model, optimizer, reward_functions, reference, prompts, cfg):
+    """cfg.num_iterations is ignored (one update per step): make cfg.num_iterations updates on the same samples."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, iterations=1)
+
+
+def _step_no_clipping(model, optimizer, reward_functions, reference, prompts, cfg):
+    """The gradient norm was not clipped: after backward, torch.nn.utils.clip_grad_norm_(the adapters' parameters,
+    cfg.max_grad_norm), before optimizer.step()."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, clip=False)
+
+
+def _step_clip_after_step(model, optimizer, reward_functions, reference, prompts, cfg):
+    """The gradient was clipped after optimizer.step(), which had already used it unclipped: clip between backward
+    and step."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, clip_after_step=True)
+
+
+@mistake("argument")
+def _step_max_length_from_the_mask(model, optimizer, reward_functions, reference, prompts, cfg):
+    """grpo_loss got no max_completion_length, so 'dr_grpo' divided by the width of this batch's completions, which
+    changes with how long they happened to be: pass max_completion_length=cfg.max_new_tokens."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, max_length="mask")
+
+
+def _step_max_length_of_the_sequence(model, optimizer, reward_functions, reference, prompts, cfg):
+    """max_completion_length was the width of samples.ids, prompt included: it counts completion tokens only, at
+    most cfg.max_new_tokens."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, max_length="sequence")
+
+
+@mistake("argument")
+def _step_truncation_mask_ignored(model, optimizer, reward_functions, reference, prompts, cfg):
+    """The loss used samples.completion_mask, so cfg.mask_truncated_completions is ignored: use
+    completion_loss_mask(samples, cfg.mask_truncated_completions)."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg,
+                      loss_mask=lambda s: s.completion_mask)
+
+
+@mistake("argument")
+def _step_loss_settings_dropped(model, optimizer, reward_functions, reference, prompts, cfg):
+    """grpo_loss got beta only: epsilon, epsilon_high, loss_type and max_completion_length stayed at grpo_loss's
+    defaults. Pass cfg's."""
+    return _step_core(model, optimizer, reward_functions, reference, prompts, cfg, loss_settings=False)
+
+
 MUTANTS = {
     "sample_groups": [_groups_tiled, _groups_from_base, _groups_drop_temperature,
                       _groups_zero_temperature_means_default, _groups_ignore_max_new_tokens, _groups_no_refusal,
@@ -1684,9 +2019,14 @@ MUTANTS = {
     "reference_logprobs": [_reference_with_hooks, _reference_always_runs, _reference_scaled_by_beta,
                            _reference_unmasked, _reference_with_grad, _reference_zeroes_B, _reference_resets_hooks],
     "grpo_loss": [_loss_ratio_sign, _loss_one_sided_clip, _loss_max_not_min, _loss_kl_reversed,
-                  _loss_bias_correction_ignored, _loss_unmasked, _loss_every_type_bnpo, _loss_dr_grpo_token_count,
-                  _loss_dr_grpo_ignores_max_length, _loss_epsilon_high_or, _loss_epsilon_fixed, _loss_grpo_unclamped,
-                  _loss_grpo_skips_empty_rows, _loss_constant_ratio_on_policy, _loss_detached_clip, _loss_detached_kl,
+                  _loss_bias_correction_ignored, _loss_bias_correction_ratio_detached, _loss_unmasked,
+                  _loss_every_type_bnpo, _loss_dr_grpo_token_count, _loss_dr_grpo_ignores_max_length,
+                  _loss_epsilon_high_or, _loss_epsilon_fixed, _loss_grpo_unclamped, _loss_grpo_skips_empty_rows, _loss_constant_ratio_on_policy, _loss_detached_clip, _loss_detached_kl,
                   _loss_item, _loss_advantages_unsqueezed_in_place, _loss_masks_logprobs_in_place,
                   _loss_no_loss_type_check, _loss_no_reference_check],
+    "grpo_step": [_step_no_zero_grad, _step_optimizer_before_backward, _step_old_logprobs_in_the_loop,
+                  _step_old_logprobs_with_grad, _step_reference_is_the_policy, _step_reference_bypassed,
+                  _step_reference_when_beta_is_zero, _step_reference_per_update, _step_samples_from_base,
+                  _step_one_update, _step_no_clipping, _step_clip_after_step, _step_max_length_from_the_mask,
+                  _step_max_length_of_the_sequence, _step_truncation_mask_ignored, _step_loss_settings_dropped],
 }

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from solutions import part4_reference as ref
 from solutions.part0_warmup import completion_logprobs, get_logprobs
-from solutions.part2_lora import LoRA, LoRAModel, base_weight, lora_hooks, make_adapters, save_adapter
+from solutions.part2_lora import LoRA, LoRAModel, base_weight, load_adapter, lora_hooks, make_adapters, save_adapter
 from tests.helpers import (assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged,
                            assert_raises, expect, mistake, run_script)
 from utils.checker.observe import observe
@@ -139,7 +139,8 @@ WHY = {
     "hooks_removed": "with hook-LoRA the reference is the same module with the LoRA hooks removed",
     "frozen_copy": "full fine-tuning changes the weights themselves, so the reference must be a frozen copy",
     "old_adapter": "re-training an adapter starts from base + old adapter, so that is the reference, precomputed "
-                   "or not, synced or not",
+                   "or not, synced or not; and a LoRA run synced with lora_sync='reference_only' keeps base + a "
+                   "frozen adapter copy as its reference, which its syncs move (the policy untouched)",
 }
 
 
@@ -157,6 +158,11 @@ def cases():  # (settings, the answer); new objects for every test, which a wron
         (S(beta=0.1, retraining_adapter=True, sync_every=10, sync_alpha=0.5), ("old_adapter", False)),
         (S(beta=0.1, sync_alpha=1.5), ("hooks_removed", False)),  # no sync (tau = 0): alpha is unused
         (S(beta=0.1, precomputed=True, sync_alpha=0.5), ("hooks_removed", True)),  # precomputed, never synced: fine
+        (S(beta=0.1, sync_every=10, sync_alpha=1.0, lora_sync="reference_only"), ("old_adapter", False)),
+        (S(beta=0.1, sync_every=3, sync_alpha=0.5, lora_sync="reference_only", retraining_adapter=True),
+         ("old_adapter", False)),
+        (S(beta=0.1, lora_sync="reference_only"), ("hooks_removed", False)),  # never synced: the copy stays B = 0
+        (S(beta=0.1, lora=False, sync_every=5, sync_alpha=0.5, lora_sync="reference_only"), ("frozen_copy", False)),
     ]
 
 
@@ -169,6 +175,7 @@ def beta_zero():  # beta == 0 answers first: ("none", False), even where the oth
         S(beta=0.0, lora=False, retraining_adapter=True),
         S(beta=0.0, precomputed=True, sync_every=5, sync_alpha=0.5),
         S(beta=0.0, sync_every=5, sync_alpha=0.0),
+        S(beta=0.0, sync_every=5, sync_alpha=0.5, lora_sync="adapter"),
     ]
 
 
@@ -184,6 +191,8 @@ def refusals():  # (settings, why it contradicts itself)
         (S(beta=0.1, sync_every=5, sync_alpha=1.5), "alpha > 1 moves the reference past the policy: alpha must be in "
                                                     "(0, 1]"),
         (S(beta=0.1, sync_every=5, sync_alpha=-0.5), "a negative alpha moves the reference away from the policy"),
+        (S(beta=0.1, sync_every=5, sync_alpha=0.5, lora_sync="adapter"), "lora_sync must be 'merge' or "
+                                                                         "'reference_only'"),
     ]
 
 
@@ -743,11 +752,112 @@ def test_synced_trainer_refuses_what_it_cannot_do():
         expect(match in str(error), "the refusal's message", f"should mention {match!r}: {error}")
 
 
+# --- the sync experiment's control: a sync that moves the reference alone (provided) ----------------------------
+
+def tiny_cfg(steps=2):
+    return ref.GRPOConfig(steps=steps, n_prompts=4, group_size=4, eval_every=0, table_every=10**9)
+
+
+def optimizer_state(optimizer) -> list[Tensor]:
+    return [t.detach().clone() for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor)]
+
+
+@pytest.mark.slow
+def test_a_reference_only_sync_moves_the_reference_exactly_and_nothing_else():
+    trainer = ref.SyncedGRPOTrainer(tiny_cfg(), S(beta=0.1, sync_every=2, sync_alpha=0.5,
+                                                  lora_sync="reference_only"))
+    assert_equal(trainer.ref.kind, "old_adapter", "the control's reference: the base + a frozen adapter copy")
+    samples = padded_samples(trainer.model)
+    with torch.no_grad():
+        base_start = completion_logprobs(trainer.model.base, samples)
+    assert_close(trainer.ref.logprobs(samples), base_start, "the reference before any sync (a copy of a fresh "
+                 "adapter, B = 0: the base)", atol=1e-6)
+    trainer.step(0)  # an update (Adam now has state); (0 + 1) % 2: no sync yet
+    with torch.no_grad():
+        policy = completion_logprobs(trainer.model, samples)
+    parameters = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    moments = optimizer_state(trainer.optimizer)
+    merged = copy.deepcopy(trainer.model)  # what a merge-sync of the same alpha makes the reference: its base
+    ref.sync_lora(merged, 0.5)
+
+    assert_equal(trainer.ref.maybe_sync(1), True, "maybe_sync after step 1 with tau = 2")
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, parameters[n])]
+    expect(not changed, "the policy's parameters after a reference-only sync", f"changed: {changed[:3]}",
+           observed=changed)
+    after = optimizer_state(trainer.optimizer)
+    assert_equal(len(after), len(moments), "the optimizer's state tensors after the sync")
+    expect(all(torch.equal(a, b) for a, b in zip(after, moments)), "the optimizer's state after the sync",
+           "Adam's moments (or its step counts) changed", observed=False)
+    with torch.no_grad():
+        assert_close(completion_logprobs(trainer.model, samples), policy, "the policy after the sync", atol=0)
+        assert_close(trainer.ref.logprobs(samples), completion_logprobs(merged.base, samples),
+                     "the reference after a reference-only sync (alpha = 0.5), against the base a merge-sync of the "
+                     "same alpha makes", atol=1e-4)
+    restarted = [k for k, a in merged.adapters.items() if not torch.equal(a.B, trainer.model.adapters[k].B)]
+    expect(len(restarted) == len(merged.adapters), "the contrast: a merge-sync", "shrinks every B (the LoRA the "
+           "policy trains on restarts from (1 - alpha) B)", observed=len(restarted))
+
+
+@pytest.mark.slow
+def test_kl_to_the_original_is_0_at_the_start_and_a_sync_does_not_reset_it():
+    trainer = ref.SyncedGRPOTrainer(tiny_cfg(steps=3), S(beta=0.1, sync_every=1, sync_alpha=1.0),
+                                    track_original=True)  # a merge-sync after every step
+    history = [h for h in trainer.train().history if "kl" in h]
+    assert_equal(len(history), 3, "steps that logged a KL")
+    assert_close(history[0]["kl_original"], 0.0, "KL to the original at step 0 (the policy is the original)",
+                 atol=1e-7)
+    for h in history[1:]:  # after an alpha = 1 sync the reference is the policy; the original stays where it was
+        assert_close(h["kl"], 0.0, f"KL to the current reference at step {h['step']}, just after a sync with "
+                     "alpha = 1", atol=1e-5)
+        expect(h["kl_original"] > 1e-6, f"KL to the original at step {h['step']}", "it should grow with training, "
+               f"whatever the syncs do; got {h['kl_original']}", observed=h["kl_original"])
+    plain = ref.SyncedGRPOTrainer(tiny_cfg(steps=1), S(beta=0.1))
+    expect("kl_original" not in plain.train().history[0], "a trainer without track_original",
+           "logs no kl_original (it keeps no copy of the starting model)")
+
+
+def test_kl_to_original_is_the_exact_per_token_kl(fresh_model):
+    lora_model = LoRAModel(fresh_model, adapters_with_random_B(fresh_model, seed=9))
+    samples = padded_samples(lora_model)
+    assert_close(ref.kl_to_original(lora_model, lora_model, samples), 0.0, "kl_to_original(policy, policy)", atol=0)
+    with torch.no_grad():
+        logits = lora_model(samples.ids, attention_mask=samples.attention_mask)
+        base_logits = fresh_model(samples.ids, attention_mask=samples.attention_mask)
+    p, q = (x[:, samples.prompt_len - 1:-1].log_softmax(-1) for x in (logits, base_logits))
+    per_token = (p.exp() * (p - q)).sum(-1)[samples.completion_mask]
+    assert_close(ref.kl_to_original(lora_model, fresh_model, samples), per_token.mean().item(),
+                 "kl_to_original(policy, base): the mean over completion tokens of the full-vocabulary KL", atol=1e-6)
+
+
+def test_a_saved_adapter_after_a_merge_sync_no_longer_reproduces_the_policy(tmp_path, fresh_model):
+    """After a merge-sync part of the update lives in the base weights, so the adapter file is not the policy; after
+    a reference-only sync it still is."""
+    samples = padded_samples(fresh_model)
+    for lora_sync, same in (("reference_only", True), ("merge", False)):
+        model = copy.deepcopy(fresh_model)
+        lora_model = LoRAModel(model, adapters_with_random_B(model, seed=10))
+        reference = ref.Reference(S(beta=0.1, sync_every=1, sync_alpha=0.5, lora_sync=lora_sync), lora_model)
+        reference.maybe_sync(0)
+        save_adapter(lora_model.adapters, tmp_path / f"{lora_sync}.safetensors")
+        fresh = load_model("tiny", device="cpu")
+        reloaded = LoRAModel(fresh, load_adapter(make_adapters(fresh, RANK, ALPHA, ("q", "o")),
+                                                 tmp_path / f"{lora_sync}.safetensors"))
+        with torch.no_grad():
+            gap = (completion_logprobs(reloaded, samples) - completion_logprobs(lora_model, samples)).abs().max()
+        expect((gap < 1e-5) == same, f"the saved adapter on a fresh base, after a {lora_sync} sync",
+               f"{'reproduces' if same else 'does not reproduce'} the policy; largest log-prob gap {gap:.3g}",
+               observed=gap.item())
+
+
 @pytest.mark.slow
 def test_script_prints_json_figures(tmp_path):
     _, figures = run_script("solutions.part4_reference", "--json", "--plot", str(tmp_path / "c.png"))
-    expect({"static", "seconds"} <= set(figures) and "kl_end" in figures["static"], "the script's figures",
-           f"missing keys: {figures}")
+    runs = {"static", "merge-sync", "reference-only sync"}
+    expect(runs | {"seconds", "seeds"} <= set(figures), "the script's figures", f"missing keys: {figures}")
+    assert_equal(figures["seeds"], [0, 1], "the smoke run's seeds")
+    for run in runs:
+        expect({"accuracy_end", "kl_end", "kl_original_end", "saved_adapter_accuracy"} <= set(figures[run])
+               and len(figures[run]["accuracy_end"]["seeds"]) == 2, f"the figures of {run}", f"{figures[run]}")
     expect((tmp_path / "c.png").exists(), "the script's plot", "was not written")
 
 
@@ -831,7 +941,8 @@ def _kind_no_validation(settings):
     adapter without LoRA, a sync with alpha outside (0, 1], and a negative beta."""
     if settings.beta <= 0:
         return "none", False
-    if settings.retraining_adapter:
+    if settings.retraining_adapter or (settings.lora and settings.sync_every
+                                       and settings.lora_sync == "reference_only"):
         return "old_adapter", settings.precomputed
     return ("hooks_removed" if settings.lora else "frozen_copy"), settings.precomputed
 
@@ -857,6 +968,44 @@ def _kind_alpha_one_refused(settings):
     by the policy); alpha must be in (0, 1]."""
     if settings.beta > 0 and settings.sync_every and settings.sync_alpha == 1:
         raise ValueError("sync_alpha must be in (0, 1)")
+    return ref.reference_kind(settings)
+
+
+def _kind_reference_only_merges(settings):
+    """A LoRA run synced with lora_sync="reference_only" gets "hooks_removed": its reference would be the base,
+    which a sync can only move by merging into it (and restarting the LoRA). The control's reference is the base
+    + a frozen copy of the adapter, "old_adapter", which a sync moves alone."""
+    kind, precomputed = ref.reference_kind(settings)
+    if settings.lora_sync == "reference_only" and not settings.retraining_adapter:
+        kind = {"old_adapter": "hooks_removed"}.get(kind, kind)
+    return kind, precomputed
+
+
+def _kind_reference_only_without_sync(settings):
+    """lora_sync="reference_only" gives "old_adapter" even when the reference is never synced (sync_every == 0):
+    no sync ever moves the copy of a fresh adapter (B = 0), so the reference is the bare base, "hooks_removed"
+    (no copy, no adapter in the reference's forward pass)."""
+    kind, precomputed = ref.reference_kind(settings)
+    if kind == "hooks_removed" and settings.lora_sync == "reference_only":
+        kind = "old_adapter"
+    return kind, precomputed
+
+
+def _kind_reference_only_full_fine_tuning(settings):
+    """lora_sync="reference_only" gives "old_adapter" with full fine-tuning too (lora=False): there is no adapter
+    to copy; a full fine-tuning sync (sync_full) always moves the reference alone, so it stays "frozen_copy"."""
+    kind, precomputed = ref.reference_kind(settings)
+    if kind == "frozen_copy" and settings.sync_every and settings.lora_sync == "reference_only":
+        kind = "old_adapter"
+    return kind, precomputed
+
+
+@mistake("error")
+def _kind_lora_sync_unchecked(settings):
+    """A lora_sync that is neither "merge" nor "reference_only" is accepted (and run as a merge): refuse it with a
+    ValueError that names the two, or a typo silently runs the other experiment."""
+    if settings.lora_sync not in ref.LORA_SYNCS:
+        settings = dataclasses.replace(settings, lora_sync="merge")
     return ref.reference_kind(settings)
 
 
@@ -1337,7 +1486,8 @@ MUTANTS = {
                        _kind_ignores_precomputed, _kind_precomputes_without_beta, _kind_lora_and_full_swapped,
                        _kind_validates_before_beta, _kind_checks_alpha_without_sync, _kind_writes_into_settings,
                        _kind_no_validation, _kind_negative_beta_is_none, _kind_alpha_zero_allowed,
-                       _kind_alpha_one_refused],
+                       _kind_alpha_one_refused, _kind_reference_only_merges, _kind_reference_only_without_sync,
+                       _kind_reference_only_full_fine_tuning, _kind_lora_sync_unchecked],
     "frozen_adapter_copy": [_copy_shares_tensors, _copy_not_frozen, _copy_freezes_both, _copy_same_modules,
                             _copy_detached, _copy_default_alpha, _copy_plain_dict],
     "old_adapter_logprobs": [_old_adapter_bare_base, _old_adapter_current, _old_adapter_both_adapters,

@@ -21,16 +21,17 @@ from torch import Tensor
 
 from solutions import part5_dpo_rloo as ref
 from solutions.part0_warmup import completion_logprobs, get_logprobs
-from solutions.part2_lora import LoRAModel, make_adapters
+from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
 from solutions.part3_grpo import compose_rewards
-from tests.helpers import (assert_close, assert_gradients_match, assert_hooks_clean,
+from tests.helpers import (assert_close, assert_equal, assert_gradients_match, assert_hooks_clean,
                            assert_inputs_unchanged, assert_raises, expect, mistake, run_script)
 from tests.test_part3_grpo import columns_as_rewards, trl_source_lines
+from utils.masks import masked_mean
 
 exercise = pytest.mark.exercise
 
 # Exercises the course calls with a LoRAModel: their tests run them on one whose B is random.
-ON_LORA_MODEL = {"precompute_reference_logps"}
+ON_LORA_MODEL = {"precompute_reference_logps", "dpo_step"}
 
 
 def lora_model_with_random_B(model, seed=0):
@@ -393,6 +394,187 @@ def test_precompute_reference_logps_leaves_model_hooks_and_pairs_alone(impl, tin
                        what="precompute_reference_logps")
 
 
+# --- dpo_step ----------------------------------------------------------------------------------------------------
+
+STEP_TRIPLES = MIXED_TRIPLES[:4]  # prompts and answers of different lengths
+# (reference form, DPOConfig settings): every setting dpo_step reads is away from its default somewhere, and the
+# gradient clip bites (the gradient norms here are 20-80) except where max_grad_norm is 1000.
+STEP_CONFIGS = [("implicit", dict(loss_type="sigmoid", beta=0.1, sft_weight=1.0, max_grad_norm=5.0)),
+                ("precomputed", dict(loss_type="sigmoid", beta=0.5, sft_weight=0.0, max_grad_norm=1000.0)),
+                ("implicit", dict(loss_type="ipo", beta=0.5, sft_weight=0.5, max_grad_norm=5.0)),
+                ("precomputed", dict(loss_type="hinge", beta=0.2, sft_weight=2.0, max_grad_norm=5.0))]
+STEP_HINT = ("One step: score the pairs through the LoRA (preference_batch, completion_logprobs, sequence_logps with "
+             "per-token means for 'ipo'), take the reference's log-probs (given, or the base without hooks under "
+             "no_grad), loss = dpo_loss(..., cfg.beta, cfg.loss_type) + cfg.sft_weight * (mean -log-prob over the "
+             "chosen answers' tokens), then zero_grad, backward, clip the adapters' gradient norm to "
+             "cfg.max_grad_norm, optimizer.step().")
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD (lr 1, so a step moves the parameters by minus their clipped gradient) that notes each step in `events`."""
+
+    def __init__(self, params, events):
+        super().__init__(params, lr=1.0)
+        self.events = events
+
+    def step(self, closure=None):
+        self.events.append("optimizer.step()")
+        return super().step(closure)
+
+
+def step_setup(model, seed, fresh_lora=False):
+    """A LoRA model on the tiny model (the base frozen; B random unless fresh_lora, so that policy and reference
+    differ), its SGD optimiser, and gradients left on its parameters as by an earlier step. Returns (lora_model,
+    optimizer, events): events lists, in order, each backward pass into the LoRA (saying whether the gradients
+    had been cleared before it) and each optimizer step."""
+    torch.manual_seed(seed)
+    if fresh_lora:
+        lora_model = LoRAModel(model, make_adapters(model, 4, 8.0, ("q", "v")))
+    else:
+        lora_model = lora_model_with_random_B(model, seed)
+    freeze_base(model, lora_model.adapters)
+    events: list[str] = []
+    optimizer = RecordingSGD(lora_model.adapters.parameters(), events)
+    g = torch.Generator().manual_seed(seed + 1)
+    for p in lora_model.adapters.parameters():
+        p.grad = torch.randn(p.shape, generator=g)  # stale: the last step's gradient
+    watched = next(iter(lora_model.adapters.values())).B
+
+    def on_backward(grad, p=watched):  # runs before the new gradient is added to p.grad
+        cleared = p.grad is None or not bool(p.grad.any())
+        events.append("backward onto cleared gradients" if cleared else "backward onto the last step's gradients")
+    watched.register_hook(on_backward)
+    return lora_model, optimizer, events
+
+
+def lora_vector(lora_model):
+    return torch.cat([p.detach().flatten() for p in lora_model.adapters.parameters()]).clone()
+
+
+def run_step(fn, model, seed, reference, settings, fresh_lora=False, watch=None):
+    """fn (dpo_step) on a fresh set-up: returns (its output, the change of the LoRA parameters, events). `watch`, a
+    hook, is on the model's hook_embed during the call (and only then)."""
+    lora_model, optimizer, events = step_setup(model, seed, fresh_lora)
+    cfg = ref.DPOConfig(reference=reference, **settings)
+    ref_logps = None
+    if reference == "precomputed":
+        ref_logps = ref.precompute_reference_logps(lora_model, STEP_TRIPLES, settings["loss_type"] == "ipo")
+    before = lora_vector(lora_model)
+    if watch is not None:
+        model.add_hook("hook_embed", watch)
+    try:
+        out = fn(lora_model, optimizer, list(STEP_TRIPLES), ref_logps, cfg)
+    finally:
+        model.reset_hooks()
+    return out, lora_vector(lora_model) - before, events
+
+
+def step_what(reference, settings):
+    return (f"dpo_step({reference} reference, " + ", ".join(f"{k}={v}" for k, v in settings.items()) + ")")
+
+
+def expect_step_output(out, what):
+    keys = ("loss", "nll", "chosen", "rejected", "ref_chosen", "ref_rejected")
+    got = sorted(out) if isinstance(out, dict) else type(out).__name__
+    expect(isinstance(out, dict) and set(keys) <= set(out), f"what {what} returns",
+           f"expected a dict with the keys {list(keys)} (DPOTrainer.step logs them); got {got}", observed=got)
+
+
+@exercise("dpo_step")
+def test_dpo_step_matches_the_reference_step(impl, tiny_model):
+    """The same log-probs, loss and parameter update as the reference step, for each reference form and loss."""
+    for seed, (reference, settings) in enumerate(STEP_CONFIGS):
+        what = step_what(reference, settings)
+        out, update, _ = run_step(impl.dpo_step, tiny_model, seed, reference, settings)
+        expected, expected_update, _ = run_step(ref.dpo_step, tiny_model, seed, reference, settings)
+        expect_step_output(out, what)
+        n = len(STEP_TRIPLES)
+        assert_close(torch.cat([out["chosen"], out["rejected"]]), torch.cat([expected["chosen"], expected["rejected"]]),
+                     f"the policy's sequence log-probs from {what}, chosen then rejected", check_grad=False,
+                     hint=f"The first {n} rows of preference_batch are the chosen answers, the last {n} the rejected; "
+                     "'ipo' compares per-token means (sequence_logps(..., average=True)), the others sums.")
+        assert_close(torch.cat([out["ref_chosen"], out["ref_rejected"]]),
+                     torch.cat([expected["ref_chosen"], expected["ref_rejected"]]),
+                     f"the reference's sequence log-probs from {what}, chosen then rejected", check_grad=False,
+                     hint="The reference is the given ref_logps, or (None) the base without hooks: lora_model.base, "
+                     "with the same averaging as the policy's.")
+        assert_close(out["nll"], expected["nll"], f"nll from {what}", check_grad=False,
+                     hint="nll: the mean of -log-prob over every token of the chosen answers (the first n rows, where "
+                     "the completion mask is True).")
+        assert_close(out["loss"], expected["loss"], f"the loss of {what}", check_grad=False, hint=STEP_HINT)
+        assert_close(update, expected_update, f"the change of the LoRA parameters made by {what} (SGD with lr 1: "
+                     "minus the clipped gradient)", hint=STEP_HINT)
+
+
+@exercise("dpo_step")
+def test_dpo_step_order_forward_passes_and_counters(impl, tiny_model):
+    """One policy pass over the 2n rows with gradients; the reference's 2n rows (implicit) through the base without
+    hooks under no_grad, or none (precomputed); gradients cleared, then backward, then one optimizer step."""
+    n = len(STEP_TRIPLES)
+    for seed, (reference, settings) in enumerate(STEP_CONFIGS[:2]):
+        what = step_what(reference, settings)
+        passes: list[tuple[str, int]] = []
+
+        def count(x, hook, own=tiny_model.hook_dict["hook_embed"]):  # (hook_dict also has it under an alias)
+            lora_on = any(hp.fwd_hooks for hp in tiny_model.hook_dict.values() if hp is not own)
+            grad = "with gradients" if torch.is_grad_enabled() else "under no_grad"
+            passes.append((f"{'LoRA on' if lora_on else 'no hooks (reference)'}, {grad}", x.shape[0]))
+
+        _, _, events = run_step(impl.dpo_step, tiny_model, seed, reference, settings, watch=count)
+        rows = defaultdict(int)
+        for kind, k in passes:
+            rows[kind] += k
+        expected = {"LoRA on, with gradients": 2 * n}
+        if reference == "implicit":
+            expected["no hooks (reference), under no_grad"] = 2 * n
+        assert_equal(dict(rows), expected, f"the rows that {what} runs through the model, by kind of pass",
+                     hint=f"The policy scores the {n} pairs' {2 * n} rows once, through the LoRA, with gradients. "
+                     + ("The implicit reference scores the same rows once through lora_model.base (no LoRA hooks), "
+                        "under torch.no_grad() (precompute_reference_logps does both)." if reference == "implicit"
+                        else "With ref_logps given (precomputed before training), the reference runs no forward pass "
+                        "at all."))
+        assert_equal(events, ["backward onto cleared gradients", "optimizer.step()"],
+                     f"what {what} does to the gradients and the optimiser, in order", hint="optimizer.zero_grad() "
+                     "first (the parameters still hold the last step's gradients), then loss.backward(), then the "
+                     "clip, then one optimizer.step().")
+
+
+@exercise("dpo_step")
+def test_dpo_step_fresh_lora_starts_at_log_2_and_learns(impl, tiny_model):
+    """With B = 0 the policy is the reference: the first sigmoid loss is log 2 for every pair, and its gradient (not
+    the NLL's: sft_weight=0) still moves the LoRA."""
+    settings = dict(loss_type="sigmoid", beta=0.1, sft_weight=0.0, max_grad_norm=5.0)
+    what = step_what("implicit", settings) + " on a fresh LoRA (B = 0)"
+    out, update, _ = run_step(impl.dpo_step, tiny_model, 0, "implicit", settings, fresh_lora=True)
+    _, expected_update, _ = run_step(ref.dpo_step, tiny_model, 0, "implicit", settings, fresh_lora=True)
+    expect_step_output(out, what)
+    assert_close(out["loss"], torch.tensor(math.log(2)), f"the loss of {what}", check_grad=False,
+                 hint="With B = 0 the LoRA model and the base give the same log-probs: every margin is 0 and "
+                 "-log sigmoid(0) = log 2.")
+    moved = bool(update.abs().max() > 0)
+    expect(moved, f"whether {what} moves the LoRA", "the LoRA did not move: the DPO loss sent no gradient into it. "
+           "If the reference is computed through the LoRA model with gradients, it is the policy itself: the "
+           "margin is 0 whatever the weights, and so is its gradient. The reference is lora_model.base, under "
+           "torch.no_grad(); or was optimizer.step() called before backward, or the gradients cleared after it?",
+           observed=moved)
+    assert_close(update, expected_update, f"the change of the LoRA parameters made by {what} (SGD with lr 1)",
+                 hint=STEP_HINT)
+
+
+@exercise("dpo_step")
+def test_dpo_step_leaves_pairs_reference_rows_and_hooks_alone(impl, tiny_model):
+    settings = dict(loss_type="sigmoid", beta=0.1, sft_weight=1.0, max_grad_norm=5.0)
+    lora_model, optimizer, _ = step_setup(tiny_model, 0)
+    cfg = ref.DPOConfig(reference="precomputed", **settings)
+    ref_logps = ref.precompute_reference_logps(lora_model, STEP_TRIPLES)
+
+    def step(triples, ref_logps):
+        return impl.dpo_step(lora_model, optimizer, triples, ref_logps, cfg)
+
+    assert_inputs_unchanged(step, list(STEP_TRIPLES), ref_logps, what="dpo_step (its pairs and reference rows)")
+    assert_hooks_clean(lora_model, lambda: step(list(STEP_TRIPLES), None), what="dpo_step (implicit reference)")
+
+
 # --- rloo_advantages ---------------------------------------------------------------------------------------------
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.5, 3.0, 1.5])  # 3 groups of 4
@@ -710,9 +892,9 @@ def test_dpo_trainer_reference_forms_agree_and_train_only_lora():
     assert rows == {"implicit": 2 * 2 * 8, "precomputed": 2 * 64}
     assert all(torch.equal(v, base.state_dict()[k]) for k, v in weights.items()), "base weights changed"
     assert (trainer.reference_kind, trainer.precomputed) == ("hooks_removed", True), "Part 4's decision, answered"
-    for cfg in (ref.DPOConfig(reference="cached"), ref.DPOConfig(beta=0.0)):
+    for settings in (dict(reference="cached"), dict(beta=0.0)):  # refused by the config, before any work
         with pytest.raises(ValueError):
-            ref.DPOTrainer(cfg, model=base, triples=triples)
+            ref.DPOTrainer(ref.DPOConfig(**settings), model=base, triples=triples)
 
 
 @pytest.mark.slow
@@ -1139,6 +1321,231 @@ def _reference_zeroes_B(lora_model, triples, average=False, batch_size=256):
     return ref.precompute_reference_logps(lora_model, triples, average, batch_size)
 
 
+def _step(lora_model, optimizer, triples, ref_logps, cfg, *, average=None, reference=None, nll=None, swap=False,
+          order=("zero_grad", "backward", "clip", "step"), beta=None, loss_type=None, sft_weight=None,
+          max_grad_norm=None, in_place=False):
+    """The reference's dpo_step with one part swapped out, so that each wrong version below differs from it in one
+    way only. average: whether to average (default: loss_type == 'ipo'); reference(lora_model, triples, average,
+    ref_logps) -> (chosen, rejected); nll(token_logps, mask, n, lora_model, batch) -> the NLL; order: the update's
+    operations; beta, loss_type, sft_weight, max_grad_norm: used instead of cfg's."""
+    beta = cfg.beta if beta is None else beta
+    loss_type = cfg.loss_type if loss_type is None else loss_type
+    sft_weight = cfg.sft_weight if sft_weight is None else sft_weight
+    max_grad_norm = cfg.max_grad_norm if max_grad_norm is None else max_grad_norm
+    average = cfg.loss_type == "ipo" if average is None else average
+    batch = ref.preference_batch(lora_model.tokenizer, triples)
+    token_logps = completion_logprobs(lora_model, batch)
+    chosen, rejected = ref.sequence_logps(token_logps, batch.completion_mask, average).chunk(2)
+    if swap:
+        chosen, rejected = rejected, chosen
+    if reference is not None:
+        ref_chosen, ref_rejected = reference(lora_model, triples, average, ref_logps)
+    elif ref_logps is None:
+        ref_chosen, ref_rejected = ref.precompute_reference_logps(lora_model, triples, average)
+    else:
+        ref_chosen, ref_rejected = ref_logps
+    n = len(triples)
+    if nll is None:
+        nll_value = -masked_mean(token_logps[:n], batch.completion_mask[:n])
+    else:
+        nll_value = nll(token_logps, batch.completion_mask, n, lora_model, batch)
+    loss = ref.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta, loss_type) + sft_weight * nll_value
+    if in_place:  # the log-ratios (for the implicit rewards), written into the caller's reference tensors
+        ref_chosen.sub_(chosen.detach()).neg_()
+        ref_rejected.sub_(rejected.detach()).neg_()
+    for operation in order:
+        if operation == "zero_grad":
+            optimizer.zero_grad(set_to_none=True)
+        elif operation == "backward":
+            loss.backward()
+        elif operation == "clip":
+            torch.nn.utils.clip_grad_norm_(lora_model.adapters.parameters(), max_grad_norm)
+        else:
+            optimizer.step()
+    return {"loss": loss.detach(), "nll": nll_value.detach(), "chosen": chosen.detach(),
+            "rejected": rejected.detach(), "ref_chosen": ref_chosen.detach(), "ref_rejected": ref_rejected.detach()}
+
+
+def _step_no_zero_grad(lora_model, optimizer, triples, ref_logps, cfg):
+    """Never cleared the gradients: backward() adds to what the parameters' .grad already hold, so each step also
+    applies every earlier step's gradient again. Call optimizer.zero_grad() before loss.backward()."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, order=("backward", "clip", "step"))
+
+
+def _step_before_backward(lora_model, optimizer, triples, ref_logps, cfg):
+    """Called optimizer.step() before loss.backward(): the step used the gradients as they were (none, right after
+    zero_grad), and this step's gradient is applied by no one. The order is zero_grad, backward, clip, step."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, order=("zero_grad", "clip", "step", "backward"))
+
+
+def _step_zero_grad_after_backward(lora_model, optimizer, triples, ref_logps, cfg):
+    """Cleared the gradients between loss.backward() and optimizer.step(), so the step had nothing to apply: clear
+    them first, before backward."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, order=("backward", "zero_grad", "clip", "step"))
+
+
+def _step_no_clip(lora_model, optimizer, triples, ref_logps, cfg):
+    """Did not clip the gradient: call torch.nn.utils.clip_grad_norm_(lora_model.adapters.parameters(),
+    cfg.max_grad_norm) between loss.backward() and optimizer.step()."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, order=("zero_grad", "backward", "step"))
+
+
+def _step_clip_after_step(lora_model, optimizer, triples, ref_logps, cfg):
+    """Clipped the gradient after optimizer.step(), when the step had already used it unclipped: clip between
+    backward and step."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, order=("zero_grad", "backward", "step", "clip"))
+
+
+@mistake("argument")
+def _step_clip_ignores_max_grad_norm(lora_model, optimizer, triples, ref_logps, cfg):
+    """Clipped the gradient norm to 1.0 whatever cfg.max_grad_norm says: clip to cfg.max_grad_norm."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, max_grad_norm=1.0)
+
+
+@mistake("lora")
+def _step_reference_with_hooks(lora_model, optimizer, triples, ref_logps, cfg):
+    """Computed the implicit reference through the LoRA model (its hooks on), with gradients: that is the policy
+    itself, so every margin is 0, the loss is log 2 whatever the weights, and its gradient is 0: DPO learns nothing
+    (only the NLL term moves the LoRA). The reference is lora_model.base, called directly, under torch.no_grad()
+    (precompute_reference_logps(lora_model, triples, average))."""
+    def policy(lora_model, triples, average, given):
+        if given is not None:
+            return given
+        batch = ref.preference_batch(lora_model.tokenizer, triples)
+        return ref.sequence_logps(completion_logprobs(lora_model, batch), batch.completion_mask, average).chunk(2)
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, reference=policy)
+
+
+def _step_reference_is_the_detached_policy(lora_model, optimizer, triples, ref_logps, cfg):
+    """Computed the implicit reference through the LoRA model (its hooks on) under torch.no_grad(): that is the
+    current policy, so the margin is 0 at every step and nothing holds the policy near where it started. The
+    reference is lora_model.base, called directly (precompute_reference_logps does it)."""
+    def policy(lora_model, triples, average, given):
+        if given is not None:
+            return given
+        batch = ref.preference_batch(lora_model.tokenizer, triples)
+        with torch.no_grad():
+            return ref.sequence_logps(completion_logprobs(lora_model, batch), batch.completion_mask,
+                                      average).chunk(2)
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, reference=policy)
+
+
+def _step_reference_with_autograd(lora_model, optimizer, triples, ref_logps, cfg):
+    """Ran the implicit reference (lora_model.base) with autograd on. Here the base is frozen, so the numbers are
+    right and autograd records nothing; but a reference with trainable weights (Part 4's frozen copy before
+    requires_grad_(False), or full fine-tuning) would keep the whole pass's activations for a backward that never
+    comes, and could send gradients into the reference. Run it under torch.no_grad() (precompute_reference_logps
+    does)."""
+    def base_with_autograd(lora_model, triples, average, given):
+        if given is not None:
+            return given
+        batch = ref.preference_batch(lora_model.tokenizer, triples)
+        return ref.sequence_logps(completion_logprobs(lora_model.base, batch), batch.completion_mask,
+                                  average).chunk(2)
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, reference=base_with_autograd)
+
+
+@mistake("argument")
+def _step_ignores_ref_logps(lora_model, optimizer, triples, ref_logps, cfg):
+    """Ran the reference on every batch although its log-probs were given (ref_logps, precomputed before
+    training): the numbers are the same, but the point of precomputing is that no reference forward pass runs
+    during training. Use ref_logps when it is not None."""
+    def always(lora_model, triples, average, given):
+        return ref.precompute_reference_logps(lora_model, triples, average)
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, reference=always)
+
+
+def _step_swapped(lora_model, optimizer, triples, ref_logps, cfg):
+    """Took the chosen and rejected answers the wrong way round: preference_batch puts the n chosen rows first,
+    then the n rejected ones, so sequence_logps(...).chunk(2) gives (chosen, rejected)."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, swap=True)
+
+
+@mistake("argument")
+def _step_no_sft(lora_model, optimizer, triples, ref_logps, cfg):
+    """Left out the NLL term (cfg.sft_weight ignored): the loss is dpo_loss(...) + cfg.sft_weight * nll, which keeps
+    the right answers likely while DPO widens the gap."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, sft_weight=0.0)
+
+
+@mistake("argument")
+def _step_sft_weight_one(lora_model, optimizer, triples, ref_logps, cfg):
+    """Added the NLL with weight 1 whatever cfg.sft_weight says (0 turns it off): multiply it by cfg.sft_weight."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, sft_weight=1.0)
+
+
+def _step_sft_on_rejected(lora_model, optimizer, triples, ref_logps, cfg):
+    """Took the NLL over the rejected answers (the last n rows), which teaches the model the wrong sums: the NLL is
+    over the chosen answers, token_logps[:n] with completion_mask[:n]."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg,
+                 nll=lambda lp, mask, n, *_: -masked_mean(lp[n:], mask[n:]))
+
+
+def _step_sft_over_all_rows(lora_model, optimizer, triples, ref_logps, cfg):
+    """Took the NLL over all 2n rows, rejected answers included: it is over the chosen answers only,
+    token_logps[:n] with completion_mask[:n]."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, nll=lambda lp, mask, n, *_: -masked_mean(lp, mask))
+
+
+def _step_sft_per_sequence(lora_model, optimizer, triples, ref_logps, cfg):
+    """Took the NLL as minus the mean of the chosen answers' sequence log-probs (summed over each answer's tokens),
+    which weighs a long answer more: it is the mean of -log-prob over every chosen token, masked_mean(-token_logps[:n],
+    completion_mask[:n])."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg,
+                 nll=lambda lp, mask, n, *_: -ref.sequence_logps(lp[:n], mask[:n]).mean())
+
+
+def _step_second_pass_for_nll(lora_model, optimizer, triples, ref_logps, cfg):
+    """Ran the LoRA model a second time, on the chosen rows, for the NLL: the numbers are right but the step costs
+    half as much again. Reuse the token log-probs of the chosen rows (token_logps[:n]) from the one pass."""
+    def again(lp, mask, n, lora_model, batch):
+        logits = lora_model(batch.ids[:n], attention_mask=batch.attention_mask[:n])
+        return -masked_mean(get_logprobs(logits, batch.ids[:n], batch.prompt_len), mask[:n])
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, nll=again)
+
+
+@mistake("argument")
+def _step_ipo_sums(lora_model, optimizer, triples, ref_logps, cfg):
+    """Compared summed log-probs for "ipo": TRL's IPO compares per-token means, sequence_logps(..., average=True),
+    so that its target margin 1 / (2 beta) means the same for short and long answers (and the precomputed
+    reference rows of an IPO run are means too). average = cfg.loss_type == "ipo"."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, average=False)
+
+
+def _step_always_averages(lora_model, optimizer, triples, ref_logps, cfg):
+    """Averaged the log-probs per token for every loss: only "ipo" compares means; "sigmoid" and "hinge" compare
+    the sums, the answers' log-probs (average = cfg.loss_type == "ipo")."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, average=True)
+
+
+@mistake("argument")
+def _step_default_beta(lora_model, optimizer, triples, ref_logps, cfg):
+    """Called dpo_loss without cfg.beta (its default 0.1 was used): pass cfg.beta."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, beta=0.1)
+
+
+@mistake("argument")
+def _step_always_sigmoid(lora_model, optimizer, triples, ref_logps, cfg):
+    """Called dpo_loss without cfg.loss_type (always "sigmoid"): pass cfg.loss_type."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, loss_type="sigmoid")
+
+
+@mistake("inputs")
+def _step_log_ratios_in_place(lora_model, optimizer, triples, ref_logps, cfg):
+    """Turned the reference log-probs it was given into log-ratios in place (ref_chosen -= ...): the caller's rows
+    (and a table they are views of) now hold something else, and a later step that reads them is wrong. Compute
+    new tensors: chosen - ref_chosen."""
+    return _step(lora_model, optimizer, triples, ref_logps, cfg, in_place=True)
+
+
+@mistake("hooks")
+def _step_resets_hooks(lora_model, optimizer, triples, ref_logps, cfg):
+    """Called reset_hooks() to be sure the reference runs without the LoRA, which removes the caller's hooks too:
+    lora_model.base called directly already runs without them (LoRAModel adds them only inside its forward)."""
+    lora_model.base.reset_hooks()
+    return _step(lora_model, optimizer, triples, ref_logps, cfg)
+
+
 def _loo(rewards, group_size, normalize=False, *, baseline=None, groups_of=None, scale=None):
     """The reference's rloo_advantages (its refusals, its handling of NaN rewards) with one part swapped out, so
     that each wrong version below differs from it in one way only. baseline(groups, scored) -> each row's baseline;
@@ -1396,6 +1803,12 @@ MUTANTS = {
                                    _reference_swapped, _reference_split_by_batch_size,
                                    _reference_without_attention_mask, _reference_with_gradients,
                                    _reference_resets_hooks, _reference_zeroes_B],
+    "dpo_step": [_step_no_zero_grad, _step_before_backward, _step_zero_grad_after_backward, _step_no_clip,
+                 _step_clip_after_step, _step_clip_ignores_max_grad_norm, _step_reference_with_hooks,
+                 _step_reference_is_the_detached_policy, _step_reference_with_autograd, _step_ignores_ref_logps,
+                 _step_swapped, _step_no_sft, _step_sft_weight_one, _step_sft_on_rejected, _step_sft_over_all_rows,
+                 _step_sft_per_sequence, _step_second_pass_for_nll, _step_ipo_sums, _step_always_averages,
+                 _step_default_beta, _step_always_sigmoid, _step_log_ratios_in_place, _step_resets_hooks],
     "rloo_advantages": [_loo_includes_self, _loo_divides_by_g, _loo_population_std, _loo_ignores_normalize,
                         _loo_unscorable_as_zero, _loo_strided_groups, _loo_normalized_per_group, _loo_nan_kept,
                         _loo_normalizes_the_zeros_too, _loo_nan_to_num_in_place, _loo_no_checks],

@@ -27,6 +27,7 @@ MEANINGLESS = [
     ("part3_grpo", "--beta", "-0.04"),
     ("part4_reference", "--steps", "-5"),
     ("part4_reference", "--beta", "0"),
+    ("part4_reference", "--seeds", "0"),
     ("part5_dpo_rloo", "--steps", "-1"),
     ("part5_dpo_rloo", "--rl-steps", "-1"),
 ]

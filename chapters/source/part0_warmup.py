@@ -17,6 +17,9 @@
 # **How to work.** Each exercise is a function whose body raises `NotImplementedError`. Replace the body, run the cell,
 # then run the `check(...)` line under it: it runs that exercise's tests against the reference solution in a few
 # seconds and, if something is off, tells you what the test expected and (usually) which mistake it looks like.
+# Some stubs carry a `@contract(...)` line above them (from `utils/contracts.py`): it checks the *values* of the
+# arguments before your body runs (a negative temperature, a token id past the vocabulary, a NaN), so that a bad
+# call gets an error that names it. Keep it; your body only has to handle the inputs it lets through.
 
 # %% [colab]
 
@@ -37,6 +40,7 @@ if not (ROOT / "utils" / "harness.py").exists():
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
 from utils.harness import check
 from utils.sampling import Samples, sample
 

@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:
 from solutions.part0_warmup import completion_logprobs  # Part 0, solved
 from solutions.part1_ppo import PPOConfig, PPOTrainer    # Part 1, solved
 from utils.files import why_unreadable  # says why a file is not a safetensors file
+from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
 from utils.harness import check
 from utils.logger import samples_table
 from utils.models import count_parameters, load_model
@@ -55,9 +56,16 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 #
 # `A` starts Kaiming-uniform, exactly as `nn.Linear` initialises a weight (`nn.init.kaiming_uniform_(A,
 # a=math.sqrt(5))`), and `B` starts at **zero**, so $BA = 0$ and the adapted model starts as the base model;
-# the gradient of $B$ is not zero (it is proportional to $A x$), so training gets going at once. The update is
-# scaled by $\alpha / r$, so that changing the rank does not change the size of the update at initialisation
-# (the convention of the `peft` library).
+# the gradient of $B$ is not zero (it is proportional to $A x$), so training gets going at once.
+#
+# The update is scaled by $\alpha / r$ (Hu et al.'s convention, and the `peft` library's). The reason cannot be the
+# update's size at initialisation: $BA = 0$ then, whatever the rank. It is about training. With Adam, a step
+# moves each entry of $B$ by about the learning rate whatever the gradient's scale, so a constant factor on the
+# update acts much like a factor on the learning rate. Hu et al. (2021, section 4.1) fix $\alpha$ (to the first
+# $r$ they try) and divide by $r$, so that a learning rate tuned at one rank needs less re-tuning at another. It
+# is a convention, not a law: rsLoRA (Kalajdzievski 2023) argues that dividing by $r$ shrinks the update too much
+# as $r$ grows, so that large ranks learn more slowly and gain nothing, and that $\alpha / \sqrt{r}$ keeps the
+# update's scale stable in $r$ (`peft`'s `use_rslora=True`). We keep $\alpha / r$.
 #
 # `forward` maps `[..., d_in]` to `[..., d_out]`. Keep `A`, `B` and `scale` as attributes with those names.
 

@@ -16,8 +16,10 @@
 # term) is the same module without hooks, and with `beta = 0` — the default of TRL and of DAPO — there is no
 # reference forward pass at all.
 #
-# `group_advantages` and `grpo_loss` follow TRL's `GRPOTrainer` (1.x) exactly; a test compares them with TRL's own
-# code when TRL is installed.
+# `group_advantages` and `grpo_loss` follow TRL's `GRPOTrainer` (1.x) formula for formula — the loss types, the
+# clip, k3, completions that no reward judged — with one difference, on purpose: a group whose rewards are all equal
+# gets advantages of exactly 0, where TRL keeps the float rounding of the group's mean (section 3). A test compares
+# both functions with TRL's own code when TRL is installed.
 
 # %% [colab]
 
@@ -49,6 +51,7 @@ from solutions.part0_warmup import completion_logprobs, get_logprobs           #
 from solutions.part1_ppo import kl_exact, kl_k3, reward_char_count             # Part 1, solved
 from solutions.part2_lora import LoRAModel, freeze_base, load_adapter, make_adapters  # Part 2, solved
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
+from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
 from utils.harness import check
 from utils.concurrency import run_sync
 from utils.logger import RunLogger, samples_table
@@ -64,8 +67,8 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 #
 # One GRPO step takes `n_prompts` prompts and samples `G` completions of each, **the rows of one prompt adjacent**
 # (row `i` answers prompt `i // G`), so that `rewards.view(-1, G)` puts each group on a row. Sample from the LoRA
-# model, so that its hooks are on; `sample` handles the KV cache, the masks and the decoding. Refuse `G < 2`: a
-# group of one has nothing to be relative to.
+# model, so that its hooks are on; `sample` handles the KV cache, the masks and the decoding. Refuse `G < 2` with a
+# ValueError: a group of one has nothing to be relative to.
 #
 # A completion that hits `max_new_tokens` without an EOS was cut off; its reward may be meaningless. DAPO (Yu et al.
 # 2025) drops such completions from the loss entirely; TRL calls the option `mask_truncated_completions`. Write
@@ -115,6 +118,9 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 #
 # Use `torch.std`'s default, Bessel's correction ($n-1$), as TRL does, and add `eps` to the std. A group whose
 # completions all got the same reward teaches nothing; its advantages must come out as **exactly 0**, never NaN.
+# Here we part from TRL on purpose: its group of eight rewards of 0.1 has a float32 mean a hair off 0.1, which its
+# division by std + eps blows up to advantages of about 1e-4; a group without spread carries no signal, so ours
+# gives 0 exactly.
 #
 # A NaN reward is an unscorable completion (from `compose_rewards`). Leave it out of its group's mean and standard
 # deviation (`torch.nanmean` helps; `torch.std` has no NaN-skipping twin, so count the scored rewards yourself) and
@@ -156,42 +162,119 @@ print(samples_table([{"rewards": str(rewards[i:i + 4].tolist()),
 # - `epsilon_high` (DAPO's "clip-higher") lets unlikely tokens grow further than likely ones shrink; it defaults to
 #   `epsilon`.
 # - `use_bias_correction_kl` multiplies k3 by $\rho$: off-policy, k3's expectation under the old policy is not the
-#   KL of the current one; the ratio re-weights it.
+#   KL of the current one; the ratio re-weights it. The ratio is *not* detached there, in TRL's `_compute_loss`
+#   (trl 1.16: `per_token_kl * coef_1`) as in ours, and that changes the gradient (below).
 #
 # How the per-token losses are **aggregated** matters more than it looks (`loss_type`):
 # - `"grpo"`: average each sequence's tokens, then the sequences. A token of a short answer weighs more than a
 #   token of a long one, so long wrong answers are punished less per token — the length bias Dr. GRPO points out.
+#   A sequence with no token where `mask` is True (say, every token dropped as truncated) still counts in the mean
+#   over sequences, with a loss of 0, as in TRL (its count is clamped to 1, never 0 / 0).
 # - `"bnpo"` and `"dapo"`: the sum over all valid tokens divided by their number: every token weighs the same.
 #   (They differ in TRL only in how the count is gathered across devices and accumulation steps; here, one batch,
 #   they coincide. `"dapo"` is TRL's default.)
 # - `"dr_grpo"`: the sum divided by a constant, `batch × max_completion_length` (default `mask.shape[1]`), so the
-#   normaliser does not depend on how long the answers were.
+#   normaliser does not depend on how long the answers were. The trainer passes `max_new_tokens`, which may be wider
+#   than the batch's `mask` when every completion ended early.
 #
-# Only the masked tokens count, whatever the aggregation.
+# Only the tokens where `mask` is True count, whatever the aggregation; a batch with none gives a loss of 0.
+# `epsilon_high=0.0` is a value (no room above 1), not "unset": only `None` falls back on `epsilon`. An unknown
+# `loss_type`, or `beta != 0` without `ref_logprobs`, raises a ValueError.
 
 # %% [exercise] grpo_loss
 
 # %% [markdown]
-# ## 6. The trainer
+# ### What the KL term does to the gradient
 #
-# Read `GRPOConfig` and `GRPOTrainer`: a step samples the groups (LoRA on), composes the rewards, computes the
-# advantages and the loss mask, gets the reference log-probs (or `None`), then makes `num_iterations` updates —
-# storing the old log-probs at sampling time when there is more than one. It logs the reward per function, the
-# clip ratios under TRL's names (`clip_ratio/low_mean`: the share of tokens whose ratio fell below $1-\epsilon$
-# *where the advantage is negative*, `high_mean` above $1+\epsilon_\text{high}$ where it is positive — the tokens
-# whose gradient the clip took away — and `region_mean`, either), the completion length, the fraction of groups
-# with zero reward spread (those teach nothing), the KL when `beta > 0`, and every `eval_every` steps the **greedy
-# accuracy on held-out additions**, problems it never trains on. It counts its reference forward passes: with
-# `beta = 0` the count stays at 0. Pass `adapters=` (a `ModuleDict`, or a file from Part 2's `save_adapter`) to
-# continue training an adapter instead of starting a fresh one; Part 4 is about what the reference should be then.
+# k3's *value* estimates the KL(π‖ref) of each token's distribution. Its *gradient* in the loss is another matter
+# (Part 1 works it out; see also Tang & Munos 2025, and the discussion around TRL's `use_bias_correction_kl`). With
+# the token $x$ sampled from π, $\nabla \mathrm{k3} = (1 - \text{ref}(x)/\pi(x))\, \nabla \log \pi(x)$, and its
+# expectation is $-\sum_x \text{ref}(x) \nabla \log \pi(x) = \nabla \mathrm{KL}(\text{ref} \,\|\, \pi)$: GRPO's
+# $\beta \cdot \mathrm{k3}$ pulls, on average, along the gradient of the **forward** KL(ref‖π) of each token's
+# distribution, on the states the policy visits — not of the reverse KL(π‖ref) that its value reports. (k1 =
+# log π − log ref would pull nowhere: $\mathbb{E}_\pi[\nabla \log \pi] = 0$.) With `use_bias_correction_kl`, the
+# ratio carries gradient, and $\nabla(\rho\, \mathrm{k3}) = \rho\,(\nabla \mathrm{k3} + \mathrm{k3}\, \nabla \log
+# \pi)$, whose expectation under the sampling policy is the gradient of $\mathbb{E}_\pi[\mathrm{k3}] =
+# \mathrm{KL}(\pi \,\|\, \text{ref})$: the reverse KL. Either way the term works token by token: it ignores how a
+# token changes the states that come after it (Part 5's RLOO puts the KL in the reward instead, which gives the
+# gradient of the sequence's KL).
+#
+# Check it with your `grpo_loss` on one state with a vocabulary of 6: each possible token is a one-token
+# completion, and weighting each one's gradient by π(token) gives the exact expected gradient.
+
+# %%
+torch.manual_seed(0)
+theta, ref_lp = torch.randn(6, requires_grad=True), torch.randn(6).log_softmax(-1)  # the policy's logits, the reference
+
+
+def expected_gradient(**settings):
+    """E over x ~ pi of the gradient of grpo_loss's KL term (advantage 0, beta 1) for the one-token completion x."""
+    logp = theta.log_softmax(-1)
+    losses = torch.stack([grpo_loss(logp[x].view(1, 1), None, ref_lp[x].view(1, 1), torch.zeros(1),
+                                    torch.ones(1, 1, dtype=torch.bool), beta=1.0, **settings) for x in range(6)])
+    return torch.autograd.grad((logp.exp().detach() * losses).sum(), theta)[0]
+
+
+def gradient(kl):
+    return torch.autograd.grad(kl(theta.log_softmax(-1)), theta)[0]
+
+
+forward_kl = gradient(lambda logp: (ref_lp.exp() * (ref_lp - logp)).sum())  # KL(ref || pi)
+reverse_kl = gradient(lambda logp: (logp.exp() * (logp - ref_lp)).sum())    # KL(pi || ref)
+for label, g in (("beta * k3", expected_gradient()),
+                 ("beta * ratio * k3 (use_bias_correction_kl)", expected_gradient(use_bias_correction_kl=True))):
+    print(f"{label}: expected gradient {g.numpy().round(3)}\n   differs from grad KL(ref||pi) by "
+          f"{(g - forward_kl).abs().max():.1e}, from grad KL(pi||ref) by {(g - reverse_kl).abs().max():.1e}")
+
+# %% [markdown]
+# Plain k3 matches the gradient of the forward KL to float precision (about 1e-8 apart) and misses the reverse KL's
+# by 0.1; with the bias correction it is the other way round. The trainer's default, `beta = 0`, has no KL term at
+# all; Part 4 runs with `beta > 0`.
+#
+# ## 6. One GRPO step, and the trainer
+#
+# Now the loop itself: the part of RL that goes wrong in practice. Read `GRPOConfig`, then write `grpo_step`, one
+# step of training on a batch of prompts, from the pieces above:
+#
+# 1. sample the groups **from the LoRA model** (its hooks on: the policy being trained makes its own samples);
+# 2. compose the rewards, compute the group advantages and the loss mask;
+# 3. the reference log-probs, by calling `reference(samples)` — once, and **only when `cfg.beta != 0`**. You are
+#    handed the reference rather than building it, because what it is changes: here the base without hooks, in
+#    Part 4 a frozen copy of an old adapter or a synced one;
+# 4. when `cfg.num_iterations > 1`, the **old log-probs**: the policy's as it sampled, computed once before the
+#    first update and without gradient (they are the denominator of the ratio for every update; recomputed after
+#    an update, the ratio would always be 1 and the clip would never act);
+# 5. `cfg.num_iterations` updates on these samples: the log-probs with gradient, `grpo_loss` with the config's
+#    settings (`max_completion_length` is `cfg.max_new_tokens`, the longest a completion can be, not the width this
+#    batch happened to need), then `optimizer.zero_grad()`, `loss.backward()`, the adapters' gradient norm clipped
+#    to `cfg.max_grad_norm` (`torch.nn.utils.clip_grad_norm_`), `optimizer.step()` — in that order.
+#
+# Return a `GRPOStepOutput`: the trainer reads its metrics from it. The check runs your step and ours on a tiny
+# seeded batch (2 prompts × 4 completions, 3 tokens) and compares the samples, the advantages, the number of
+# reference calls, forward passes and optimizer steps, the loss and the parameters after the update.
 
 # %% [provided] GRPOConfig
+
+# %% [provided] GRPOStepOutput
+
+# %% [exercise] grpo_step
+
+# %% [markdown]
+# `GRPOTrainer` calls **your** `grpo_step` (by its name, when a step runs) and keeps the bookkeeping: it logs the
+# reward per function, the clip ratios under TRL's names (`clip_ratio/low_mean`: the share of tokens whose ratio fell
+# below $1-\epsilon$ *where the advantage is negative*, `high_mean` above $1+\epsilon_\text{high}$ where it is
+# positive — the tokens whose gradient the clip took away — and `region_mean`, either; this is TRL's sign-aware
+# count, where Part 1's clip fraction was CleanRL's, blind to the sign), the completion length, the fraction of
+# groups with zero reward spread (those teach nothing), the KL when `beta > 0`, and every `eval_every` steps the
+# **greedy accuracy on held-out additions**, problems it never trains on. It counts its reference forward passes:
+# with `beta = 0` the count stays at 0. Pass `adapters=` (a `ModuleDict`, or a file from Part 2's `save_adapter`) to
+# continue training an adapter instead of starting a fresh one; Part 4 is about what the reference should be then.
 
 # %% [provided] GRPOTrainer
 
 # %% [markdown]
-# Train: rank-4 LoRA on q and v, 16 prompts × 8 completions per step, `beta = 0`. On 2 CPU cores, 150 steps take
-# about a minute.
+# Train, with your `grpo_step`: rank-4 LoRA on q and v, 16 prompts × 8 completions per step, `beta = 0`. On an idle
+# 2-core CPU, 150 steps take 20–40 s; on a busy or shared machine, several times that.
 
 # %%
 cfg = GRPOConfig(steps=3 if SMOKE else 150, eval_every=3 if SMOKE else 10)
@@ -203,9 +286,21 @@ plot_curves(logger.history, ["accuracy", "reward/exact_answer", "completion_leng
             title="GRPO + LoRA on 2-digit additions");
 
 # %% [markdown]
-# Watch `zero_std_fraction`: as the model gets better, more groups are all right, their advantages are 0, and
-# fewer samples carry signal. That is why GRPO wants prompts of the right difficulty (DAPO even re-samples until
-# every group has some spread).
+# Held-out accuracy (greedy decoding) climbs from 43% to about 90% (seed 0 ended at 90.4% in our run). How much
+# should yours move? The README's five seeds end between 86.4% and 90.6%, and the *same* seed moves by about 2
+# points from float-level differences alone: another thread count or CPU can sum floats in another order, one
+# sampled token changes, and the run drifts apart (seed 0 ended at 88.3% in the README's runs and at 90.4% in ours,
+# run with `RLHF_THREADS=1`). A result 2 points off ours is not a bug.
+#
+# Watch `zero_std_fraction`, the share of groups whose 8 rewards are all equal (advantages 0: they teach nothing).
+# In our runs it stays between 0 and 0.19 for seed 0 (0.31 at most for seed 1) and *falls* as training goes on,
+# from about 0.12–0.18 over the first 10 steps to about 0.03–0.04 over the last 10. Greedy answers become right,
+# but training samples at temperature 1, and sampled answers are right less than half the time at the end
+# (`reward/exact_answer` rises from about 0.28 over the first 10 steps to 0.43–0.45 over the last 10): a group of 8
+# is rarely all right. On a model whose samples are right most of the time, the fraction would rise, and fewer
+# samples would carry signal: that is why GRPO wants prompts of the right difficulty. DAPO's dynamic sampling (Yu et
+# al. 2025) keeps the batch full of groups with some spread by sampling more prompts than it needs and filtering out
+# the groups whose rewards are all equal; it does not re-sample a group until it has spread.
 #
 # ### k3 against the exact KL
 #
@@ -223,13 +318,22 @@ p, mask = s.prompt_len, s.completion_mask
 exact = kl_exact(logits[:, p - 1:-1], ref_logits[:, p - 1:-1], mask)
 k3 = kl_k3(get_logprobs(logits, s.ids, p), get_logprobs(ref_logits, s.ids, p), mask)
 print(f"per token: exact KL {masked_mean(exact, mask):.4f}, k3 estimate {masked_mean(k3, mask):.4f} "
-      f"(std of the k3 terms {k3[mask].std():.4f})")
+      f"(std of the {int(mask.sum())} k3 terms {k3[mask].std():.4f}, standard error of their mean "
+      f"{k3[mask].std() / mask.sum().sqrt():.4f})")
+
+# %% [markdown]
+# Both measure the same thing, the KL(π‖ref) per token on the policy's samples, and k3 comes out lower: in our runs
+# 0.19 against an exact 0.25 (seed 0) and 0.16 against 0.21 (seed 1), about two standard errors below. k3 is
+# unbiased, but its terms are skewed: most are small, and the large ones come from tokens the policy rarely samples
+# and the reference likes much more ($\text{ref}/\pi$ large), so a few hundred tokens usually miss some of them and a
+# typical estimate falls a little short. The exact KL sums over the whole vocabulary at each position and has no
+# such noise, but it needs both models' full logits; k3 needs one log-prob per sampled token.
 
 # %% [markdown]
 # Things to try:
 # - `GRPOConfig(beta=0.04)`: the KL is logged, and the reference runs once per step (`reference_forward_passes`).
-# - `loss_type="grpo"` or `"dr_grpo"`, `scale_rewards="batch"` or `"none"`: compare the curves over a few seeds —
-#   the jump in accuracy is abrupt and its timing depends on the seed.
+# - `loss_type="grpo"` or `"dr_grpo"`, `scale_rewards="batch"` or `"none"`: compare the curves over a few seeds
+#   (`GRPOConfig(seed=...)`): a difference of 2 points between two settings is within what one seed already moves.
 # - `epsilon_high=0.28`, `num_iterations=2`, `mask_truncated_completions=True`.
 # - `GRPOConfig(task="periods")`: Part 1's full-stop reward on text prompts; `GRPOConfig.gpt2()` on a GPU.
 #

@@ -15,6 +15,7 @@
 # | re-training an existing adapter | the base with a frozen copy of the *old* adapter's hooks | 1× + adapter |
 # | precomputed | the log-probs of one of the three above, computed once before training; then no reference model | 1× |
 # | periodically synced (TR-DPO) | every τ steps `ref ← α·policy + (1−α)·ref` | as its base case |
+# | synced, the reference alone (the control) | base + a frozen adapter copy, which each sync moves towards the policy | 1× + adapter |
 
 # %% [colab]
 
@@ -22,6 +23,8 @@
 import copy
 import os
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,10 +42,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from solutions.part0_warmup import completion_logprobs                              # Part 0, solved
-from solutions.part2_lora import LoRAModel, base_weight, lora_hooks, make_adapters  # Part 2, solved
+from solutions.part1_ppo import completion_slice, kl_exact                          # Part 1, solved
+from solutions.part2_lora import (LoRAModel, base_weight, load_adapter, lora_hooks, make_adapters,  # Part 2, solved
+                                  save_adapter)
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer                           # Part 3, solved
+from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
+from utils.data import addition_accuracy
 from utils.harness import check
 from utils.logger import samples_table
+from utils.masks import masked_mean
 from utils.models import load_model
 from utils.sampling import Samples, sample
 
@@ -60,15 +68,19 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 #
 # 1. `beta == 0`: `("none", False)`, whatever else is set — there is no KL term, so any reference computation
 #    (a precomputed table included) is waste.
-# 2. Re-training an adapter: `"old_adapter"` (below: why not the bare base).
+# 2. Re-training an adapter: `"old_adapter"` (below: why not the bare base). Also `"old_adapter"`: a LoRA run
+#    synced with `lora_sync="reference_only"` (`sync_every > 0`), whose reference is the base + a frozen copy of
+#    the adapter that only the syncs move (section 4 says why an experiment needs it).
 # 3. Otherwise `"hooks_removed"` for LoRA, `"frozen_copy"` for full fine-tuning.
 # 4. `precomputed` is what the settings ask for.
 #
 # And it refuses settings that contradict each other, with a `ValueError` that says which: syncing precomputed
 # log-probs (the model they came from is gone), re-training an adapter without LoRA, a sync with `alpha` outside
-# (0, 1], a negative `beta`.
+# (0, 1], a negative `beta`, a `lora_sync` that is not one of `LORA_SYNCS`.
 
 # %% [provided] KINDS
+
+# %% [provided] LORA_SYNCS
 
 # %% [provided] ReferenceSettings
 
@@ -119,6 +131,14 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 # means adding `α·scale·B·A` to the base weights (Part 2's merge, of a fraction). For the policy not to change, the
 # adapter must now carry only the rest: `B ← (1−α)·B`. Check: base + α·s·BA + s·(1−α)BA = base + s·BA.
 #
+# The policy computes the same function after such a sync, but its LoRA is not the same: the merged part has left
+# the adapter for good, so the total update is no longer of rank r and a saved adapter no longer holds the whole
+# policy; `B` shrinks (α = 1 sets it to 0, where `A`'s gradient, which goes through `B`, is 0); and Adam's moments
+# were built for the `B` before. A merge-sync moves the reference **and restarts the LoRA**. To know what moving the
+# reference does on its own, an experiment needs a control that moves the reference alone: keep a frozen copy of
+# the adapter as the reference (base + copy, the old-adapter path below) and move that copy at each sync, leaving
+# the policy's parameters and the optimizer alone. That is `lora_sync="reference_only"`.
+#
 # When re-training an adapter, the reference is base + old adapter, and a sync moves the *old adapter* instead
 # (`sync_old_adapter`, provided). Mixing its `A` and `B` with the policy's one by one would not do: α·B + (1−α)·B_old
 # times α·A + (1−α)·A_old is not α·BA + (1−α)·B_old·A_old. The exact mix is a LoRA of twice the rank — `A` and
@@ -141,10 +161,17 @@ SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the t
 # `reference(samples)` method pointed at it. It trains a LoRA, so it refuses `lora=False`; to re-train an adapter,
 # give it the adapter (`adapters=`, a `ModuleDict` or a `save_adapter` file), which it loads *before* the
 # `Reference` takes its frozen copy. Part 5's trainers ask the same `Reference`.
+#
+# With `track_original=True` it also logs `kl_original`, the KL to the model the run *started* from
+# (`kl_to_original`): Part 3's `kl` is measured against the reference of the moment, which a sync moves, so it
+# cannot say how far the policy has drifted. `kl_to_original` is the exact KL over the whole vocabulary, averaged
+# over completion tokens, not a k3 estimate: no sampling noise, and exactly 0 while the two models agree.
 
 # %% [provided] Reference
 
 # %% [provided] SyncedGRPOTrainer
+
+# %% [provided] kl_to_original
 
 # %%
 model = load_model("tiny")
@@ -173,46 +200,91 @@ print(samples_table(rows, max_chars=70))
 # whether it runs every step or once before training, and neither is the bare base's.
 
 # %% [markdown]
-# ## 6. The experiment: a static reference against synced ones
+# ## 6. What a saved adapter is after a merge-sync
 #
-# GRPO with `beta = 0.1` on the additions of Part 3, four runs of the same seed: a static reference, and references
-# synced every τ steps with α = 0.5 or 1. The KL plotted is to the reference *of the moment*. Each run takes about
-# a minute on 2 CPU cores.
+# After a merge-sync part of the update lives in the base weights, and an adapter file holds only `A` and `B`. So
+# the saved adapter, loaded onto a fresh copy of the model (what anyone you send it to has), is no longer the
+# policy. After a reference-only sync it still is: the policy's parameters were never touched.
+
+# %%
+for lora_sync in ("reference_only", "merge"):
+    policy = LoRAModel(copy.deepcopy(model), copy.deepcopy(adapters))  # the demo's adapter, "as if trained"
+    Reference(ReferenceSettings(beta=0.1, sync_every=1, sync_alpha=0.5, lora_sync=lora_sync), policy).maybe_sync(0)
+    with tempfile.TemporaryDirectory() as folder:
+        save_adapter(policy.adapters, Path(folder) / "adapter.safetensors")
+        fresh = load_model("tiny")
+        reloaded = LoRAModel(fresh, load_adapter(make_adapters(fresh, rank=4, alpha=8.0),
+                                                 Path(folder) / "adapter.safetensors"))
+    with torch.no_grad():
+        gap = (completion_logprobs(reloaded, batch) - completion_logprobs(policy, batch)).abs().max().item()
+    print(f"after a {lora_sync} sync (alpha = 0.5), the saved adapter on a fresh model: log-probs off the policy's "
+          f"by up to {gap:.3g} nats per token")
+
+# %% [markdown]
+# ## 7. The experiment: what moving the reference changes, with a control
+#
+# GRPO with `beta = 0.1` on the additions of Part 3, three runs from the same model, each over three seeds:
+#
+# - **static**: the reference is the base, never moved;
+# - **merge-sync**: every τ = 10 steps, `sync_lora` with α = 1 (the reference becomes the policy; `B ← 0`);
+# - **reference-only sync** (the control): the same τ and α, but the reference is base + a frozen adapter copy and
+#   a sync moves only the copy (`sync_old_adapter`); the policy's parameters and Adam's moments are not touched.
+#
+# Every run logs its held-out accuracy, its KL to the reference of the moment (`kl`, k3, as Part 3 does) and its
+# KL to the *original* model (`kl_original`, exact), and at the end the accuracy of its saved adapter on a fresh
+# model. The plot shows the mean over seeds and the band from the lowest seed to the highest.
+
+# %% [provided] SYNC_RUNS
+
+# %% [provided] saved_adapter_accuracy
+
+# %% [provided] run_sync_experiment
+
+# %% [provided] last_mean
+
+# %% [provided] summarize_sync_experiment
 
 # %% [provided] plot_sync_experiment
 
 # %%
-steps = 4 if SMOKE else 120
-cfg = GRPOConfig(steps=steps, eval_every=max(1, steps // 6), table_every=10**9)
-runs = {"static": (0, 0.0), "tau=10, alpha=0.5": (10, 0.5), "tau=10, alpha=1": (10, 1.0)}
-histories = {}
-for name, (tau, alpha) in runs.items():
-    trainer = SyncedGRPOTrainer(cfg, ReferenceSettings(beta=0.1, sync_every=tau, sync_alpha=alpha))
-    histories[name] = trainer.train().history
-plot_sync_experiment(histories)
-print(samples_table([{"run": name, "final accuracy": [h["accuracy"] for h in hist if "accuracy" in h][-1],
-                      "mean KL, last 10 steps": sum(h["kl"] for h in hist[-11:-1]) / 10 if not SMOKE else float("nan")}
-                     for name, hist in histories.items()]))
+steps, seeds = (1, [0, 1]) if SMOKE else (100, [0, 1, 2])  # 9 runs: several minutes on a CPU; seeds=[0] for 3
+cfg = GRPOConfig(steps=steps, eval_every=max(1, steps if SMOKE else steps // 5), table_every=10**9,
+                 **(dict(n_prompts=4, group_size=4) if SMOKE else {}))
+start = time.perf_counter()
+results = run_sync_experiment(cfg, beta=0.1, seeds=seeds)
+print(f"{len(SYNC_RUNS) * len(seeds)} runs in {time.perf_counter() - start:.0f} s")
+plot_sync_experiment(results)
+figures = summarize_sync_experiment(results)
+print(samples_table([{"run": name, **{key: f[key]["seeds"] for key in f}} for name, f in figures.items()]))
 
 # %% [markdown]
-# What to conclude. Measured with `python -m solutions.part4_reference` (one seed, 120 steps, `beta = 0.1`; the
-# script also runs τ = 30, α = 1):
+# What to conclude. Measured with `python -m solutions.part4_reference` (100 steps, `beta = 0.1`, τ = 10, α = 1,
+# seeds 0, 1, 2; held-out accuracy starts at 42.7%); each cell is the mean over the seeds, then the lowest and the
+# highest seed:
 #
-# | reference | held-out accuracy at the end | KL to the current reference, last 5 steps |
-# |---|---|---|
-# | static | 85.7% | 0.202 per token |
-# | τ = 10, α = 0.5 | 86.7% | 0.005 |
-# | τ = 10, α = 1 | 88.0% | 0.005 |
-# | τ = 30, α = 1 | 88.0% | 0.012 |
+# | reference | held-out accuracy at the end | KL to the original model (exact, last 5 steps) | KL to the current reference (k3, last 5 steps) | its saved adapter on a fresh model |
+# |---|---|---|---|---|
+# | static | 83.6% (79.9–85.8) | 0.134 (0.114–0.152) | 0.129 | 83.6% |
+# | merge-sync | 87.2% (85.3–88.3) | 0.174 (0.140–0.217) | 0.005 | **42.7%** |
+# | reference-only sync (control) | 87.7% (83.1–91.7) | 0.170 (0.136–0.190) | 0.035 | 87.7% |
 #
-# - With a static reference, the KL grows as the policy improves and the penalty holds it back: in the middle of
-#   the run (step 80) it was at 74% where the synced runs were at 84–86%, and it ended a point or two behind:
-#   `beta = 0.1` is a mild brake on this task.
-# - A synced reference resets the distance every τ steps, so the KL *it* reports stays 17–41× smaller. That number
-#   no longer says how far the policy is from the model you started with: syncing regularises each stretch of
-#   training, not the total drift. If drift from the original matters to you (fluency, safety), keep a static
-#   reference, or log the KL to the original model separately.
-# - One seed, one task: rerun with `--seed 1`, `2` before trusting a difference of a point or two.
+# - **The control ends where the merge-sync ends** (87.7% against 87.2%, well inside each other's seed range), and
+#   both end about 4 points above the static reference, which falls behind from step 60 on. So the gain is not an
+#   artefact of the LoRA restart that a merge-sync brings with it: moving the reference alone gives it too. But
+#   with three seeds it is a hint, not a result: the seed ranges overlap (the static run's best seed, 85.8%, beats
+#   the control's worst, 83.1%). The seed alone moves this figure by 3 to 9 points here: do not hunt a bug in your
+#   own run for a gap of that size.
+# - **Syncing regularises each stretch, not the total drift.** The KL to the reference of the moment drops to
+#   0.005–0.035 per token with a sync (0.129 static), while the KL to the *original* model ends higher, 0.17 against
+#   0.13 (overlapping ranges again). If drift from the starting model matters to you (fluency, safety), measure it
+#   against the starting model, as `kl_original` does here; the `kl` of a synced run does not tell it.
+# - **The restart is real, even where the end accuracy hides it.** With the same τ and α, the KL to the current
+#   reference climbs about 7× less between two merge-syncs (0.0046 against 0.035 over the last 5 steps; see the
+#   sawtooth in the plot): after a merge with α = 1, `B` is 0 and `A`'s gradient with it, so the LoRA starts again
+#   from a standstill every τ steps. That is why an experiment on references needs the control.
+# - **A merge-sync's adapter file is not the policy.** With α = 1 and a sync after the last step, the whole update
+#   sits in the base weights and the saved adapter is empty: on a fresh model it scores exactly the starting
+#   model's 42.7%. Keep (or save) the merged base weights too, or sync through a frozen adapter copy.
 #
 # ## Summary, and testing your whole notebook
 #
