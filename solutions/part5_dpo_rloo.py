@@ -250,14 +250,9 @@ class DPOTrainer:
     (in the notebook: the learner's); the trainer draws the batches, counts the reference's rows and logs."""
 
     def __init__(self, cfg: DPOConfig, model=None, triples: list[tuple[str, str, str]] | None = None):
-        if cfg.reference not in ("precomputed", "implicit"):
-            raise ValueError(f"reference must be 'precomputed' or 'implicit', got {cfg.reference!r}")
-        if cfg.loss_type not in DPO_LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {cfg.loss_type!r}")
+        # cfg's RULES have refused beta <= 0, an unknown reference and an unknown loss_type: the kind is "hooks_removed"
         self.reference_kind, self.precomputed = reference_kind(
             ReferenceSettings(beta=cfg.beta, precomputed=cfg.reference == "precomputed"))
-        if self.reference_kind != "hooks_removed":  # "none": beta == 0, where every pair's loss is log 2
-            raise ValueError(f"DPO needs beta > 0 (its reference is the base without hooks), got beta={cfg.beta}")
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         base = model if model is not None else load_model(cfg.model, cfg.device)
