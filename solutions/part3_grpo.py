@@ -427,9 +427,8 @@ class GRPOTrainer:
         if self.cfg.task == "addition":
             return [RewardFunction("exact_answer", reward_exact_answer, 1.0),
                     RewardFunction("format", reward_format, self.cfg.format_weight)]
-        if self.cfg.task == "periods":
-            return [RewardFunction("periods", lambda prompts, completions: reward_char_count(completions).tolist())]
-        raise ValueError(f"unknown task {self.cfg.task!r}: choose 'addition' or 'periods'")
+        # "periods", the only other task cfg's RULES allow
+        return [RewardFunction("periods", lambda prompts, completions: reward_char_count(completions).tolist())]
 
     def next_prompts(self) -> list[str]:
         if self.cfg.task == "addition":
