@@ -17,9 +17,10 @@ it got. For example:
 
 from __future__ import annotations
 
-__all__ = ["Rule", "a_finite_value_per_row", "a_number", "above", "at_least", "at_most", "at_most_size", "between", "check_fields", "contract",
-           "covers_width", "d_model_of", "distinct_names", "layer_of", "needs", "nonempty", "not_a_folder", "one_of",
-           "optional", "relation", "same_length", "token_ids_of", "within_context"]
+__all__ = ["a_finite_value_per_row", "a_number", "above", "at_least", "at_most", "at_most_size", "between",
+           "check_fields", "contract", "covers_width", "d_model_of", "distinct_names", "layer_of", "needs",
+           "nonempty", "not_a_folder", "one_of", "optional", "relation", "Rule", "same_length", "token_ids_of",
+           "within_context"]
 
 import dataclasses
 import functools
