@@ -7,15 +7,18 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import importlib
 import re
 
 import pytest
 import torch
 
-from solutions import part0_warmup, part1_ppo, part2_lora, part3_grpo, part4_reference, part5_dpo_rloo
+from solutions import (part0_warmup, part1_ppo, part2_lora, part3_grpo, part4_reference, part5_dpo_rloo,
+                       part6_lab)
+from utils import harness
 from utils.contracts import Rule, above, at_least, between, check_fields, contract, one_of, optional
 
-MODULES = (part0_warmup, part1_ppo, part2_lora, part3_grpo, part4_reference, part5_dpo_rloo)
+MODULES = tuple(importlib.import_module(f"solutions.{part}") for part in harness.parts())  # every part, new ones too
 
 
 # --- The rules themselves ----------------------------------------------------------------------------------------
@@ -157,6 +160,9 @@ def _loss_calls(batch=3):
                                                     ref_chosen_logps=seq + 0.5, ref_rejected_logps=seq)),
         ("rloo_loss", part5_dpo_rloo.rloo_loss, dict(seq_logprobs=seq, old_seq_logprobs=seq.detach() + 0.1,
                                                       advantages=adv)),
+        ("bradley_terry_loss", part6_lab.bradley_terry_loss, dict(chosen_scores=seq, rejected_scores=seq - 1)),
+        ("tis_grpo_loss", part6_lab.tis_grpo_loss, dict(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask,
+                                                        weights=torch.ones_like(lp))),
     ]
 
 

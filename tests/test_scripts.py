@@ -30,6 +30,7 @@ MEANINGLESS = [
     ("part4_reference", "--seeds", "0"),
     ("part5_dpo_rloo", "--steps", "-1"),
     ("part5_dpo_rloo", "--rl-steps", "-1"),
+    ("part6_lab", "--seeds", "0"),
 ]
 
 

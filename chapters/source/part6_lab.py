@@ -1,0 +1,658 @@
+# %% [markdown]
+# # Part 6 — The lab: why the knobs exist
+#
+# {colab_badge}
+#
+# The earlier parts built RLHF and checked it against TRL. This one takes it apart. Each section is an experiment
+# small enough for a laptop, with a figure, a short text on what to look for, and the piece that matters written by
+# you. The tiny model makes things possible here that no large model allows: its vocabulary has 356 tokens and its
+# answers are a few tokens long, so some quantities that everyone else estimates by sampling we can compute
+# *exactly*.
+#
+# 1. **KL gradients, exactly.** Every estimator of the KL used as a loss term, against the true gradients.
+# 2. **Reward hacking, and the leash.** A learned reward model, over-optimised; a buggy verifier, exploited; `beta`.
+# 3. **Length bias, measured.** What the loss's aggregation does to the length of right and wrong answers.
+# 4. **The policy shift, through hooks.** What RL changed, token by token and block by block.
+# 5. **On- and off-policy.** When the clip fires, and what to do when the sampler is not the trainer.
+#
+# Every experiment runs over several seeds and shows the spread: one seed ranks nothing.
+# `python -m solutions.part6_lab --json` runs them all with their defaults (about 10 minutes on 2 CPU cores).
+
+# %% [colab]
+
+# %% [setup]
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
+if not (ROOT / "utils" / "harness.py").exists():
+    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
+                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
+                       "jupyter lab chapters/")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
+from utils.harness import check
+from utils.models import load_model
+
+SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the experiments to seconds
+SEEDS = [0, 1] if SMOKE else [0, 1, 2]
+
+# %% [markdown]
+# ## 1. KL gradients, exactly
+#
+# Every trainer in this course keeps the policy near a reference with a KL term, and there are several ways to write
+# it. TRL's GRPO adds `beta * k3` to the **loss**, token by token (Part 3); RLOO subtracts `beta * k1` from the
+# **reward** (Part 5), as TRL's PPO trainer does too; Part 1's PPO, like ARENA's, adds the **exact** KL over the whole
+# vocabulary at each token to the loss; others put k1 or k2 in the loss. All of them estimate the same *value*,
+# KL(π‖ref). Training follows their *gradients*. Are those the same?
+#
+# Here they can be computed exactly. The tiny model's vocabulary has 356 tokens, so a prompt has 356² = 126,736
+# two-token completions, and **one** batched forward pass of 356 rows (the prompt followed by each possible first
+# token) scores them all: the prompt's last position gives $\pi(a \mid x)$, the next one $\pi(b \mid x, a)$. (EOS is
+# an ordinary token here: a completion is exactly two tokens, whatever they are.) Over that space
+#
+# - the sequence-level **reverse** KL, $\mathrm{KL}(\pi\|\text{ref}) = \sum_y \pi(y) \log\frac{\pi(y)}{\text{ref}(y)}$,
+#   and the **forward** KL, $\mathrm{KL}(\text{ref}\|\pi) = \sum_y \text{ref}(y) \log\frac{\text{ref}(y)}{\pi(y)}$,
+#   are sums that autograd differentiates exactly;
+# - so is the **expected gradient** of each KL term $L(y)$ as training uses it, with $y$ sampled from $\pi$ and the
+#   sampling *not* differentiated: it is the gradient of $\sum_y \mathrm{sg}(\pi(y))\, L(y)$, where sg stops the
+#   gradient.
+#
+# The policy is the tiny model with a rank-4 LoRA on `q` and `v` (Part 2) whose `B` is random, so that it differs from
+# the reference, which is the same module without the hooks. The prompt is `a+`, the first half of a held-out
+# addition: its completions are the second operand, about 90 likely ones, so both tokens carry probability. (With the
+# whole question `a+b=` the model is sure of the answer's first digit: one first token takes all the probability, and
+# the sequence has no structure to show.)
+#
+# What theory predicts (Tang & Munos 2025, *On a few pitfalls in KL divergence gradient estimation for RL*,
+# arXiv:2506.09477; each line is two lines of algebra, using $\sum_a \pi(a)\nabla\log\pi(a) = \nabla\sum_a\pi(a) = 0$):
+#
+# - **k1 in the loss** ($\log\pi - \log\text{ref}$ per token): expected gradient $\sum_y \pi(y)\nabla\log\pi(y) = 0$.
+#   It estimates the KL's value without bias, and pulls on nothing.
+# - **k1 in the reward** (the score function $\mathrm{sg}(\log\frac{\pi(y)}{\text{ref}(y)})\nabla\log\pi(y)$, what
+#   RLOO does): exactly the gradient of the sequence-level reverse KL.
+# - **k3 in the loss** ($\frac{\text{ref}}{\pi} - 1 - \log\frac{\text{ref}}{\pi}$ per token, TRL's `beta` term): at a
+#   state $s$, $\mathbb{E}_{a\sim\pi}[(1 - \frac{\text{ref}(a)}{\pi(a)})\nabla\log\pi(a)] = -\sum_a \text{ref}(a)
+#   \nabla\log\pi(a) = \nabla \mathrm{KL}(\text{ref}(\cdot|s)\|\pi(\cdot|s))$: a **forward** KL, per token, on the
+#   states the policy visits.
+# - **k2 in the loss** ($\frac12\log^2\frac{\pi}{\text{ref}}$) and the **exact per-token KL**: at a state,
+#   $\nabla\mathrm{KL}(\pi(\cdot|s)\|\text{ref}(\cdot|s))$ with the state held fixed. That is a per-token reverse KL,
+#   which misses one term of the sequence's: the first token is never charged for the KL of the token that follows it.
+
+# %% [setup]
+from solutions.part6_lab import (FIRST_TOKENS_IN_RANGE, FIRST_TOKENS_IN_VOCABULARY, KL_ESTIMATORS, KL_LOSSES,
+                                 ROOM_FOR_TWO_TOKENS)
+
+# %% [markdown]
+# ### Every two-token completion in one forward pass
+#
+# Write `two_token_logprobs`: build the batch whose row $i$ is the prompt followed by `first_tokens[i]` (every token of
+# the vocabulary when `first_tokens` is None), run the model once, and normalise its logits over the vocabulary. The
+# logits at position $t$ predict token $t + 1$: the prompt's last position (index -2 of a row) predicts the first
+# token, the same in every row; the last position (-1) predicts the second. Keep the gradients: the caller wraps the
+# reference's call in `torch.no_grad()`. The model may be a LoRAModel, whose forward takes only the tokens (and an
+# attention mask; no padding here).
+
+# %% [exercise] two_token_logprobs
+
+# %% [markdown]
+# ### The per-token estimators
+#
+# With $r = \log\pi(a) - \log\text{ref}(a)$ for a sampled token (Schulman, *Approximating KL divergence*, 2020):
+# $k_1 = r$, $k_2 = r^2/2$, $k_3 = e^{-r} - 1 + r$. All three have expectation close to (k1 and k3: exactly)
+# KL(π‖ref) under $a \sim \pi$; k1 is negative for some tokens, k2 and k3 never are. TRL's GRPO computes k3 as
+# `torch.exp(ref - logp) - (ref - logp) - 1`: the ratio is ref/π, not π/ref.
+
+# %% [exercise] token_kl_estimate
+
+# %% [markdown]
+# ### The surrogate whose gradient is the expected gradient
+#
+# Write `estimator_surrogate`: $\sum_y w(y)\, L(y)$ over the completions $y = $ (`first_tokens[i]`, $b$), with the
+# weights $w$ = `weights[i, b]` detached. With $w = \pi(y)$ its gradient is the exact expected gradient of the term;
+# with $w$ = count / N over N samples, it is what N samples would give. $L(y)$, summed over the two tokens (as TRL sums
+# its per-token KL in the loss):
+#
+# - `"k1_loss"`, `"k2_loss"`, `"k3_loss"`: your `token_kl_estimate` of each token. Token 1 of row $i$ has the log-probs
+#   `first[first_tokens[i]]` and `ref_first[first_tokens[i]]`: one number per row, the same for every column $b$.
+# - `"exact_token_loss"`: $\mathrm{KL}(\pi(\cdot|s)\|\text{ref}(\cdot|s))$ summed over the whole vocabulary at each
+#   visited state: the prompt (over `first`), and the prompt + first token (over row $i$ of `second`).
+# - `"k1_reward"`: the score function $\mathrm{sg}(\log\pi(y) - \log\text{ref}(y)) \cdot \log\pi(y)$, with the
+#   sequence's log-probs $\log\pi(y)$ = `first[first_tokens[i]] + second[i, b]`. Its value is not a KL; its gradient is.
+
+# %% [exercise] estimator_surrogate
+
+# %% [markdown]
+# And the true gradients come from the exact KLs over all 126,736 completions:
+
+# %% [provided] exact_sequence_kls
+
+# %% [markdown]
+# The experiment (`solutions/lab/kl_gradients.py`), with your `two_token_logprobs` and `estimator_surrogate`, for each
+# seed in `SEEDS` (each seed draws another LoRA and another prompt):
+#
+# 1. `B` is scaled until KL(π‖ref) = 2 nats per sequence (bisection on the scale), far enough from the reference for
+#    the gradients to differ: near it they all agree to first order, and every cosine would be 1;
+# 2. at 0.1, 0.25, 0.5, 1 and 1.5 times that scale, every gradient with respect to the LoRA's parameters (flattened):
+#    the reverse and forward KLs', and each term's expected gradient; cosines and norm ratios;
+# 3. at the main scale, the gradient from N samples drawn exactly from π (`torch.multinomial`), N = 1 ... 1024, 6
+#    repeats each: only the first tokens drawn are run through the model.
+
+# %%
+from solutions.lab import kl_gradients
+
+kl_result = kl_gradients.run(SEEDS, SMOKE, two_token_logprobs=two_token_logprobs,
+                             estimator_surrogate=estimator_surrogate)
+kl_figures = kl_gradients.summarize(kl_result)
+for kind in KL_LOSSES:
+    print(f"{kind:>16}: " + ", ".join(f"{k} {v}" for k, v in kl_figures[kind].items() if k != "per_seed"))
+print("reverse KL per seed:", kl_figures["reverse_kl"]["per_seed"], "| k3 = per-token forward KL on pi's states, "
+      "largest relative error:", kl_figures["k3_equals_per_token_forward_kl_on_policy_states"]["max_relative_error"])
+kl_gradients.plot(kl_result);
+
+# %% [markdown]
+# What to look for (the numbers are from `python -m solutions.part6_lab --only kl_gradients`, seeds 0, 1, 2, at
+# KL(π‖ref) = 2 nats per sequence):
+#
+# - **k1 in the loss pulls on nothing.** Its expected gradient's norm is 2e-8 to 6e-8 of the reverse-KL gradient's on
+#   the three seeds: float rounding. A zero vector has no direction, so its cosines are reported as null. Its N-sample
+#   gradient is noise around zero: its cosine with the reverse-KL gradient stays between 0.04 and 0.23 from N = 1 to
+#   1024. More samples do not help: there is nothing to find.
+# - **k1 in the reward is the sequence-level reverse-KL gradient**: cosine 1.000000 and norm ratio 1.0000 on every seed.
+# - **k3 in the loss (TRL's `beta` term) is not.** Cosine 0.79 with the reverse-KL gradient (0.52, 1.00, 0.85 on seeds
+#   0, 1, 2), and 0.39 of its norm (0.72, 0.18, 0.26). Its expected gradient is the gradient of the per-token forward
+#   KL(ref‖π) on the states the policy visits, to a relative error of 4e-7 on every seed, and it is closer to the
+#   sequence's forward-KL gradient (cosine 0.92) than to the reverse one. So `beta` in TRL's GRPO weighs a forward KL,
+#   token by token: here a weaker pull (the forward KL is 0.57 nats where the reverse is 2.0), in another direction.
+# - **k2 in the loss and the exact per-token KL** (Part 1's PPO term) have one expected gradient (equal to six digits on every seed): the
+#   per-token reverse KL with the states held fixed. Cosine 0.97 (0.92, 1.00, 0.99), norm 0.74 (0.58, 0.99, 0.65).
+#   What they miss is the first token's share of the second token's KL; on seed 1 that share is small.
+# - **The distance decides whether any of this matters.** At a tenth of the main scale (KL 0.0007 nats) every cosine is
+#   above 0.997, and at 0.13 nats above 0.976; at 2 nats k3's falls to 0.79, at 8 nats to 0.74. Near the reference
+#   every KL gradient is the same to first order; they part once the policy has moved, which is when the KL term is
+#   meant to hold it. The norms part sooner than the directions (lower left): at that tenth of the scale k3's norm is
+#   already 0.69 of the reverse-KL gradient's on seed 2, and it is back to 0.995 only at 0.003 of the scale (KL 8e-7).
+# - **Noise.** One sample's gradient has cosine 0.43 to 0.48 with its own expectation for k2, k3 and k1 in the reward,
+#   but 0.95 for the exact per-token KL, which samples only the states and sums over the whole vocabulary at each (and
+#   its first state, the prompt, is always the same). At N = 1024 every term is within cosine 0.98 of its own
+#   expectation, but k3's cosine with the reverse-KL gradient stops at 0.74 to 0.78 from N = 16 on: more samples
+#   remove noise, not bias. (Means over 6 repeats and 3 seeds; the bands are the seeds' range.)
+
+# %% [markdown]
+# ## 2. Reward hacking, live, and the leash
+#
+# The "H" of RLHF is a **reward model**: a network trained to agree with human preferences, then climbed by RL in
+# their place. It is a proxy, and a policy optimised hard enough against a proxy finds where the proxy is wrong. Gao,
+# Schulman & Hilton (2022, "Scaling Laws for Reward Model Overoptimization", fig. 1) measured it with a "gold" reward
+# model standing in for people: as the policy moves away from its start, the proxy keeps rising while the gold score
+# rises, peaks and falls. Here the gold judge is no model at all but the exact verifier (Part 3's
+# `reward_exact_answer`), so we can watch both curves live:
+#
+# 1. **Pairs.** The tiny model answers additions from the training split, 8 samples each at temperature 1; a pair is
+#    one right and one wrong answer to the same prompt, as the exact verifier judges them. Real preference data is
+#    made the same way: the model's own samples, ranked by people.
+# 2. **The reward model.** A second copy of the tiny model with a scalar head: a `Linear(d_model, 1)` on the final
+#    residual stream, read at each row's **last real token** (the EOS after the completion, the only position that
+#    has seen all of it), trained with the **Bradley-Terry** loss (Bradley & Terry 1952; the reward-model loss of
+#    InstructGPT, Ouyang et al. 2022, eq. 1, and of TRL's `RewardTrainer`): with $P(y_c \succ y_r) =
+#    \sigma(r(y_c) - r(y_r))$, minimise $-\log \sigma(r(y_c) - r(y_r))$.
+# 3. **GRPO against it**, Part 3's trainer with a fresh LoRA, while the exact verifier's score of the same samples is
+#    logged with weight 0.
+# 4. **A verifier with a bug**, exploited; and **`beta` as the leash**.
+
+# %% [setup]
+import re
+
+from utils.sampling import completion_mask_from_ids, tokenize_prompts
+
+# %% [markdown]
+# Write `bradley_terry_loss`: the mean over pairs of $-\log\sigma(r_c - r_r)$. Use `F.logsigmoid`, which stays
+# finite where $\sigma$ underflows to 0 (a margin of $-200$), and refuse two tensors of different shapes: a
+# `[pairs, 1]` against a `[pairs]` would broadcast into every chosen against every rejected.
+
+# %% [exercise] bradley_terry_loss
+
+# %% [markdown]
+# The reward model's rows are laid out like Part 5's preference pairs: BOS and the prompt, **left**-padded; then the
+# completion and its EOS, **right**-padded. So a row's last real token is in the middle of the row, and the usual
+# shortcuts are wrong: the last column is padding for every completion shorter than the longest, and
+# `attention_mask.sum(1) - 1` forgets the left padding. Write `last_token_scores`: each row's score at the largest
+# position whose mask is 1 (refuse a row with no real token).
+
+# %% [provided] reward_model_batch
+
+# %% [exercise] last_token_scores
+
+# %% [markdown]
+# Now the reward model's forward pass, the TransformerLens way: a hook keeps the activation at
+# `"ln_final.hook_normalized"` (the final residual stream, normalised), the head maps it to one number per position,
+# and `last_token_scores` reads each row. Pass the attention mask to the forward pass; add the hook with
+# `with model.hooks(fwd_hooks=[...]):`, which removes it afterwards even if the forward pass raises, and leaves the
+# caller's hooks alone. No `torch.no_grad()` here: the reward model trains through these scores (the GRPO reward
+# function wraps your function in `no_grad` itself).
+
+# %% [exercise] reward_model_scores
+
+# %% [markdown]
+# The buggy verifier. Its author wanted to be lenient about words around the answer ("68.", "68 is it") and wrote
+# "every number in the completion is the sum". Read it and find the bug before you run the experiment: what does it
+# say of a completion that states **no number at all**?
+
+# %% [provided] reward_every_number_right
+
+# %% [markdown]
+# The experiment (`solutions/lab/hacking.py`), with your functions, for each seed in `SEEDS` (the seed draws the
+# pairs, trains the reward model and runs RL):
+#
+# - pairs from 300 training additions (about 230 pairs), a held-out set of pairs from 100 held-out additions; the
+#   reward model trains for 4 epochs (AdamW, lr 1e-3, all its weights and the head);
+# - GRPO against the reward model (8 prompts × 8 completions a step, up to 8 new tokens, a rank-4 LoRA, lr 1e-3,
+#   40 steps) at `beta` 0, 0.5 and 2;
+# - GRPO against the buggy verifier (beta 0, lr 1e-2, 40 steps);
+# - every 10 steps, 4 completions of 32 held-out additions (temperature 1) are scored by the run's reward, the exact
+#   verifier, and the KL to the reference: the exact per-token KL over the whole vocabulary, summed over each
+#   completion (its expectation is the sequence-level KL).
+
+# %%
+from solutions.lab import hacking
+
+hacking_result = hacking.run(SEEDS, SMOKE, bradley_terry_loss=bradley_terry_loss,
+                             reward_model_scores=reward_model_scores)
+hacking_figures = hacking.summarize(hacking_result)
+print({k: hacking_figures[k] for k in ("proxy_start", "proxy_end", "gold_start", "gold_peak", "gold_end")})
+print(hacking_figures["reward_model"])
+print(hacking_figures["buggy_verifier"])
+print([{k: b[k] for k in ("beta", "kl", "proxy", "gold")} for b in hacking_figures["beta_sweep"]])
+hacking.plot(hacking_result);
+
+# %% [markdown]
+# What to look for (the numbers are from `python -m solutions.part6_lab --only hacking`, seeds 0, 1, 2):
+#
+# - **The judge is weak, as reward models are.** From 232 to 235 pairs per seed, the reward model ranks 67-76% of
+#   its training pairs right, and 63%, 58% and 49% of the 70 to 81 held-out pairs (seeds 0, 1, 2). Telling a right
+#   sum from a near miss takes arithmetic that a few hundred comparisons do not teach; what it learns instead is which
+#   answers *look* right. (What we tried did not change that: 450 pairs, 8 or 12 epochs, lr 3e-4, or training the
+#   head alone, or the last block and the head, all stayed between 48% and 65% on held-out pairs.)
+# - **Over-optimisation (left).** With `beta` 0, the proxy climbs in every seed, from 1.03 to 2.72 on average (per
+#   seed: 0.68 to 2.68, 0.95 to 2.68, 1.45 to 2.80; a Bradley-Terry score has no meaningful zero, so the panel shows
+#   the gain), while the gold score falls from 17.7% to 1.3% (19.5% to 1.6%, 14.1% to 0.8%, 19.5% to 1.6%). As in
+#   Gao et al., it first rises in two seeds (to 24.2% and 21.9% at step 10; seed 1 holds at 13.3%), then falls once
+#   the policy is 1.5 to 3.5 nats from the reference.
+# - **What the policy found.** It stopped reading the question. It answers the few numbers the reward model rates
+#   highest, whatever was asked: at the end, "109", "100" and "108" are 55% of seed 0's 128 answers (80 distinct
+#   answers at the start, 31 at the end), and "100", "101" and "110" are 60% of seed 1's. The table printed above
+#   shows one answer per prompt. Each is still a plausible sum, so no format check would catch it.
+# - **The buggy verifier (middle).** `all([])` is True, so a completion with no number passes. The starting model
+#   writes one about 1% of the time (a sentence instead of a sum), and GRPO finds it: the buggy reward goes from 19%
+#   to 84% (100%, 52%, 100%) while the gold score goes to 2.1% (0%, 6%, 0%). In seeds 0 and 2 every completion at the
+#   end is a string of words. The fix is one condition, `numbers and all(...)`; better, judge with the strict
+#   verifier (Part 3's `reward_exact_answer`), here the gold score.
+# - **`beta` as the leash (right).** At the end of 40 steps: `beta` 0 reaches a KL of 8.6 nats per completion (8.2 to
+#   8.9), proxy +1.69, gold 1.3%; `beta` 0.5, KL 0.58 (0.30 to 0.72), proxy +0.56, gold 15.9% (14.8% to 16.4%);
+#   `beta` 2, KL 0.03, proxy +0.18, gold 18.8% (16.4% to 21.1%), about where it started. The leash does not make the
+#   proxy honest: it limits how far the policy can go to exploit it. Gao et al. report the same of their KL penalty:
+#   it acts like early stopping, holding the run back on the same gold-against-KL curve rather than lifting it (the
+#   `beta` 0 run passed a KL of 0.1 to 0.3 nats at step 10, with gold 13% to 24%, and 0.8 to 2.8 at step 20, with
+#   gold 7% to 13%).
+
+# %% [markdown]
+# ## 3. Length bias, measured
+#
+# Part 3's `grpo_loss` offers four ways to turn the per-token terms into one number (`loss_type`), and TRL's
+# documentation warns that they are not equivalent. Liu et al. 2025 ("Understanding R1-Zero-Like Training: A Critical
+# Perspective", section 3.1, the "Dr. GRPO" paper) point at GRPO's original aggregation, the mean over each
+# sequence's tokens: a sequence of $L$ tokens gives each of them the weight $1/L$. A long wrong answer is then
+# penalised less *per token* than a short one, and a short right answer rewarded more than a long one: the expected
+# update is the policy gradient of $A/L$ rather than of $A$, which favours short right answers and long wrong ones.
+# They observed responses, wrong ones especially, growing longer and longer under GRPO, and proposed dividing by a
+# constant instead (`"dr_grpo"`: the batch size times `max_completion_length`). DAPO (Yu et al. 2025) divides by the
+# batch's token count (`"dapo"`, TRL's default), the same for every sequence of a batch. Liu et al. also drop the
+# division by the group's standard deviation (`scale_rewards="none"`), for a different bias: it gives groups with
+# little spread (too easy or too hard) a larger weight.
+#
+# **The task.** The additions of Part 3 cannot show any of this: with `max_new_tokens=16` the tiny model ends its
+# answer with EOS after its 2 or 3 digits in about 98% of samples (lengths 3 and 4 tokens). Part 1's sentences can.
+# After "I feel" the tiny model writes a sentiment word and a full stop, then zero to three more sentences of its
+# grammar before EOS: 3 to 24+ tokens. The verifier judges the **first word only**: positive is right
+# (`reward_positive_answer`, below), so a right or a wrong answer can have any length, and the length is the policy's
+# free choice, which is where a bias in the loss can show.
+
+# %% [setup]
+import re
+
+from solutions.part3_grpo import grpo_loss                    # Part 3, solved: the loss whose weights you will read
+from solutions.part6_lab import LOSS_TYPES
+from utils.data import POSITIVE
+
+# %% [provided] reward_positive_answer
+
+# %% [markdown]
+# First, where the bias comes from. Write `loss_token_weights`: the weight $w_{i,t}$ that `grpo_loss` gives each
+# token's term, so that $\text{loss} = \sum_{i,t} w_{i,t}\,\ell_{i,t}$, for a mask of $B$ rows with $L_i$ real tokens
+# each: `"grpo"`: $1/(B L_i)$; `"bnpo"` and `"dapo"`: $1/\sum_i L_i$; `"dr_grpo"`: $1/(B \cdot$
+# `max_completion_length`$)$ (`mask.shape[1]` when it is None). 0 on padding, and 0 (not NaN) for a row or a batch
+# with no real token, as `grpo_loss` gives 0 there. The test compares your weights with `grpo_loss`'s own: its
+# gradient with respect to the log-probs, on-policy, with every advantage $-1$.
+
+# %% [exercise] loss_token_weights
+
+# %%
+mask = torch.arange(8)[None] < torch.tensor([2, 8, 4])[:, None]  # three completions of 2, 8 and 4 tokens
+for loss_type in ("grpo", "dapo", "dr_grpo"):
+    print(f"{loss_type:8s}", [round(w, 4) for w in loss_token_weights(mask, loss_type).max(dim=1).values.tolist()],
+          "per token;  per sequence:", [round(w, 3) for w in loss_token_weights(mask, loss_type).sum(1).tolist()])
+
+# %% [markdown]
+# Under `"grpo"` every sequence weighs $1/B$ in all, whatever its length, so each token of the 8-token completion
+# weighs a quarter of what a token of the 2-token one does. Under `"dapo"` and `"dr_grpo"` every token of the batch
+# weighs the same, and a sequence weighs in proportion to its length. On one batch, `"dapo"` and `"dr_grpo"` differ
+# by a constant factor only: the same direction, which Adam's normalisation mostly makes the same update.
+#
+# Then the measurement. Write `mean_length_by_outcome`: the mean length (real tokens, EOS included) of the right
+# answers and of the wrong ones, as a tensor `[right, wrong]`. Late in training a batch may have no wrong answer
+# at all: return NaN for an outcome without any row (a mean of nothing is not 0, and a 0 would draw a false point on
+# the curve), not an error.
+
+# %% [exercise] mean_length_by_outcome
+
+# %% [markdown]
+# The experiment (`solutions/lab/length_bias.py`) with your two functions. For each of four configurations,
+# `"grpo"`, `"dr_grpo"` and `"dapo"` with `scale_rewards="group"`, and `"grpo"` with `scale_rewards="none"`, and each
+# seed in `SEEDS`: a fresh rank-4 LoRA on q and v, trained by Part 3's `grpo_step` (4 prompts × 8 completions a step,
+# up to 24 tokens, `lr` 1e-2, `beta` 0), with your `mean_length_by_outcome` on every batch. Same seed, same prompts
+# and same first batch in every configuration: only the loss differs. Then a cleaner look at the mechanism, on one
+# update: from the starting policy, 256 completions (32 for each of the 8 prompts), each configuration's loss built
+# from your `loss_token_weights`, and the first-order change its update (of norm 1) makes to $\log P(\text{EOS})$
+# right after a right first sentence ("I feel happy.") and after a wrong one ("I feel sad."). The length bias predicts
+# that `"grpo"` raises the first more than the second (stop after a right answer, go on after a wrong one), and that
+# `"dr_grpo"` and `"dapo"` do neither.
+
+# %%
+from solutions.lab import length_bias
+
+length_bias_result = length_bias.run(SEEDS, SMOKE, loss_token_weights=loss_token_weights,
+                                     mean_length_by_outcome=mean_length_by_outcome)
+length_bias_figures = length_bias.summarize(length_bias_result)
+for name in ("grpo", "dr_grpo", "dapo", "grpo_scale_none"):
+    f = length_bias_figures[name]
+    print(f"{name:16s} wrong {f['wrong_start']} -> {f['wrong_end']}   right {f['right_start']} -> {f['right_end']}   "
+          f"push (right - wrong) {f['push_right_minus_wrong']}")
+length_bias.plot(length_bias_result);
+
+# %% [markdown]
+# What to look for (the numbers are from `python -m solutions.part6_lab --only length_bias`, seeds 0, 1, 2; "start"
+# and "end" pool the completions of the first and of the last 10 of the 45 steps):
+#
+# - **No gap opens between right and wrong answers, under any loss.** Mean length of wrong / right answers, start →
+#   end, mean over seeds: `grpo` 15.2 / 15.6 → 20.2 / 20.6; `dr_grpo` 14.9 / 15.5 → 16.1 / 16.2; `dapo` 14.9 / 15.8
+#   → 23.7 / 23.8; `grpo` with `scale_rewards="none"` 15.0 / 15.6 → 21.0 / 22.2. In every run the two curves move
+#   together: at the end they are never more than 1.2 tokens apart, where the length bias predicts wrong answers
+#   longer than right ones under `grpo` only.
+# - **What moves is the length of everything, and it moves by chance.** The seeds disagree by far more than the
+#   configurations do: under `dr_grpo` the wrong answers end at 7.6, 21.7 and 19.1 tokens; under `grpo` at 12.7, 24.0
+#   and 24.0. Six of the twelve runs end pressed against the 24-token limit (`grpo` 2 of 3, `dapo` 3 of 3,
+#   `grpo_scale_none` 1 of 3, `dr_grpo` 0 of 3); with three seeds that ranks nothing. The reward says nothing about
+#   the words after the first, so those tokens carry pure noise, and with `lr` 1e-2 the noise random-walks the
+#   decision to stop. This is a lesson of its own: an unconstrained length drifts, whatever the loss.
+# - **The bias is there, and small.** The one-update measurement isolates it: how much more an update raises
+#   $\log P(\text{EOS})$ after a right first sentence than after a wrong one. `grpo`: +0.0059 (seeds −0.0022, +0.0081,
+#   +0.0116); `grpo_scale_none`: +0.0052 (−0.0037, +0.0077, +0.0115); `dr_grpo` and `dapo`: −0.0009 (−0.0139,
+#   +0.0045, +0.0066). The sign is the one Liu et al. predict for `grpo`, seed by seed the difference with `dr_grpo`
+#   is positive (+0.012, +0.004, +0.005), but each value is smaller than the spread over seeds, and far smaller than
+#   the change both probes share (0.03 to 0.22 in size, its sign set by the batch). `dr_grpo` and `dapo` are
+#   identical here: on one batch they differ by a constant factor.
+# - **Accuracy barely moves** (about 0.5 → 0.52–0.57; one `grpo_scale_none` seed collapsed to no right answer at all):
+#   the one token that decides the reward is drowned among the 15 or so free ones, which is the same noise again.
+#
+# Why so little, when Liu et al. saw wrong answers grow without end? Their responses run to thousands of tokens, so
+# $1/L$ spans orders of magnitude and the bias compounds over hundreds of steps; here lengths span 3 to 24 and the
+# runs last 45 steps. The bias is a systematic push, the noise a random one: the first grows with the number of steps,
+# the second with its square root. To see it in these curves you would need many more steps and samples than a
+# laptop budget allows; the one-update measurement is how to see it now. If you have the time, try
+# `length_bias.run(SEEDS, False, cfg=length_bias.LengthBiasConfig(lr=3e-3, steps=150), ...)`.
+
+# %% [markdown]
+# ## 4. The policy shift, through hooks
+#
+# RL has trained a LoRA. What did it change? Here the question is cheap to ask, because of how Part 2 built things:
+# the policy is the base module run *with* the LoRA hooks, and the reference is the same module run *without* them.
+# Every comparison below is one module run twice, with different hooks: no second copy of the weights, no
+# bookkeeping. A hooked model lets us look in three places:
+#
+# 1. **per token**: $\log\pi(y_t) - \log\pi_\text{ref}(y_t)$ on real samples: which tokens RL made more likely;
+# 2. **per block**: the LoRA switched on in some blocks and off in the others: which blocks carry what was learned;
+# 3. **per head**: the attention pattern of the positions that write the answer, before RL and after.
+#
+# The policies come from short GRPO runs: Part 3's `GRPOTrainer` with its defaults (a rank-4 LoRA on `q` and `v` in
+# every block, 16 prompts × 8 completions a step), 60 steps per seed instead of 150, to fit the lab's time.
+
+# %% [setup]
+import torch.nn as nn
+
+from solutions.part0_warmup import completion_logprobs   # Part 0, solved
+from solutions.part2_lora import LoRAModel, make_adapters  # Part 2, solved
+from utils.sampling import Samples, sample
+
+# %% [markdown]
+# ### Per token
+#
+# Write `token_log_ratios`: for each completion token of `samples`, the policy's log-prob minus the reference's, and
+# 0 after each completion's first EOS. The policy is the LoRA model; the reference is `lora_model.base` called
+# directly: LoRAModel adds its hooks only inside its own forward. Part 0's `completion_logprobs` does the shift (the
+# logits at position $t$ score the token at $t + 1$), the attention mask and the padding for you. No gradients: this
+# is for looking at. A bare model has no `.base`, and compared with itself it would give 0 everywhere: refuse it.
+
+# %% [exercise] token_log_ratios
+
+# %% [markdown]
+# ### Per block
+#
+# Write `lora_on_blocks`: a LoRAModel on the same base whose adapters are those of the blocks in `blocks` only. The
+# adapters are keyed `"L{layer}_{target}"` (Part 2's `make_adapters`). Keep the same adapter modules in a new
+# `nn.ModuleDict`: the ablation must not copy the model, and must not change the trained policy (no deleting, no
+# zeroing of B). `lora_on_blocks(m, [])` is the reference; with every block, the policy. Refuse a block the model
+# does not have: it would select nothing, silently.
+
+# %% [exercise] lora_on_blocks
+
+# %% [markdown]
+# ### Per head
+#
+# TransformerLens 4 exposes each block's attention pattern at `blocks.{layer}.attn.hook_pattern`, as
+# `[batch, head, query, key]`: row $q$ is the softmax over the keys of the query at position $q$. Write
+# `answer_attention`: for every block, the rows of the positions that *predict* the completion tokens: position
+# `prompt_len - 1 + j` predicts completion token $j$ (the `=` predicts the first digit), the same shift as
+# `get_logprobs`. Rows after a completion's first EOS are 0. One forward pass, with the attention mask, and hooks
+# that are gone afterwards, the caller's left alone. `model.run_with_hooks` does not exist on a LoRAModel;
+# `with model.hooks(fwd_hooks=...):` works on both, and a LoRAModel adds its own hooks inside its forward.
+
+# %% [exercise] answer_attention
+
+# %% [markdown]
+# The experiment (`solutions/lab/policy_shift.py`), with your three functions, for each seed in `SEEDS`:
+#
+# - train the policy (GRPO, 60 steps);
+# - **per token:** sample 4 completions of 3 held-out prompts from it, score them with Part 3's
+#   `reward_exact_answer`, and take their group advantages $A$; show your log-ratios, and the *advantage-weighted
+#   ratio* $A \cdot \pi/\pi_\text{ref}$: GRPO's surrogate $r_t A$ with the reference standing in for the old policy,
+#   as if the whole run had been one step;
+# - **per block:** the greedy accuracy on all 810 held-out additions with the LoRA in every block, in none, in all but
+#   one (each in turn), and in one only (each in turn);
+# - **per head:** the attention of the answer positions on 96 held-out additions with their right answers
+#   teacher-forced, split by what the key is: BOS, the first operand's digits, `+`, the second operand's digits, `=`,
+#   the answer written so far; before RL (the base model, no hooks) and after (the policy).
+
+# %%
+from solutions.lab import policy_shift
+
+policy_shift_result = policy_shift.run(SEEDS, SMOKE, token_log_ratios=token_log_ratios,
+                                       lora_on_blocks=lora_on_blocks, answer_attention=answer_attention)
+policy_shift_figures = policy_shift.summarize(policy_shift_result)
+print({k: policy_shift_figures["layer_ablation"][k] for k in ("all", "none", "without", "only")})
+print({k: v for k, v in policy_shift_figures["policy_shift"].items() if k.startswith("operand_attention_")})
+policy_shift.plot(policy_shift_result);
+
+# %% [markdown]
+# What to look for (the numbers are from `python -m solutions.part6_lab --only policy_shift`, seeds 0, 1, 2; "±" is
+# the standard deviation over the seeds):
+#
+# - **The runs.** 60 GRPO steps take the held-out accuracy from 42.7% (the base, "none") to 82.2% ± 2.9% ("all";
+#   81.0%, 80.1% and 85.4% by seed).
+# - **Per token, RL moved the digits that were hard.** On the right answers, teacher-forced, the mean log-ratio is
+#   +0.43 nats on the units digit and +0.37 on the tens, but +0.08 on the hundreds digit (always a 1) and 0.00 on the
+#   EOS: RL left the shape of an answer alone (its length, its leading 1) and taught the sum. In the
+#   heatmaps (seed 0), the completions of one prompt agree on the leading digit and differ after it, and that is
+#   where the colours are. Not only right digits gained: for 57+85 the wrong 141 gained +0.9 nats on its last digit,
+#   more than the right 142 (+0.4): a units digit the policy still gets wrong, now more confidently. On these samples,
+#   the tokens of right answers average +0.22 nats and those of wrong ones +0.01 (3 prompts per seed: a glimpse, not
+#   a measurement).
+# - **Per block, the first block carries most, and no block alone carries it.** Without block 0's adapter the
+#   accuracy falls to 49.5% ± 3.0% (most of the gain gone); without block 1, 2 or 3, to 71.2%, 75.9% and 77.3%.
+#   Alone, block 0's adapter reaches 59.7% ± 2.0%, blocks 1 and 2 about 47%, and block 3's falls *below* the base
+#   (41.5%, in every seed). The gains of the blocks alone add up to +24.1 points, the gain of all of them together
+#   is +39.5: the updates work together, which a per-block view can only hint at.
+# - **Per head, the answer positions look a little more at the operands.** Their share of attention on the two
+#   operands' digits rises from 41.6% to 43.7% (44.3%, 43.1% and 43.6% by seed), a little from each other kind of
+#   key; most in blocks 1 and 3 (35.0% → 37.9%, 53.5% → 57.7%), hardly in block 0 (48.1% → 48.3%). So whatever
+#   block 0's LoRA (on q and v) changed, it is mostly not *how much* its answer positions look at the operands: which
+#   digit they look at, or what the values carry, the share cannot tell apart. An attention map shows where a head
+#   looks, not what it carries.
+
+# %% [markdown]
+# ## 5. On- and off-policy
+#
+# GRPO's loss has a ratio in it, $r_t = \pi_\theta(y_t) / \pi_\text{old}(y_t)$, and a clip that takes a token's
+# gradient away once $r_t$ leaves $[1-\epsilon,\ 1+\epsilon_\text{high}]$ in the direction its advantage pushes. With
+# `num_iterations` 1 (Part 3's default, and TRL's), "old" is the policy itself: the ratio is exactly 1, carries the
+# gradient, and the clip never fires. With `num_iterations` 2 or 4 the same samples serve several updates, and from
+# the second update on the policy has moved: now the clip has something to do.
+#
+# There is a second way to be off-policy, one that `num_iterations` 1 does not protect you from: **the sampler is not
+# the trainer**. In this course `sample` decodes with a lean GPT-2 of our own (`utils/decoder.py`: the LoRA merged into
+# the weights, a KV cache, fused attention) while training scores the same tokens through the bridge with the LoRA as
+# hooks. Two programs compute "the same" probabilities. In production the gap is larger: an inference engine (vLLM,
+# SGLang) in bfloat16 samples for a trainer (FSDP, Megatron) whose numbers differ, and asynchronous RL samples with
+# weights a few steps old. Yao et al. 2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+# https://fengyao.notion.site/off-policy-rl) showed that this gap can break training, and proposed **truncated
+# importance sampling** (TIS): weight each token's loss by
+#
+# $$w_t = \min\Big(\frac{\pi_\text{trainer}(y_t)}{\pi_\text{sampler}(y_t)},\ C\Big),$$
+#
+# a constant (no gradient flows through it), capped at $C$ so that a token the sampler almost never draws cannot
+# dominate the batch. Its expected gradient is the on-policy one, up to what the cap cuts.
+#
+# First, the diagnostic every PPO-style trainer logs. Write `clip_fraction`: the share of the real tokens (mask
+# True) whose gradient the clip takes away, as TRL's `GRPOTrainer` counts its `clip_ratio/region_mean` (and Part 3's
+# `GRPOTrainer.clip_ratios`): ratio $< 1-\epsilon$ where the advantage is negative, or $> 1+\epsilon_\text{high}$ where
+# it is positive. Only those: a token with a high ratio and a *negative* advantage still has its gradient (the min
+# picks the unclipped term), and a token whose advantage is 0 has none to take.
+
+# %% [exercise] clip_fraction
+
+# %% [markdown]
+# Now the weights. Write `truncated_importance_weights`: from the trainer's and the sampler's log-probs of the same
+# sampled tokens, $\min(e^{\log\pi_\text{trainer} - \log\pi_\text{sampler}}, C)$ per token, detached, and 0 on
+# padding. Capped from above only: a token the sampler liked more than the trainer keeps its small weight.
+
+# %% [exercise] truncated_importance_weights
+
+# %% [markdown]
+# And the loss that takes them: Part 3's `grpo_loss` with $\beta = 0$ and `loss_type="dapo"`, each token's clipped
+# term multiplied by its weight before the sum over tokens (and the denominator still the number of tokens).
+# `weights=None` is the uncorrected loss.
+
+# %% [exercise] tis_grpo_loss
+
+# %% [markdown]
+# The experiment (`solutions/lab/off_policy.py`), with your three functions, on Part 3's additions (8 prompts × 8
+# completions a step, a rank-4 LoRA on q and v, `lr` 3e-3), each setting over the seeds in `SEEDS`:
+#
+# - **the clip:** GRPO (Part 3's `grpo_step`) with `num_iterations` 1, 2 and 4; every update's ratio goes through
+#   your `clip_fraction`;
+# - **the gap:** on the policy each seed trained, each sampler draws completions and reports its own log-prob of each
+#   token it drew; the trainer (the bridge, float32, LoRA as hooks) scores the same tokens. Samplers: the lean
+#   decoder and TransformerLens's `generate`, both in float32; the lean decoder in bfloat16 (weights and
+#   activations, as an inference engine would run); and the lean decoder with the LoRA of 4 steps before;
+# - **TIS:** GRPO whose samples come from weights 4 steps stale (asynchronous RL), uncorrected and with your TIS
+#   weights ($C = 2$), against an on-policy control. Same seeds, prompts and starting LoRA in all three.
+
+# %%
+from solutions.lab import off_policy
+
+off_policy_result = off_policy.run(SEEDS, SMOKE, clip_fraction=clip_fraction,
+                                   truncated_importance_weights=truncated_importance_weights,
+                                   tis_grpo_loss=tis_grpo_loss)
+off_policy_figures = off_policy.summarize(off_policy_result)
+print({n: f["mean"] for n, f in off_policy_figures["clip_fraction"].items()}, off_policy_figures["gap"])
+off_policy.plot(off_policy_result);
+
+# %% [markdown]
+# What to look for (the numbers are from `python -m solutions.part6_lab --only off_policy`, seeds 0, 1, 2):
+#
+# - **The clip fires only off-policy.** With `num_iterations` 1 the clip fraction is exactly 0 at every step of every
+#   seed: the ratio is 1. With 2 it averages 1.9% of the tokens (1.4% to 2.4% over the three seeds), with 4 6.2% (5.1%
+#   to 6.8%): each batch's first update clips nothing, and each further update on the same samples meets a policy
+#   that has moved further. Over 16 steps the extra updates did not buy reward: 0.46, 0.44 and 0.43 over the last 5
+#   steps (standard deviations 0.01, 0.05 and 0.08 over seeds). They did buy a clip that has work to do.
+# - **Our sampler is the trainer, to float rounding.** The lean decoder and TransformerLens's `generate` give each
+#   token they drew a log-prob within 5.5e-6 of the trainer's (mean 3e-7): different kernels, a KV cache, the LoRA
+#   merged or as hooks, and the same function. The same decoder in bfloat16 is off by 0.007 on average and 0.11 at
+#   worst, a probability 12% off. Weights 4 steps stale: 0.10 on average and 1.16 at worst, a factor of 3.
+# - **A stale sampler hurt, and TIS helped.** Trained on samples from weights 4 steps old, uncorrected, held-out
+#   accuracy fell from 42% to 14% at its lowest (9% to 22% over seeds, around step 10) and ended at 43%
+#   (28% to 53%). With TIS it fell to 37% at its lowest (28% to 42%) and ended at 57% (56% to 58%); the on-policy
+#   control ended at 63% (61% to 65%). In the stale runs 1% to 3% of the tokens had a ratio above the cap of 2.
+#   Three seeds and one lag: a large effect, not a measured law. TIS corrects what the sampler drew, not the
+#   advantages computed from the stale policy's rewards, and it did not close the gap to the on-policy run.
+#
+# The bfloat16 sampler's gap is a tenth of the stale one's, and we did not train with it (bfloat16 decoding is about
+# ten times slower than float32 on a CPU). Yao et al. report that such gaps do matter at scale, over long runs.
+
+# %% [markdown]
+# ## What to take away
+#
+# - **A KL estimate can be right in value and wrong in gradient** (section 1). With y ~ π, k1, k3 and the exact
+#   per-token KL all have KL(π‖ref) as their expected value; in the loss, k1's expected gradient is exactly zero,
+#   while k1 put in the reward (RLOO, TRL's PPO) has exactly the sequence-level KL's gradient.
+# - **TRL's GRPO `beta` term follows a forward KL** (section 1): k3 in the loss has the gradient of the per-token
+#   KL(ref‖π) on the policy's states (Tang & Munos 2025). At 2 nats from the reference its cosine with the reverse-KL
+#   gradient was 0.79 (0.52 to 1.00 over 3 seeds), at 0.39 of its norm; more samples do not close that gap.
+# - **Per-token reverse-KL terms are partial, and the exact one is the least noisy** (section 1): k2 and the exact
+#   per-token KL miss the earlier tokens' share of the later ones' KL (cosine 0.97 here); the exact per-token KL's
+#   gradient from one sample is already within cosine 0.95 of its expectation.
+# - **A learned reward is a proxy, and RL finds its blind spots** (section 2). Against a reward model that ranks 49-63%
+#   of held-out pairs right, GRPO with `beta` 0 raised the proxy in all 3 seeds while the exact verifier's score fell
+#   from 17.7% to 1.3%: the policy came to answer "109" or "100" whatever the question.
+# - **A bug in a verifier is a reward to be collected** (section 2): `all` of no numbers is True, and a completion with
+#   no number at all took the buggy reward to 100% in 2 seeds of 3, the gold score to 0.
+# - **`beta` is a leash, not a fix** (section 2): it bounds the KL (8.6 nats at `beta` 0, 0.58 at 0.5, 0.03 at 2) and
+#   so how much damage the proxy can do (gold 1.3%, 15.9%, 18.8%), and how much the proxy gains (+1.69, +0.56, +0.18).
+# - **Where a loss's length bias comes from is one line of arithmetic** (section 3): `"grpo"` gives each token of an
+#   L-token answer the weight 1/(B L), so a long wrong answer is penalised less per token; `"dr_grpo"` and `"dapo"`
+#   give every token of a batch one weight (and on one batch they are the same update).
+# - **A small bias does not show in a few noisy runs** (section 3): over 45 steps and 3 seeds no loss type opened a
+#   gap between the lengths of right and wrong answers (at most 1.2 tokens), while the length of everything drifted by
+#   chance (one loss type's seeds ended 7.6 to 21.7 tokens apart). One update measured on 256 completions shows the
+#   predicted sign for `grpo` (+0.006 in log P(stop after a right answer) - log P(stop after a wrong one), against
+#   -0.001 for `dr_grpo`), smaller than the spread over seeds. Measure a mechanism where it acts, not only downstream.
+# - **Hooks make "what did RL change?" cheap** (section 4). With the LoRA as hooks it is one module run with
+#   different hooks: the log-ratio to the reference per token, the LoRA block by block, the attention before and
+#   after, with no second copy of the model.
+# - **RL moved what the base got wrong** (section 4). On additions it moved the units and tens digits (+0.4 nats
+#   each on right answers), not the leading 1 or the EOS the base already wrote.
+# - **Ablations say where, not how** (section 4). Block 0's adapter carries most of the gain (without it, 49.5%
+#   instead of 82.2%), yet no block alone gets near all of them together.
+# - **The clip fires only off-policy** (section 5). With `num_iterations` 1 the ratio is exactly 1 and the clip
+#   fraction 0; with 2 and 4, 1.9% and 6.2% of the tokens are clipped (3 seeds), all of it in the later updates.
+# - **On-policy is a claim about the sampler** (section 5). Our lean decoder matches the trainer to 5.5e-6 in
+#   log-prob; in bfloat16 it is 0.11 off at worst, and weights 4 steps stale 1.16. Trained on 4-step-stale samples,
+#   held-out accuracy fell to 14% before recovering to 43%; truncated importance sampling (weights min(π/π_sampler,
+#   2)) kept its lowest at 37% (28% to 42%) and ended at 57%, against 63% on-policy.

@@ -1,0 +1,364 @@
+# %% [markdown]
+# # Part 7 — The bridge to production
+#
+# {colab_badge}
+#
+# You wrote LoRA as hooks, GRPO as a loop, and every form of the reference model. At work you will use
+# [peft](https://github.com/huggingface/peft), [TRL](https://github.com/huggingface/trl) and
+# [accelerate](https://github.com/huggingface/accelerate). This chapter takes what you trained, and what you
+# understood, there: your adapter as a peft adapter folder (and back), the main job as a TRL run with every knob
+# mapped, and what to do when one machine is no longer enough.
+
+# %% [colab]
+
+# %% [setup]
+import os
+import sys
+from pathlib import Path
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
+if not (ROOT / "utils" / "harness.py").exists():
+    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
+                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
+                       "jupyter lab chapters/")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
+from utils.harness import check
+from utils.models import load_model
+
+SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the runs to seconds
+
+# %% [markdown]
+# ## 1. Your adapter in peft's format
+#
+# At work, a LoRA adapter is a [peft](https://github.com/huggingface/peft) folder: it is what
+# `PeftModel.from_pretrained` and `AutoPeftModelForCausalLM` load, what the Hub stores, what `merge_and_unload()`
+# folds into a model for deployment, and what servers such as vLLM load next to a base model. The folder holds
+# two files:
+#
+# - `adapter_config.json`: `peft_type` `"LORA"`, the base model (`base_model_name_or_path`), the rank `r`,
+#   `lora_alpha`, the `target_modules` (module names of the Hugging Face model), `fan_in_fan_out`, ...;
+# - `adapter_model.safetensors`: for each targeted module, `base_model.model.<module>.lora_A.weight` of shape
+#   `[r, d_in]` and `...lora_B.weight` of shape `[d_out, r]`.
+#
+# On each module, peft computes `out + (lora_alpha / r) · B A x` — exactly Part 2's LoRA, so for most targets an
+# export is a renaming: our `o` is GPT-2's `attn.c_proj`, `mlp_in` is `mlp.c_fc`, `mlp_out` is `mlp.c_proj`
+# (`model.original_model` is the Hugging Face GPT-2 under the bridge). GPT-2 stores these weights in `Conv1D`
+# layers, `[d_in, d_out]`, the transpose of `nn.Linear`'s; peft's `lora_A` and `lora_B` are `nn.Linear` all the
+# same, and `fan_in_fan_out: true` only tells peft to transpose the update when it merges it into the weight.
+#
+# One thing is not a renaming. GPT-2 computes q, k and v with **one** matrix, `attn.c_attn`, whose output is
+# `[q | k | v]` (each `n_heads × d_head` wide, head after head — the order of our `hook_q`'s `[head, d_head]`
+# flattened). The main job trains two adapters there, q and v; peft wants one LoRA on `c_attn`. Stack the A's and
+# lay the B's out in blocks:
+#
+# $$A = \begin{bmatrix} A_q \\ A_v \end{bmatrix}, \qquad
+#   B = \begin{bmatrix} s_q B_q & 0 \\ 0 & 0 \\ 0 & s_v B_v \end{bmatrix}
+#   \quad\Rightarrow\quad B A x = \begin{bmatrix} s_q B_q A_q x \\ 0 \\ s_v B_v A_v x \end{bmatrix}$$
+#
+# (rows: q, k, v; columns: the rank of each adapter). This is exact, at rank 2r (3r with k), with each adapter's
+# scale $s = \alpha / r$ folded into its block of B, so peft's own scaling must be 1: `lora_alpha` equal to the
+# fused rank. The zero rows keep k as it is.
+
+# %% [setup]
+import json
+import math
+import re
+
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from solutions.part2_lora import TARGETS, LoRA, LoRAModel, base_weight, make_adapters   # Part 2, solved
+from solutions.part3_grpo import GRPOConfig, GRPOTrainer                              # Part 3, solved
+# where each target lives in GPT-2, and the checks that import_peft_adapter makes (solutions/part7_production.py)
+from solutions.part7_production import HF_MODULES, PEFT_PREFIX, QKV
+from solutions.part7_production import _COURSE_TARGET, _NO_HOOK, _pattern_value, _read_peft_config, _refuse, _targeted
+from utils.data import addition_accuracy, addition_pairs, addition_prompt
+from utils.files import why_unreadable
+from utils.models import TINY_DIR
+from utils.sampling import tokenize_prompts
+
+# %% [markdown]
+# Write `fuse_qkv`: the (A, B) of the one `c_attn` LoRA that computes what a block's q, k and v adapters compute
+# (any of them: the main job has q and v only). A stacks the A's in the order q, k, v; B has the 3 × `n_heads ×
+# d_head` rows of `c_attn`'s output; return both detached (they are going to a file).
+
+# %% [exercise] fuse_qkv
+
+# %% [markdown]
+# And back. A `c_attn` LoRA that peft trained has **one** A, read by q, k and v alike, and a dense B: it has no
+# block structure to undo, and no smaller rank is exact in general. So each of q, k and v gets a LoRA of the full
+# rank R, with its own copy of A, the rows of B that write its third of the output, and the same scale. The copy
+# matters: three course adapters are three independent LoRAs, and training q must not move k's A.
+
+# %% [exercise] split_qkv
+
+# %% [markdown]
+# ## 2. The folder, both ways
+#
+# `peft_state_dict`: the tensors of `adapter_model.safetensors`, under peft's names. For each Hugging Face module
+# an adapter updates (`HF_MODULES` maps our targets to them: q, k and v to `attn.c_attn`, o to `attn.c_proj`,
+# `mlp_in` to `mlp.c_fc`, `mlp_out` to `mlp.c_proj`), the keys
+# `base_model.model.transformer.h.{layer}.{module}.lora_A.weight` and `....lora_B.weight`: `base_model.model.`
+# because a `PeftModel` wraps your model twice, and no adapter name (`default`), which is chosen when the adapter
+# is loaded. A block's q, k and v go through your `fuse_qkv`; the other adapters keep their A and fold their scale
+# into B, so that peft's scaling is 1 everywhere.
+
+# %% [exercise] peft_state_dict
+
+# %% [markdown]
+# The rest is bookkeeping, provided. `export_peft_adapter` writes your `peft_state_dict` and the config: `r` is the
+# largest rank, `lora_alpha` equal to it (scaling 1), and `rank_pattern` / `alpha_pattern` name the modules whose
+# rank differs (with q, k, v and o, `c_attn` has rank 3r and `c_proj` rank r). peft needs a plain Hugging Face
+# model to find its modules by name, and the bridge has rewired `model.original_model` in place, so `hf_model_of`
+# builds its plain twin.
+#
+# `import_peft_adapter` reads a folder back with your `split_qkv`, and refuses, saying what and what to do, what a
+# course adapter cannot hold: a LoRA on a module the course has no hook for (the token and position embeddings, the
+# unembedding `lm_head`), DoRA (it rescales each output by a trained magnitude) and the other variants, a bias other
+# than `"none"`, `modules_to_save` (whole trained modules), initialisations that change the base weights (PiSSA,
+# LoftQ, ...), another peft type, and tensors that do not match the config or the model. It follows peft's rules for
+# `target_modules` (a list of names or suffixes, a regular expression, `"all-linear"`), `layers_to_transform`,
+# `rank_pattern`, `alpha_pattern` and rsLoRA's scaling `lora_alpha / sqrt(r)`.
+
+# %% [provided] hf_model_of
+
+# %% [provided] export_peft_adapter
+
+# %% [provided] import_peft_adapter
+
+# %% [markdown]
+# Now the main job's adapter, trained by Part 3's GRPO (60 steps here; 2 in the test suite's quick run), written
+# with your `fuse_qkv`, and loaded by peft itself on the Hugging Face model. Compare the logits on the 810 held-out
+# additions, and the held-out accuracy of both. `python -m solutions.part7_production` does the same after the main
+# job's 150 steps.
+
+# %%
+import tempfile
+
+from peft import PeftModel
+
+model = load_model("tiny")
+trainer = GRPOTrainer(GRPOConfig(steps=2 if SMOKE else 60, eval_every=0, table_every=1000), model=model)
+trainer.train()
+adapters = trainer.model.adapters   # rank 4 on q and v of every block
+folder = export_peft_adapter(model, adapters, Path(tempfile.mkdtemp()) / "peft_adapter")
+print(folder, sorted(p.name for p in folder.iterdir()))
+print({k: v for k, v in json.loads((folder / "adapter_config.json").read_text()).items()
+       if k in ("peft_type", "r", "lora_alpha", "target_modules", "fan_in_fan_out")})
+
+peft_model = PeftModel.from_pretrained(hf_model_of(model), str(folder)).eval()
+held_out = addition_pairs("held_out")
+ids, mask = tokenize_prompts(model.tokenizer, [addition_prompt(a, b) for a, b in held_out], model.cfg.device)
+back = LoRAModel(model, import_peft_adapter(model, folder))   # read back with your split_qkv
+with torch.no_grad():
+    ours, untrained = trainer.model(ids, attention_mask=mask), model(ids, attention_mask=mask)
+    theirs = peft_model(input_ids=ids, attention_mask=mask).logits
+    read_back = back(ids, attention_mask=mask)
+print(f"what the adapter changes:        max |logit difference| {(ours - untrained).abs().max():.3f}")
+print(f"peft's model against our hooks:  max |logit difference| {(ours - theirs).abs().max():.2e}")
+print(f"read back, against peft's:       max |logit difference| {(read_back - theirs).abs().max():.2e}")
+differ = (ours.argmax(-1) != theirs.argmax(-1)).sum().item()
+print(f"greedy next tokens that differ:  {differ} of {ours.shape[0] * ours.shape[1]}")
+print(f"the adapters read back: {list(back.adapters)[:3]} ..., rank {back.adapters['L0_q'].A.shape[0]}")
+print(f"held-out accuracy with our hooks: {addition_accuracy(trainer.model, held_out):.1%}")
+
+# %% [markdown]
+# The differences are float rounding (the Hugging Face model and the bridge do not add in the same order), orders
+# of magnitude below what the adapter changes. After the main job's 150 steps (seed 0,
+# `python -m solutions.part7_production`), the largest of the 810 × 7 × 356 logit differences was 6.2e-06, where
+# the adapter itself moves logits by up to 3.9, and peft's model answered 90.4% of the held-out additions right,
+# greedy, exactly as our hooked model did. The read-back adapters have rank 8 where the trained ones had 4:
+# split off a peft-trained `c_attn`, each keeps the whole shared A, and our exported B's zero blocks come back as
+# they were written.
+#
+# What a course adapter cannot hold is refused, not approximated. DoRA, for instance:
+
+# %%
+from peft import LoraConfig, get_peft_model
+
+dora = get_peft_model(hf_model_of(model), LoraConfig(r=4, target_modules=["lm_head"], use_dora=True))
+dora_folder = Path(tempfile.mkdtemp()) / "dora_adapter"
+dora.save_pretrained(str(dora_folder))
+try:
+    import_peft_adapter(model, dora_folder)
+except ValueError as error:
+    print(error)
+
+# %% [markdown]
+# ## 3. The same run in TRL
+#
+# The main job of Part 3 (GRPO with a rank-4 LoRA on q and v, 2-digit additions, 150 steps of 16 prompts × 8
+# completions) can be written with [TRL](https://github.com/huggingface/trl)'s `GRPOTrainer` and a peft `LoraConfig`
+# in a few lines. What takes thought is the settings: every knob of our `GRPOConfig` has to land on the right
+# `trl.GRPOConfig` field, with the right value, or the two runs are not the same run. The table below says where
+# each one goes (it lives in `solutions/production/knobs.py`, and a test checks its names against the installed
+# TRL and peft, so that it cannot rot).
+#
+# Three translations are not copies:
+# - **TRL counts completions, per process.** Our `n_prompts` counts prompts per step; TRL's
+#   `per_device_train_batch_size` counts *completions* on *each process*: `n_prompts × group_size / world_size`.
+# - **TRL counts optimizer steps.** With `num_iterations` μ > 1, each batch of rollouts serves μ optimizer steps, so
+#   `max_steps = steps × μ`.
+# - **TRL's defaults are not ours.** Its learning rate decays linearly to 0, it trains in bfloat16 with activation
+#   checkpointing, and it shuffles the prompts; `TRL_SETTINGS` turns each of these to what our trainer does.
+#
+# And one that cannot be made the same: **the LoRA**. Hugging Face's GPT-2 computes q, k and v with one fused matrix
+# (`attn.c_attn`, whose output is `[q | k | v]`), so peft can only adapt the three together: one rank-4 LoRA whose A
+# is shared and whose B writes all three. It trains as many parameters as ours (8,192: 4 × 128 + 384 × 4 per block,
+# against 2 × (4 × 128 + 128 × 4)), but not the same function: k is adapted too, and q and v share their A.
+# (Section 1 shows how separate adapters still *export* exactly, as one LoRA of rank 8 on `c_attn` with a
+# block-structured B; peft cannot keep B block-structured while it trains.)
+
+# %% [setup]
+from dataclasses import replace
+
+from solutions.part3_grpo import GRPOConfig
+from solutions.production.knobs import GRPO_TO_TRL, HF_GPT2_MODULES, PEFT_SETTINGS, TRL_SETTINGS, knob_rows
+
+# %%
+from IPython.display import Markdown
+from tabulate import tabulate
+
+Markdown(tabulate(knob_rows(), headers="keys", tablefmt="github"))
+
+# %% [markdown]
+# Now write the translation: `to_trl_config(cfg, output_dir, world_size)` returns the keyword arguments of
+# `trl.GRPOConfig` for the run `cfg` describes. Use `GRPO_TO_TRL` for the names, and add every setting of
+# `TRL_SETTINGS` (`{name: (value, why)}`). It needs no TRL: it only makes a dict. The run below trains TRL with it.
+
+# %% [exercise] to_trl_config
+
+# %% [markdown]
+# peft's side is shorter: the same rank and alpha, and the modules that hold our targets.
+
+# %% [provided] to_lora_config
+
+# %% [markdown]
+# The run: TRL's `GRPOTrainer` with your `to_trl_config` and peft's LoRA, then our `GRPOTrainer`, both on the
+# embedded model, the same prompts in the same order (`training_prompts`: the additions our trainer draws for this
+# seed), the same reward functions (Part 3's `reward_exact_answer` and `reward_format`), the same seed. Held-out
+# accuracy is measured the same way for both (`utils.data.addition_accuracy`, greedy, the 810 additions never
+# trained on): for TRL, on a copy of its model with peft's LoRA merged in (`merge_and_unload`). The same as
+# `python -m solutions.production.trl_grpo`. It needs the extras (`pip install -r requirements-bench.txt`); about
+# two minutes on a CPU core for both runs.
+
+# %%
+from solutions.production.trl_grpo import MISSING, figures_of, plot_runs, run_ours, run_trl, trl_available
+
+if not trl_available():
+    print(f"skipped: {MISSING}")
+else:
+    cfg = replace(GRPOConfig(), steps=2 if SMOKE else 150, eval_every=2 if SMOKE else 10)
+    if not torch.cuda.is_available():
+        cfg = replace(cfg, device="cpu")
+    runs = {"TRL + peft": run_trl(cfg, translate=to_trl_config), "ours": run_ours(cfg)}
+    for name, run in runs.items():
+        figures = figures_of("run", run)
+        print(f"{name}: held-out accuracy {figures['run_accuracy_start']:.1%} -> {figures['run_accuracy_end']:.1%}"
+              f" (best {figures['run_accuracy_max']:.1%}), {figures['run_seconds']:.0f} s of training")
+    plot_runs(runs, title=f"GRPO on additions, seed {cfg.seed}: TRL + peft against ours");
+
+# %% [markdown]
+# What to look for: both start at 42.7% (the same model: B = 0 on both sides) and climb at about the same pace.
+# Over three seeds (`RLHF_THREADS=1 python -m solutions.production.trl_grpo --seed s`), held-out accuracy after 150
+# steps (the best of the 16 measurements in brackets):
+#
+# | seed | 0 | 1 | 2 | median |
+# |---|---|---|---|---|
+# | TRL + peft, LoRA on `c_attn` | 84.4% (88.1) | 86.3% (89.0) | 91.5% (91.5) | 86.3% |
+# | ours, LoRA on q and v | 90.4% (90.4) | 89.3% (89.9) | 90.6% (90.6) | 90.4% |
+#
+# TRL ends below ours on two seeds and above on one. The curves cross several times (TRL is often ahead in the
+# first 50 steps), and both dip between measurements (TRL by 14 points at step 90 of seed 0, ours by 9 at step 120
+# of seed 2), so an end point is one sample of a noisy curve: TRL's spread over 84–92%, ours over 89–91%. Is the
+# fused LoRA (k adapted too, one A for q, k and v) behind the gap, or the random numbers (TRL's sampler and peft's
+# initial A draw their own from the same seed)? A control puts the *same* LoRA on both sides: `--targets o` adapts
+# the attention output, which GPT-2 does not fuse (`attn.c_proj`; 4,096 parameters). After 150 steps, seeds 0, 1,
+# 2: TRL 70.0%, 79.0%, 79.0%; ours 73.5%, 78.6%, 81.2%. The same kind of gap with the same LoRA, so the fused
+# `c_attn` is not needed to explain it; three seeds show no consistent difference between the two trainers. The mean reward (right) is sampled at temperature 1 and rises far less than
+# the greedy accuracy: more often than not the right answer becomes the *most likely* one without becoming a sure
+# one. TRL's 150 steps took 42–64 CPU-seconds, ours 28–41 (one thread, evaluations excluded, over these six runs),
+# mostly because of the sampler (BENCHMARKS.md profiles both).
+
+# %% [markdown]
+# ## 4. Beyond one machine
+#
+# A GRPO job outgrows one GPU in three ways, and each has its tool. None of them is ours: from here on you use
+# [accelerate](https://github.com/huggingface/accelerate) (which TRL's trainers run on), DeepSpeed or PyTorch's FSDP,
+# and [vLLM](https://github.com/vllm-project/vllm). The script of section 3 runs under all of them unchanged: it reads
+# the number of processes from the environment `accelerate launch` sets, and `to_trl_config` divides each step's
+# completions among them.
+#
+# **Too slow: data parallelism (DDP).** Each GPU holds a whole copy of the model, samples and scores its share of the
+# step's completions, and the gradients are averaged across GPUs after each backward pass. The step's batch (here
+# 16 prompts × 8 completions) is split, so the number of processes must divide it; TRL gathers every process's
+# rewards before it computes the group advantages, so a group split across GPUs is still one group.
+#
+# **Too big: sharding (ZeRO-3 or FSDP).** When the weights, gradients and AdamW's two moments (16 bytes a parameter in
+# mixed precision, before activations) no longer fit on one GPU, DeepSpeed's ZeRO stage 3 (Rajbhandari et al. 2020)
+# and PyTorch's FSDP give each GPU a shard of every parameter, gradient and optimizer state, and gather a layer's
+# weights just before it runs. With LoRA the optimizer state is small; what no longer fits is the base model.
+# TRL gathers the whole model for generation unless `ds3_gather_for_generation=False`.
+#
+# **Generation dominates: vLLM.** In GRPO most of a step is sampling (on our CPU, BENCHMARKS.md profiles it). TRL can
+# hand it to vLLM with `use_vllm=True`, in one of two `vllm_mode`s: `"colocate"`, vLLM inside each training process,
+# sharing its GPU (`vllm_gpu_memory_utilization`, 0.3 by default; `vllm_tensor_parallel_size`;
+# `vllm_enable_sleep_mode` to free vLLM's memory during the optimizer step), or `"server"`, vLLM on GPUs of its own,
+# started with `trl vllm-serve` (`vllm_server_base_url`, or `vllm_server_host` and `vllm_server_port`;
+# `vllm_server_timeout`). Either way the trainer pushes the new weights to vLLM after each step. vLLM samples with
+# its own kernels, so its log-probs differ slightly from the trainer's; TRL corrects for it by importance sampling
+# (`vllm_importance_sampling_correction`, on by default).
+#
+# The config files are in `solutions/production/accelerate_configs/`. What this machine can run is one process on
+# the CPU, through `accelerate launch`, the same command that starts eight GPUs:
+
+# %%
+import subprocess
+
+from solutions.production.trl_grpo import MISSING, trl_available
+
+CONFIGS = ROOT / "solutions" / "production" / "accelerate_configs"
+print((CONFIGS / "cpu_1proc.yaml").read_text())
+if not trl_available():
+    print(f"skipped: {MISSING}")
+else:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_1proc.yaml"),
+               "-m", "solutions.production.trl_grpo", "--trl-only", "--steps", "2", "--plot", ""]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "RLHF_THREADS": "1"})
+    print(result.stdout[-1500:] if result.returncode == 0 else result.stderr[-3000:])
+
+# %% [markdown]
+# On GPUs, the commands are these. **They were not run for this course** (it has no GPU cluster): they are the
+# documented way to start each setting with the installed TRL 1.16 and accelerate 1.15, whose flags and fields the
+# test suite checks, not measured results. Set `num_processes` in the file (or `--num_processes N`) to your GPU count.
+#
+# ```bash
+# # several GPUs, data parallel (DDP)
+# accelerate launch --config_file solutions/production/accelerate_configs/multi_gpu_ddp.yaml \
+#     -m solutions.production.trl_grpo --trl-only
+# # a model too big for one GPU: DeepSpeed ZeRO-3 (pip install deepspeed), or FSDP2
+# accelerate launch --config_file solutions/production/accelerate_configs/deepspeed_zero3.yaml \
+#     -m solutions.production.trl_grpo --trl-only
+# accelerate launch --config_file solutions/production/accelerate_configs/fsdp.yaml \
+#     -m solutions.production.trl_grpo --trl-only
+# # generation by vLLM (pip install vllm), inside the training processes
+# accelerate launch --config_file solutions/production/accelerate_configs/multi_gpu_ddp.yaml \
+#     -m solutions.production.trl_grpo --trl-only --vllm colocate
+# # ... or on a GPU of its own: the server first (GPU 0), then training on four others (4 divides 128 completions)
+# CUDA_VISIBLE_DEVICES=0 trl vllm-serve --model utils/tiny_model --port 8000
+# CUDA_VISIBLE_DEVICES=1,2,3,4 accelerate launch --num_processes 4 \
+#     --config_file solutions/production/accelerate_configs/multi_gpu_ddp.yaml \
+#     -m solutions.production.trl_grpo --trl-only --vllm server
+# ```
+#
+# Under ZeRO-3 and FSDP the script does not measure held-out accuracy while training (the weights are sharded, and a
+# merged copy would first have to be gathered); it says so when it starts. On GPT-2-sized and larger models, change
+# `mixed_precision` in the file and `bf16` in `TRL_SETTINGS` together.

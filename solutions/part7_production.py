@@ -1,0 +1,551 @@
+"""Part 7: the bridge to production. What you trained here, in the tools you will use at work.
+
+The reference solutions of `chapters/part7_production.ipynb`, in the notebook's order:
+
+    peft     our hook LoRA written as a peft adapter folder for the Hugging Face model under the bridge, and a
+             peft folder read back into course adapters (GPT-2's fused c_attn included)
+    trl      the main job's task trained with TRL's GRPOTrainer and peft on the same embedded model, with every
+             knob of our GRPOConfig mapped to its trl.GRPOConfig name (solutions/production/)
+
+    python -m solutions.part7_production          # export the main job's adapter, load it with peft, compare
+    python -m solutions.production.trl_grpo       # the same run in TRL (pip install -r requirements-bench.txt)
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from utils.contracts import contract
+
+PROVIDED: tuple[str, ...] = ()  # each section adds the names its notebook cells show as [provided]
+
+
+# === section: peft =================================================================================================
+# Our hook LoRA, written in peft's adapter format for the Hugging Face GPT-2 under the bridge, and read back.
+# peft's LoRA on a module computes out + scaling * lora_B(lora_A(x)), scaling = lora_alpha / r (lora_alpha / sqrt(r)
+# with use_rslora); its folder holds adapter_config.json and adapter_model.safetensors, whose keys are
+# "base_model.model.<module>.lora_A.weight" ([r, d_in]) and "...lora_B.weight" ([d_out, r]), also for GPT-2's Conv1D
+# layers: fan_in_fan_out only says that the base weight is [d_in, d_out] when peft merges the update into it.
+
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch.nn as nn  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from solutions.part2_lora import TARGETS, LoRA, base_weight  # noqa: E402
+from utils.contracts import above, nonempty  # noqa: E402
+from utils.files import why_unreadable  # noqa: E402
+from utils.models import TINY_DIR  # noqa: E402
+
+PROVIDED += ("hf_model_of", "export_peft_adapter", "import_peft_adapter")
+
+# Where each course target lives in a Hugging Face GPT-2 block (Conv1D layers, their weight stored [d_in, d_out]).
+HF_MODULES = {"q": "attn.c_attn", "k": "attn.c_attn", "v": "attn.c_attn", "o": "attn.c_proj",
+              "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
+# c_attn's output is [q | k | v], each n_heads * d_head wide and head-major inside: the same order as the course's
+# hook_q [batch, pos, head, d_head] flattened over (head, d_head).
+QKV = ("q", "k", "v")
+PEFT_PREFIX = "base_model.model."  # what peft's PeftModel adds in front of the Hugging Face module names
+
+
+def hf_model_of(model):
+    """A plain Hugging Face model (e.g. GPT2LMHeadModel) with the bridge's current weights: a copy, on the bridge's
+    device. The bridge rewires `model.original_model` in place (its blocks become bridge components, its module
+    names gain `_original_component`), so peft, which finds modules by name, needs this plain twin."""
+    from utils.models import fuse_gelu
+
+    bridged = model.original_model
+    plain = type(bridged)(bridged.config)
+    state = {name.replace("_original_component.", ""): t for name, t in bridged.state_dict().items()}
+    plain.load_state_dict({name: state[name] for name in plain.state_dict()})
+    fuse_gelu(plain)  # the activation the bridge computes with (the same function, fewer operations)
+    return plain.to(model.cfg.device).eval()
+
+
+@contract(adapters=nonempty("give at least one of the q, k and v adapters"))
+def fuse_qkv(adapters: dict[str, LoRA]) -> tuple[Float[Tensor, "rank d_model"], Float[Tensor, "qkv rank"]]:
+    """One LoRA on GPT-2's fused c_attn that computes exactly what the separate q, k and v adapters of one block do.
+
+    adapters: some of "q", "k", "v" -> that block's LoRA (each d_model -> n_heads * d_head), e.g. {"q": .., "v": ..}.
+    Returns (A, B), detached, to be used with scale 1 (peft's lora_alpha equal to the rank):
+    A [R, d_model] stacks the adapters' A (R = the sum of their ranks); B [3 * n_heads * d_head, R] is
+    block-structured: the rows of c_attn's q, k and v outputs (in that order) hold adapter t's B times its scale in
+    the columns of t's A, and 0 everywhere else (all 0 for a target with no adapter).
+    Raises a ValueError for a key other than "q", "k" and "v".
+    """
+    unknown = sorted(set(adapters) - set(QKV))
+    if unknown:
+        raise ValueError(f"adapters must map some of 'q', 'k', 'v' to a LoRA (c_attn computes only those), got the "
+                         f"keys {unknown}")
+    names = [t for t in QKV if t in adapters]  # c_attn's order, whatever the dict's
+    d_out = adapters[names[0]].B.shape[0]
+    A = torch.cat([adapters[t].A.detach() for t in names])                    # [R, d_model]
+    B = A.new_zeros(3 * d_out, A.shape[0])                                    # [3 * d_out, R]
+    column = 0
+    for t in names:
+        rank, row = adapters[t].A.shape[0], QKV.index(t) * d_out
+        B[row:row + d_out, column:column + rank] = adapters[t].B.detach() * adapters[t].scale
+        column += rank
+    return A, B
+
+
+@contract(scale=above(0.0, "a LoRA's output is scaled by alpha / rank, and alpha > 0"))
+def split_qkv(A: Float[Tensor, "rank d_model"], B: Float[Tensor, "qkv rank"], scale: float) -> dict[str, LoRA]:
+    """The q, k and v adapters that together compute what one LoRA on c_attn computes, x -> scale * x A^T B^T.
+
+    Returns {"q": LoRA, "k": LoRA, "v": LoRA}, each of the same rank R as the c_attn LoRA, on A's device and dtype:
+    its own copy of A, the rows of B that write its third of c_attn's output (q first, then k, then v), and `scale`.
+    A trained c_attn LoRA shares one A among q, k and v, and its B is dense: no smaller rank is exact in general.
+    Raises a ValueError when B's number of rows is not a multiple of 3.
+    """
+    rank, d_model = A.shape
+    if B.shape[0] % 3:
+        raise ValueError(f"B must have 3 * n_heads * d_head rows (c_attn writes q, k and v), got {B.shape[0]} rows")
+    d_out = B.shape[0] // 3
+    adapters = {}
+    for i, t in enumerate(QKV):
+        lora = LoRA(d_model, d_out, rank=rank, alpha=scale * rank).to(device=A.device, dtype=A.dtype)
+        with torch.no_grad():
+            lora.A.copy_(A)
+            lora.B.copy_(B[i * d_out:(i + 1) * d_out])
+        lora.scale = scale  # exactly, not alpha / rank recomputed
+        adapters[t] = lora
+    return adapters
+
+
+def peft_state_dict(adapters: nn.ModuleDict) -> dict[str, Tensor]:
+    """The tensors of peft's adapter_model.safetensors for `adapters` (keys "L{layer}_{target}"), detached, on the
+    CPU, to be used with peft's scaling 1: for each Hugging Face module that an adapter updates (HF_MODULES),
+    "base_model.model.transformer.h.{layer}.{module}.lora_A.weight" ([rank, d_in]) and "....lora_B.weight"
+    ([d_out, rank]). A block's q, k and v adapters become one LoRA on attn.c_attn (fuse_qkv); every other adapter
+    keeps its A, with its scale folded into its B.
+    """
+    modules: dict[str, dict[str, LoRA]] = {}  # Hugging Face module name -> {target: adapter}
+    for key, adapter in adapters.items():
+        layer, target = key[1:].split("_", 1)
+        modules.setdefault(f"transformer.h.{layer}.{HF_MODULES[target]}", {})[target] = adapter
+    tensors = {}
+    for module, found in modules.items():
+        if module.endswith("attn.c_attn"):
+            A, B = fuse_qkv(found)
+        else:
+            (adapter,) = found.values()  # one target per other module
+            A, B = adapter.A.detach(), adapter.B.detach() * adapter.scale
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = A.cpu().contiguous()
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = B.cpu().contiguous()
+    return tensors
+
+
+def export_peft_adapter(model, adapters: nn.ModuleDict, path: str | Path) -> Path:
+    """Write `adapters` (keys "L{layer}_{target}", as make_adapters names them) as a peft LoRA adapter folder for
+    the Hugging Face model under `model` (the bridge): `PeftModel.from_pretrained(hf_model, path)` then computes
+    what LoRAModel(model, adapters) computes. Returns the folder (created if needed).
+
+    The tensors are peft_state_dict's (scaling 1 everywhere: lora_alpha = each module's rank); `r` is the largest
+    rank and rank_pattern / alpha_pattern name the modules whose rank differs (with q, k, v and o: c_attn has rank
+    3r, c_proj r). Raises a ValueError for a key that names no weight of this model, and NotADirectoryError when
+    `path` is a file.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; a peft adapter is a folder: pass the folder to write it in")
+    for key in adapters:
+        base_weight(model, key)  # refuses a key that names no weight of this model
+    tensors = peft_state_dict(adapters)
+    ranks = {key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight"): A.shape[0]
+             for key, A in tensors.items() if key.endswith(".lora_A.weight")}
+    r = max(ranks.values())
+    others = {module: rank for module, rank in ranks.items() if rank != r}
+    name = str(getattr(model.original_model.config, "_name_or_path", "") or "gpt2")
+    root = TINY_DIR.parent.parent  # the repository's root
+    if Path(name).is_absolute() and Path(name).is_relative_to(root):
+        name = str(Path(name).relative_to(root))  # the embedded model, from the repository's root
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": name,
+              "r": r, "lora_alpha": r, "rank_pattern": others, "alpha_pattern": others, "use_rslora": False,
+              "target_modules": sorted(ranks), "fan_in_fan_out": True,  # GPT-2's Conv1D: weight [d_in, d_out]
+              "lora_dropout": 0.0, "bias": "none", "use_dora": False, "modules_to_save": None,
+              "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
+              "inference_mode": True, "revision": None}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+# adapter_config.json fields that change what an adapter computes, with the values a course LoRA can hold
+_PLAIN_LORA = {
+    "use_dora": ((False, None), "DoRA rescales each output column by a trained magnitude; a course LoRA adds B A x "
+                                "only"),
+    "bias": (("none",), "it trained the base modules' biases too, and the course's adapters hold no bias"),
+    "lora_bias": ((False, None), "its B has a bias, which a course LoRA lacks"),
+    "modules_to_save": ((None, []), "it also trained whole modules (their full weights are in the file)"),
+    "trainable_token_indices": ((None, [], {}), "it trained rows of the embedding, which no hook adapts"),
+    "layer_replication": ((None, []), "it repeats layers, which changes the model's depth"),
+    "target_parameters": ((None, []), "it adapts raw parameters, not modules"),
+    "use_qalora": ((False, None), "QALoRA pools its input, for quantized models"),
+    "alora_invocation_tokens": ((None, []), "aLoRA switches itself on only after given tokens"),
+    "use_bdlora": ((None, False), "BD-LoRA is a variant with block-diagonal factors"),
+    "arrow_config": ((None,), "Arrow routes among several adapters"),
+    "kasa_config": ((None,), "KaSA changes the base weight and adds a diagonal between A and B"),
+    "velora_config": ((None,), "VeLoRA is a LoRA variant"),
+    "monteclora_config": ((None,), "MonteCLoRA samples its update"),
+    "megatron_config": ((None,), "it was made for Megatron's parallel layers"),
+    "loftq_config": ((None, {}), "LoftQ quantizes the base weights it was trained on"),
+    "corda_config": ((None,), "CorDA changes the base weights it was trained on"),
+    "lora_ga_config": ((None,), "LoRA-GA changes the base weights it was trained on"),
+}
+# init_lora_weights values under which the saved A and B are all there is (the others change the base weights, or
+# make a variant): True and False (B = 0, or random), "gaussian", "orthogonal", "eva" (data-driven A)
+_PLAIN_INITS = (True, False, "gaussian", "orthogonal", "eva")
+# Fields that do not change what the saved A and B compute, or that the reader below takes into account
+_HARMLESS = {"peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
+             "peft_version", "r", "lora_alpha", "target_modules", "exclude_modules", "lora_dropout",
+             "fan_in_fan_out", "use_rslora", "init_lora_weights", "layers_to_transform", "layers_pattern",
+             "rank_pattern", "alpha_pattern", "megatron_core", "qalora_group_size", "eva_config", "runtime_config",
+             "ensure_weight_tying"}
+
+
+def _refuse(path: Path, what: str, todo: str) -> ValueError:
+    return ValueError(f"peft adapter {path}: {what}. {todo}")
+
+
+def _read_peft_config(path: Path) -> dict:
+    """adapter_config.json, refused unless it describes a plain LoRA a course adapter can hold."""
+    if not path.exists():
+        raise FileNotFoundError(f"no peft adapter folder at {path}: check the path (relative paths start from "
+                                f"{Path.cwd()}), or write one with export_peft_adapter or peft's save_pretrained")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; a peft adapter is a folder holding adapter_config.json and "
+                                 "adapter_model.safetensors: pass the folder")
+    file = path / "adapter_config.json"
+    if not file.exists():
+        raise FileNotFoundError(f"peft adapter {path} has no adapter_config.json: pass the folder that peft's "
+                                "save_pretrained (or export_peft_adapter) wrote")
+    try:
+        config = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise _refuse(path, f"adapter_config.json is not valid JSON ({error})", "Write it again") from None
+    if not isinstance(config, dict):
+        raise _refuse(path, "adapter_config.json is not a JSON object", "Write it again")
+    if config.get("peft_type") != "LORA":
+        raise _refuse(path, f"it is a {config.get('peft_type')!r} adapter, not a LoRA (peft_type 'LORA')",
+                      "Only a plain LoRA is the course's x -> scale * B A x")
+    for field, (plain, why) in _PLAIN_LORA.items():
+        if field in config and config[field] not in plain:
+            raise _refuse(path, f"it sets {field}={config[field]!r}: {why}", "A course adapter holds a plain LoRA "
+                          "only (use_dora false, bias 'none', no modules_to_save, no variant): train it with "
+                          "plain LoRA, or merge it into the model with peft's merge_and_unload()")
+    init = config.get("init_lora_weights", True)
+    if init not in _PLAIN_INITS:
+        raise _refuse(path, f"it sets init_lora_weights={init!r}, which changes the base weights it was trained "
+                      "on (or makes a variant)", "Load it with peft, or convert it to a plain LoRA first (peft's "
+                      "path_initial_model_for_weight_conversion when saving)")
+    unknown = {k: v for k, v in config.items() if k not in _HARMLESS | set(_PLAIN_LORA) and v not in (None, False,
+                                                                                                       [], {}, "")}
+    if unknown:
+        raise _refuse(path, f"it sets {unknown}, which this reader does not know (a newer peft?) and which may "
+                      "change what the adapter computes", "Save it without those settings")
+    for field in ("r", "lora_alpha"):
+        if not isinstance(config.get(field), (int, float)) or isinstance(config.get(field), bool):
+            raise _refuse(path, f"adapter_config.json has no number {field!r}", "Write it again")
+    return config
+
+
+def _targeted(config: dict, module: str) -> bool:
+    """Whether peft would put a LoRA on `module` (a Hugging Face module name) under `config`: peft's rules for a
+    list of names (exact or a dotted suffix), a regular expression (a full match), "all-linear" (every linear layer
+    but the output layer), exclude_modules, and layers_to_transform."""
+    def matches(patterns) -> bool:
+        if not patterns:
+            return False
+        if isinstance(patterns, str):
+            return re.fullmatch(patterns, module) is not None
+        return any(module == p or module.endswith(f".{p}") for p in patterns)
+
+    targets = config.get("target_modules")
+    if matches(config.get("exclude_modules")):
+        return False
+    if targets == "all-linear" or targets == ["all-linear"]:
+        return module != "lm_head" and re.fullmatch(r"transformer\.h\.\d+\.(attn|mlp)\.c_\w+", module) is not None
+    found = matches(targets)
+    layers = config.get("layers_to_transform")
+    if found and not isinstance(targets, str) and layers not in (None, []):
+        layer = re.match(r"transformer\.h\.(\d+)\.", module)
+        found = layer is not None and int(layer[1]) in ([layers] if isinstance(layers, int) else layers)
+    return found
+
+
+def _pattern_value(pattern: dict, module: str, default):
+    """rank_pattern / alpha_pattern: the value of the first key that matches the end of the module's name."""
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+# Hugging Face GPT-2 module -> (course target, or None for q/k/v together)
+_COURSE_TARGET = {"attn.c_attn": None, "attn.c_proj": "o", "mlp.c_fc": "mlp_in", "mlp.c_proj": "mlp_out"}
+_NO_HOOK = {"transformer.wte": "the token embedding", "transformer.wpe": "the position embedding",
+            "lm_head": "the unembedding (lm_head)"}
+
+
+def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
+    """Read a peft LoRA adapter folder for this model's Hugging Face GPT-2 into course adapters, keyed
+    "L{layer}_{target}" (on the model's device), such that LoRAModel(model, adapters) computes what peft's model does.
+
+    A LoRA on attn.c_attn becomes q, k and v adapters (split_qkv); one on attn.c_proj, mlp.c_fc or mlp.c_proj
+    becomes o, mlp_in or mlp_out; each keeps its A, B and peft's scaling (lora_alpha / r, or / sqrt(r) with
+    use_rslora, with rank_pattern and alpha_pattern). Refuses, with a ValueError that says what and what to do, what
+    a course adapter cannot hold: another peft type, DoRA and the other variants, bias other than "none",
+    modules_to_save, a module with no course hook (the embeddings, lm_head), tensors that do not match the config or
+    the model; FileNotFoundError for a missing folder or file.
+    """
+    path = Path(path)
+    config = _read_peft_config(path)
+    file = path / "adapter_model.safetensors"
+    if not file.exists():
+        pickled = (path / "adapter_model.bin").exists()
+        raise FileNotFoundError(f"peft adapter {path} has no adapter_model.safetensors" + (
+            ": it has adapter_model.bin, a pickle that can run code when loaded. If you trust it, convert it once "
+            "with peft (PeftModel.from_pretrained(...).save_pretrained(folder, safe_serialization=True))"
+            if pickled else ": write the folder again with save_pretrained or export_peft_adapter"))
+    try:
+        with safe_open(str(file), framework="pt", device=str(model.cfg.device)) as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as error:  # safetensors' own messages name neither the file nor the cause
+        raise _refuse(path, f"adapter_model.safetensors cannot be read: {why_unreadable(file, error)}",
+                      "Write it again") from error
+
+    for key in tensors:  # first, what no course hook can hold, whatever else the file has
+        module = next((m for m in _NO_HOOK if key.startswith(f"{PEFT_PREFIX}{m}.")), None)
+        if module is not None:
+            raise _refuse(path, f"it adapts {_NO_HOOK[module]}, which the course has no LoRA hook for (its hooks "
+                          "adapt attn.c_attn as q, k, v, attn.c_proj as o, mlp.c_fc as mlp_in, mlp.c_proj as "
+                          "mlp_out)", f"Train the adapter without {module.split('.')[-1]!r} in target_modules, or "
+                          "use it with peft")
+    pairs: dict[str, dict[str, Tensor]] = {}  # module -> {"A": .., "B": ..}
+    for key, tensor in tensors.items():
+        found = re.fullmatch(rf"{re.escape(PEFT_PREFIX)}(.+)\.lora_(A|B|embedding_A|embedding_B)(?:\.weight)?", key)
+        if found is None:
+            raise _refuse(path, f"its tensor {key!r} is not a LoRA factor (peft names them "
+                          f"'{PEFT_PREFIX}<module>.lora_A.weight' and '...lora_B.weight')", "A course adapter holds "
+                          "only plain LoRA factors: save the adapter without extra trained tensors")
+        module, factor = found[1], found[2][-1]
+        if not re.fullmatch(r"transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)", module):
+            raise _refuse(path, f"it adapts {module!r}, which the course has no LoRA hook for (its hooks adapt "
+                          "attn.c_attn as q, k, v, attn.c_proj as o, mlp.c_fc as mlp_in, mlp.c_proj as mlp_out)",
+                          "Train the adapter without that module in target_modules, or use it with peft")
+        pairs.setdefault(module, {})[factor] = tensor
+
+    cfg = model.cfg
+    d_heads = cfg.n_heads * cfg.d_head
+    shapes = {"attn.c_attn": (cfg.d_model, 3 * d_heads), "attn.c_proj": (d_heads, cfg.d_model),
+              "mlp.c_fc": (cfg.d_model, cfg.d_mlp), "mlp.c_proj": (cfg.d_mlp, cfg.d_model)}
+    every_module = [f"transformer.h.{layer}.{kind}" for layer in range(cfg.n_layers) for kind in shapes]
+    unkeyed = [m for m in every_module if _targeted(config, m) and m not in pairs]
+    untargeted = [m for m in pairs if not _targeted(config, m)]
+    if unkeyed or untargeted:
+        raise _refuse(path, f"its tensors do not match its config (target_modules {config.get('target_modules')!r}"
+                      f"): targeted but without tensors {unkeyed[:4]}, tensors but not targeted {untargeted[:4]}",
+                      "Write the folder again with save_pretrained or export_peft_adapter")
+
+    adapters = {}
+    for module, factors in pairs.items():
+        layer, kind = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)", module).groups()
+        if int(layer) >= cfg.n_layers:
+            raise _refuse(path, f"it adapts {module}, but this model has {cfg.n_layers} blocks", "Was it trained "
+                          f"for another model ({config.get('base_model_name_or_path')})? Load it into that one")
+        rank = _pattern_value(config.get("rank_pattern"), module, config["r"])
+        alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
+        d_in, d_out = shapes[kind]
+        A, B = factors.get("A"), factors.get("B")
+        if A is None or B is None or tuple(A.shape) != (rank, d_in) or tuple(B.shape) != (d_out, rank):
+            shapes_found = {f: tuple(t.shape) for f, t in factors.items()}
+            raise _refuse(path, f"its factors of {module} are {shapes_found}; with rank {rank} this model needs "
+                          f"A {(rank, d_in)} and B {(d_out, rank)}", "Was it trained for another model "
+                          f"({config.get('base_model_name_or_path')}), or is the file from another config? Write "
+                          "the folder again")
+        scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        if _COURSE_TARGET[kind] is None:
+            for target, lora in split_qkv(A, B, scale).items():
+                adapters[f"L{layer}_{target}"] = lora
+        else:
+            lora = LoRA(d_in, d_out, rank=rank, alpha=scale * rank).to(device=A.device, dtype=A.dtype)
+            with torch.no_grad():
+                lora.A.copy_(A)
+                lora.B.copy_(B)
+            lora.scale = scale
+            adapters[f"L{layer}_{_COURSE_TARGET[kind]}"] = lora
+    order = {target: i for i, target in enumerate(TARGETS)}
+    keys = sorted(adapters, key=lambda k: (int(k[1:].split("_", 1)[0]), order[k[1:].split("_", 1)[1]]))
+    return nn.ModuleDict({key: adapters[key] for key in keys}).to(cfg.device)
+# === end: peft =====================================================================================================
+
+
+# === section: trl ==================================================================================================
+# The same run in TRL: our GRPOConfig translated, knob by knob (the table: solutions/production/knobs.py), into
+# trl.GRPOConfig's keyword arguments. The run itself is solutions/production/trl_grpo.py.
+
+from solutions.part3_grpo import GRPOConfig  # noqa: E402
+from solutions.production.knobs import HF_GPT2_MODULES, PEFT_SETTINGS, TRL_SETTINGS  # noqa: E402
+from utils.contracts import at_least  # noqa: E402
+
+PROVIDED += ("to_lora_config",)
+
+
+@contract(world_size=at_least(1, "the number of processes `accelerate launch` starts"))
+def to_trl_config(cfg: GRPOConfig, output_dir: str, world_size: int = 1) -> dict:
+    """The keyword arguments of `trl.GRPOConfig` for the run that `cfg` describes, on `world_size` processes.
+
+    Each knob of `cfg` whose GRPO_TO_TRL row names a TRL field, under that name, with its value translated: TRL
+    counts optimizer steps (max_steps = steps × num_iterations: each batch of rollouts serves num_iterations steps)
+    and completions per process (per_device_train_batch_size = n_prompts × group_size / world_size); reward_weights
+    are [1.0, format_weight] on the addition task (exact answer, format) and [1.0] on "periods"; use_cpu is True when
+    cfg.device is "cpu"; report_to is "wandb" or "none"; the rest are copied. Two rows are left to the script:
+    eval_every (no eval_steps: TRL's evaluation is not our held-out accuracy, which a callback measures) and
+    table_every (logging_steps is 1: the curves need every step). Then every setting of TRL_SETTINGS (TRL's
+    defaults that differ from our trainer: constant learning rate, float32, no activation checkpointing, ...), and
+    output_dir.
+
+    Raises a ValueError when the n_prompts × group_size completions of a step cannot be shared equally by world_size
+    processes.
+    """
+    completions = cfg.n_prompts * cfg.group_size
+    if completions % world_size != 0:
+        raise ValueError(f"world_size must divide the {completions} completions of a step (n_prompts "
+                         f"{cfg.n_prompts} × group_size {cfg.group_size}), got {world_size}")
+    return {
+        "output_dir": str(output_dir),
+        "max_steps": cfg.steps * cfg.num_iterations,
+        "per_device_train_batch_size": completions // world_size,
+        "num_generations": cfg.group_size,
+        "max_completion_length": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "learning_rate": cfg.lr,
+        "beta": cfg.beta,
+        "epsilon": cfg.epsilon,
+        "epsilon_high": cfg.epsilon_high,
+        "loss_type": cfg.loss_type,
+        "scale_rewards": cfg.scale_rewards,
+        "num_iterations": cfg.num_iterations,
+        "mask_truncated_completions": cfg.mask_truncated_completions,
+        "reward_weights": [1.0, cfg.format_weight] if cfg.task == "addition" else [1.0],
+        "max_grad_norm": cfg.max_grad_norm,
+        "logging_steps": 1,
+        "seed": cfg.seed,
+        "use_cpu": cfg.device == "cpu",
+        "report_to": "wandb" if cfg.wandb else "none",
+        **{name: value for name, (value, _) in TRL_SETTINGS.items()},
+    }
+
+
+def to_lora_config(cfg: GRPOConfig) -> dict:
+    """The keyword arguments of `peft.LoraConfig` for cfg's LoRA on Hugging Face's GPT-2: the same rank and alpha,
+    and the modules that hold our targets. q, k and v are one fused module there (attn.c_attn), so any of them adapts
+    all three through one shared A: the same number of parameters as our q and v at the same rank
+    (r × d_model + 3·d_model × r against 2 × (r × d_model + d_model × r)), but not the same function.
+
+    Raises a ValueError for a target that Hugging Face's GPT-2 has no module for."""
+    unknown = sorted(set(cfg.lora_targets) - set(HF_GPT2_MODULES))
+    if unknown:
+        raise ValueError(f"cfg.lora_targets must be among {sorted(HF_GPT2_MODULES)}, got {unknown}")
+    modules = sorted({HF_GPT2_MODULES[target] for target in cfg.lora_targets})
+    return {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": modules,
+            **{name: value for name, (value, _) in PEFT_SETTINGS.items()}}
+# === end: trl ======================================================================================================
+
+
+# --- The script -----------------------------------------------------------------------------------------------------
+# === section: main =================================================================================================
+def _peft_accuracy(peft_model, tokenizer, pairs: list[tuple[int, int]], device) -> float:
+    """Greedy exact-match accuracy of a Hugging Face (peft) model on additions, scored as addition_accuracy scores
+    ours: BOS + prompt, at most 5 new tokens, the answer then EOS. Every prompt has 7 tokens, so there is no padding."""
+    from utils.data import addition_prompt, parse_answer
+    from utils.sampling import tokenize_prompts
+
+    eos = tokenizer.eos_token_id
+    ids, mask = tokenize_prompts(tokenizer, [addition_prompt(a, b) for a, b in pairs], device)
+    with torch.no_grad():
+        out = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                  pad_token_id=eos, eos_token_id=eos)[:, ids.shape[1]:].tolist()
+    correct = 0
+    for row, (a, b) in zip(out, pairs):
+        if eos in row:  # an answer that never ends is wrong, as in addition_accuracy
+            correct += parse_answer(tokenizer.decode(row[:row.index(eos)])) == a + b
+    return correct / len(pairs)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import os
+    import tempfile
+    import time
+
+    from solutions.part2_lora import LoRAModel
+    from solutions.part3_grpo import GRPOConfig, GRPOTrainer
+    from utils import cli
+    from utils.data import addition_accuracy, addition_pairs, addition_prompt
+    from utils.logger import print_figures
+    from utils.models import count_parameters
+    from utils.sampling import tokenize_prompts
+
+    parser = cli.ArgumentParser(
+        description="Train the main job's adapter (GRPO + LoRA on q and v), or load one, write it as a peft adapter "
+                    "folder, load that with peft on the Hugging Face model, and compare: logits and held-out "
+                    "accuracy, and the folder read back into course adapters.")
+    parser.add_argument("--steps", type=cli.at_least(0, "0 exports the untrained adapter (B = 0)"),
+                        help="GRPO steps (default 150, the main job's; 3 with RLHF_SMOKE=1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--adapter", default="", help="instead of training, load this file written by Part 2's "
+                        "save_adapter (the main job's settings: rank 4, alpha 8, q and v)")
+    parser.add_argument("--out", default="", help="the folder to write the peft adapter in (default: a new "
+                        "temporary folder)")
+    parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
+    args = parser.parse_args(argv)
+    try:
+        from peft import PeftModel
+    except ImportError:
+        parser.exit(1, "peft is not installed: pip install -r requirements.txt\n")
+
+    steps = args.steps if args.steps is not None else 3 if os.environ.get("RLHF_SMOKE") else 150
+    # the main job's run, exactly (python -m solutions.part3_grpo); or the file, loaded and not trained
+    cfg = GRPOConfig(steps=0 if args.adapter else steps, seed=args.seed,
+                     **({"eval_every": 3} if os.environ.get("RLHF_SMOKE") else {}))
+    start = time.perf_counter()
+    trainer = GRPOTrainer(cfg, adapters=args.adapter or None)
+    trainer.train()
+    model, lora_model, adapters = trainer.model.base, trainer.model, trainer.model.adapters
+    trained = time.perf_counter()
+
+    folder = export_peft_adapter(model, adapters, args.out or Path(tempfile.mkdtemp(prefix="peft_adapter_")))
+    peft_model = PeftModel.from_pretrained(hf_model_of(model), str(folder)).eval()
+    back = LoRAModel(model, import_peft_adapter(model, folder))
+
+    held_out = addition_pairs("held_out")
+    ids, mask = tokenize_prompts(model.tokenizer, [addition_prompt(a, b) for a, b in held_out], model.cfg.device)
+    with torch.no_grad():
+        ours, theirs = lora_model(ids, attention_mask=mask), peft_model(input_ids=ids, attention_mask=mask).logits
+        base, read_back = model(ids, attention_mask=mask), back(ids, attention_mask=mask)
+    figures = {"model": cfg.model, "steps": cfg.steps, "seed": cfg.seed, "adapter": args.adapter or None,
+               "peft_folder": str(folder), "files": sorted(p.name for p in folder.iterdir()),
+               "trainable_params": count_parameters(adapters),
+               "held_out_prompts": len(held_out),
+               "max_logit_change_from_the_adapter": round((ours - base).abs().max().item(), 4),
+               "max_logit_difference_peft_vs_hooks": float(f"{(ours - theirs).abs().max().item():.3g}"),
+               "max_logit_difference_read_back_vs_peft": float(f"{(read_back - theirs).abs().max().item():.3g}"),
+               "accuracy_hooks": round(addition_accuracy(lora_model, held_out), 4),
+               "accuracy_peft": round(_peft_accuracy(peft_model, model.tokenizer, held_out, model.cfg.device), 4),
+               "seconds_training": round(trained - start, 1),
+               "seconds_export_and_compare": round(time.perf_counter() - trained, 1)}
+    print_figures(figures, args.json)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
+# === end: main =====================================================================================================
