@@ -47,8 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from solutions.part2_lora import LoRAModel, make_adapters  # noqa: E402
-from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, reward_char_count, reward_exact_answer,  # noqa: E402
-                                  reward_format)
+from solutions.part3_grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from utils.data import addition_accuracy, addition_pairs, addition_prompt  # noqa: E402
 import solutions.part3_grpo  # noqa: E402
 from utils.models import (bridge_from_hf, fuse_gelu, load_tiny_hf, require_hub_model, set_cpu_threads,  # noqa: E402
@@ -204,6 +203,8 @@ def run_trl(setting: Setting, hf_model, tokenizer, device: torch.device, initial
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
+    from solutions.production.trl_grpo import trl_reward_functions
+
     unknown = set(setting.lora_targets) - set(HF_MODULES)
     if unknown:
         raise ValueError(f"targets {sorted(unknown)} are fused in Hugging Face's GPT-2 (c_attn holds q, k and v), so "
@@ -225,22 +226,8 @@ def run_trl(setting: Setting, hf_model, tokenizer, device: torch.device, initial
     n_prompts = setting.steps * setting.n_prompts
     dataset = Dataset.from_dict({"prompt": [bos + p for p in prompt_stream(setting, n_prompts)]})
 
-    def strip(prompts):
-        return [p[len(bos):] if p.startswith(bos) else p for p in prompts]
-
-    def exact_answer(prompts, completions, **kwargs):
-        return reward_exact_answer(strip(prompts), completions)
-
-    def answer_format(prompts, completions, **kwargs):
-        return reward_format(strip(prompts), completions)
-
-    def periods(prompts, completions, **kwargs):
-        return reward_char_count(completions).tolist()
-
-    if setting.task == "addition":
-        reward_funcs, weights = [exact_answer, answer_format], [1.0, setting.format_weight]
-    else:
-        reward_funcs, weights = [periods], [1.0]
+    reward_funcs = trl_reward_functions(ours_config(setting, device), bos)  # Part 3's rewards with TRL's signature (Part 7's script)
+    weights = [1.0, setting.format_weight] if setting.task == "addition" else [1.0]
 
     def copy_to_eval():
         with torch.no_grad():

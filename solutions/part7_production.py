@@ -393,7 +393,7 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
 # trl.GRPOConfig's keyword arguments. The run itself is solutions/production/trl_grpo.py.
 
 from solutions.part3_grpo import GRPOConfig  # noqa: E402
-from solutions.production.knobs import HF_GPT2_MODULES, PEFT_SETTINGS, TRL_SETTINGS  # noqa: E402
+from solutions.production.knobs import PEFT_SETTINGS, TRL_SETTINGS  # noqa: E402
 from utils.contracts import at_least  # noqa: E402
 
 PROVIDED += ("to_lora_config",)
@@ -452,10 +452,10 @@ def to_lora_config(cfg: GRPOConfig) -> dict:
     (r × d_model + 3·d_model × r against 2 × (r × d_model + d_model × r)), but not the same function.
 
     Raises a ValueError for a target that Hugging Face's GPT-2 has no module for."""
-    unknown = sorted(set(cfg.lora_targets) - set(HF_GPT2_MODULES))
+    unknown = sorted(set(cfg.lora_targets) - set(HF_MODULES))
     if unknown:
-        raise ValueError(f"cfg.lora_targets must be among {sorted(HF_GPT2_MODULES)}, got {unknown}")
-    modules = sorted({HF_GPT2_MODULES[target] for target in cfg.lora_targets})
+        raise ValueError(f"cfg.lora_targets must be among {sorted(HF_MODULES)}, got {unknown}")
+    modules = sorted({HF_MODULES[target] for target in cfg.lora_targets})
     return {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": modules,
             **{name: value for name, (value, _) in PEFT_SETTINGS.items()}}
 # === end: trl ======================================================================================================

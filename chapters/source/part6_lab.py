@@ -294,7 +294,9 @@ hacking.plot(hacking_result);
 #   writes one about 1% of the time (a sentence instead of a sum), and GRPO finds it: the buggy reward goes from 19%
 #   to 84% (100%, 52%, 100%) while the gold score goes to 2.1% (0%, 6%, 0%). In seeds 0 and 2 every completion at the
 #   end is a string of words. The fix is one condition, `numbers and all(...)`; better, judge with the strict
-#   verifier (Part 3's `reward_exact_answer`), here the gold score.
+#   verifier (Part 3's `reward_exact_answer`), here the gold score. Trained against that fixed verifier, GRPO is
+#   Part 3's main job, which takes held-out accuracy from 42.7% to 88% (its learning rate is 3e-3, not this run's
+#   1e-2).
 # - **`beta` as the leash (right).** At the end of 40 steps: `beta` 0 reaches a KL of 8.6 nats per completion (8.2 to
 #   8.9), proxy +1.69, gold 1.3%; `beta` 0.5, KL 0.58 (0.30 to 0.72), proxy +0.56, gold 15.9% (14.8% to 16.4%);
 #   `beta` 2, KL 0.03, proxy +0.18, gold 18.8% (16.4% to 21.1%), about where it started. The leash does not make the

@@ -221,7 +221,7 @@ except ValueError as error:
 from dataclasses import replace
 
 from solutions.part3_grpo import GRPOConfig
-from solutions.production.knobs import GRPO_TO_TRL, HF_GPT2_MODULES, PEFT_SETTINGS, TRL_SETTINGS, knob_rows
+from solutions.production.knobs import GRPO_TO_TRL, PEFT_SETTINGS, TRL_SETTINGS, knob_rows
 
 # %%
 from IPython.display import Markdown

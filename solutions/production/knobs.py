@@ -81,11 +81,8 @@ TRL_SETTINGS: dict[str, tuple[object, str]] = {
     "save_strategy": ("no", "no checkpoints mid-run (the script saves the adapter at the end)"),
 }
 
-# Our LoRA targets -> the module each adapts in Hugging Face's GPT-2 (the end of the module's name in a block).
-# GPT-2 computes q, k and v with ONE fused matrix, attn.c_attn (its output is [q | k | v]), so peft can only adapt
-# the three together: one A shared by q, k and v, and one B for all 3 × d_model outputs.
-HF_GPT2_MODULES: dict[str, str] = {"q": "attn.c_attn", "k": "attn.c_attn", "v": "attn.c_attn", "o": "attn.c_proj",
-                                   "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
+# Our LoRA targets -> the module each adapts in Hugging Face's GPT-2: HF_MODULES in solutions/part7_production.py.
+# (q, k and v share one fused matrix there, attn.c_attn, so peft adapts the three together through one shared A.)
 
 # peft settings with no knob of ours: (value, why)
 PEFT_SETTINGS: dict[str, tuple[object, str]] = {
