@@ -142,6 +142,7 @@ def peft_state_dict(adapters: nn.ModuleDict) -> dict[str, Tensor]:
     return tensors
 
 
+@contract(adapters=nonempty("peft cannot load an adapter folder that adapts nothing; make_adapters makes them"))
 def export_peft_adapter(model, adapters: nn.ModuleDict, path: str | Path) -> Path:
     """Write `adapters` (keys "L{layer}_{target}", as make_adapters names them) as a peft LoRA adapter folder for
     the Hugging Face model under `model` (the bridge): `PeftModel.from_pretrained(hf_model, path)` then computes

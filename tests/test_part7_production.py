@@ -833,6 +833,13 @@ def test_script_exports_an_adapter_and_peft_agrees(tiny_model, tmp_path):
     assert_equal(figures["steps"], 0, "the steps trained when an adapter file is given")
 
 
+def test_export_refuses_an_empty_adapter_set(tiny_model, tmp_path):
+    """No adapter at all is a mistake (a wrong target list, a filter that dropped everything), not an empty folder."""
+    with pytest.raises(ValueError, match="export_peft_adapter: adapters must be non-empty"):
+        ref.export_peft_adapter(tiny_model, torch.nn.ModuleDict(), tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists(), "nothing is written before the refusal"
+
+
 # === end: peft =====================================================================================================
 
 
