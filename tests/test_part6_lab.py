@@ -2512,3 +2512,12 @@ def test_the_lab_script_reports_every_experiment(tmp_path):
     assert len(ablation["without"]) == 4, "one accuracy without each of the tiny model's 4 blocks"
     for name in ("kl_gradients", "hacking", "length_bias", "policy_shift", "off_policy"):
         assert (tmp_path / f"lab_{name}.png").exists(), f"the script saved no figure for {name}"
+
+
+def test_an_experiment_refuses_an_exercise_it_does_not_take():
+    """A misspelt keyword would otherwise run the reference silently instead of the learner's version."""
+    from solutions.lab import off_policy, policy_shift
+
+    for experiment in (off_policy, policy_shift):
+        with pytest.raises(ValueError, match=r"\.run takes the exercises .* got also \['token_log_ratio'\]"):
+            experiment.run(seeds=[0], smoke=True, token_log_ratio=ref.token_log_ratios)

@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 from tqdm.auto import tqdm
 
+from solutions.lab import exercise_functions
 from solutions.part0_warmup import completion_logprobs, get_logprobs
 from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, completion_loss_mask, compose_rewards, group_advantages,
                                   grpo_step)
@@ -46,14 +47,7 @@ ARMS = ("on-policy", "stale, no correction", "stale + TIS")
 SAMPLERS = ("lean float32", "bridge float32", "lean bfloat16", f"lean, {LAG} steps stale")
 
 
-def _exercises(overrides: dict) -> dict:
-    from solutions import part6_lab
-
-    names = ("clip_fraction", "truncated_importance_weights", "tis_grpo_loss")
-    unknown = set(overrides) - set(names)
-    if unknown:
-        raise ValueError(f"off_policy.run takes the exercises {names}, got also {sorted(unknown)}")
-    return {name: overrides.get(name) or getattr(part6_lab, name) for name in names}
+EXERCISES = ("clip_fraction", "truncated_importance_weights", "tis_grpo_loss")  # what run() takes from the notebook
 
 
 def config(seed: int, smoke: bool, **overrides) -> GRPOConfig:
@@ -214,7 +208,7 @@ def measure_gaps(trainer: GRPOTrainer, stale_updates: dict, n_prompts: int) -> d
 def run(seeds: list[int], smoke: bool, **exercises) -> dict:
     from utils.models import load_model
 
-    fns = _exercises(exercises)
+    fns = exercise_functions("off_policy", EXERCISES, exercises)
     base = load_model("tiny")
     held_out = addition_pairs("held_out")[::SMOKE["held_out_every"] if smoke else HELD_OUT_EVERY]
     result = {"seeds": list(seeds), "smoke": smoke, "clip": {}, "tis": {arm: [] for arm in ARMS}, "gap": []}

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 from tqdm.auto import tqdm
 
+from solutions.lab import exercise_functions
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer, group_advantages, reward_exact_answer, sample_groups
 from utils.data import addition_accuracy, addition_pairs, addition_prompt
 from utils.sampling import Samples, completion_mask_from_ids, tokenize_prompts
@@ -36,14 +37,7 @@ CATEGORIES = ("BOS", "first operand", "+", "second operand", "=", "answer so far
 ROLES = ("hundreds", "tens", "units", "EOS")   # an answer's tokens, counted from its end
 
 
-def _exercises(overrides: dict) -> dict:
-    from solutions import part6_lab
-
-    names = ("token_log_ratios", "lora_on_blocks", "answer_attention")
-    unknown = set(overrides) - set(names)
-    if unknown:
-        raise ValueError(f"policy_shift.run takes the exercises {names}, got also {sorted(unknown)}")
-    return {name: overrides.get(name) or getattr(part6_lab, name) for name in names}
+EXERCISES = ("token_log_ratios", "lora_on_blocks", "answer_attention")  # what run() takes from the notebook
 
 
 def answer_batch(tokenizer, pairs: list[tuple[int, int]], device) -> Samples:
@@ -158,7 +152,7 @@ def run(seeds: list[int], smoke: bool, **exercises) -> dict:
     """One short GRPO run per seed, then the per-token, per-block and attention views of what it changed."""
     from utils.models import load_model
 
-    fns = _exercises(exercises)
+    fns = exercise_functions("policy_shift", EXERCISES, exercises)
     base = load_model("tiny")
     held_out = addition_pairs("held_out")
     eval_pairs = held_out[:SMOKE_HELD_OUT] if smoke else held_out[::HELD_OUT_EVERY]
