@@ -9,6 +9,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from utils.decoder import LeanGPT2, unsupported_reason
+from utils.upstream import require_cached_generate
 
 
 @dataclass
@@ -104,7 +105,9 @@ def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: flo
     engine: "bridge" decodes with TransformerLens's `generate`, through every hook point, honouring every hook;
     "lean" with `utils.decoder.LeanGPT2`, the same function in a dozen operations per layer, which reads the
     bridge's weights (plus a LoRA model's `weight_updates()`, merged) and refuses to run while a hook is active;
-    "auto" (the default) takes "lean" whenever it can compute exactly what "bridge" would, else "bridge".
+    "auto" (the default) takes "lean" whenever it can compute exactly what "bridge" would, else "bridge". Before the
+    first decode through the bridge, the installed libraries' cached `generate` is checked against a full recompute
+    (`utils.upstream.require_cached_generate`): EnvironmentMismatch, naming the versions, if they disagree.
     """
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
@@ -136,6 +139,7 @@ def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: flo
                                                       stop_at_eos)
         out = torch.cat([ids, completion], dim=1)
     else:
+        require_cached_generate()  # never sample from a wrong distribution in silence (utils/upstream.py)
         out = model.generate(ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                              temperature=temperature if temperature > 0 else 1.0, top_k=top_k,
                              stop_at_eos=stop_at_eos, eos_token_id=eos, return_type="tokens", verbose=False)

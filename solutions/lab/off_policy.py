@@ -33,6 +33,7 @@ from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, completion_loss_mask,
 from utils.data import addition_accuracy, addition_pairs
 from utils.decoder import LeanGPT2
 from utils.sampling import Samples, completion_mask_from_ids, tokenize_prompts
+from utils.upstream import require_cached_generate
 
 ITERATIONS = (1, 2, 4)     # num_iterations compared
 CLIP_STEPS = 16            # GRPO steps per run of the clip comparison
@@ -107,6 +108,7 @@ def sample_with_logprobs(lora_model, prompts: list[str], max_new_tokens: int, te
         completion = decoder.generate(ids, attn, max_new_tokens, temperature, None, eos, True)
         drawn = torch.stack(decoder.drawn, 1)
     else:
+        require_cached_generate()  # TransformerLens's generate decodes right with these libraries
         logits = []
         keep = lambda x, hook: logits.append(x[:, -1].detach().float())  # noqa: E731 (next-token logits per step)
         with lora_model.hooks(fwd_hooks=[("unembed.hook_out", keep)]):
