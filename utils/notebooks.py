@@ -49,9 +49,10 @@ def colab_badge(part: str) -> str:
 # Plain Python rather than `!`/`%` magics, so that tests/test_colab.py can run it. RLHF_COURSE_URL and
 # RLHF_COURSE_DIR override where it clones from and to (the test points them at a local clone).
 COLAB_CELL = """\
-# On Colab: fetch the course and install what Colab lacks (torch and Jupyter are already there; reinstalling
-# Jupyter's packages could break the Colab runtime). Elsewhere: nothing. Safe to re-run, also after a failure.
-import os, re, subprocess, sys
+# On Colab: fetch the course and install what Colab lacks, at the versions the course is tested with (torch, Jupyter
+# and much else are already there, and stay: replacing what the runtime runs on could break it). Elsewhere: nothing.
+# Safe to re-run, also after a failure.
+import os, re, subprocess, sys, tempfile
 if "google.colab" in sys.modules:
     COURSE_URL = os.environ.get("RLHF_COURSE_URL", "CLONE_URL")
     COURSE_DIR = os.environ.get("RLHF_COURSE_DIR", "/content/rlhf-course")
@@ -66,13 +67,22 @@ if "google.colab" in sys.modules:
     installed = os.path.join(COURSE_DIR, ".git", "course-installed")  # written only once an install succeeded
     if not os.path.exists(installed):
         with open(os.path.join(COURSE_DIR, "requirements.txt")) as f:
-            wanted = [line.strip() for line in f if line.strip() and not line.startswith("#")
-                      and not re.match(r"(torch|jupyter|nbclient|nbformat|ipykernel)\\b", line)]
+            requirements = [line.split("#")[0].strip() for line in f]  # without their comments
+        colabs_own = r"(torch|jupyter|nbclient|nbformat|ipykernel)\\b"  # torch and the Jupyter stack: Colab's
+        wanted = [req for req in requirements if req and not re.match(colabs_own, req)]
+        # Pin, to the course's lock (constraints.txt), what pip will install: what is missing, and what Colab has in
+        # a version outside the course's range. What Colab has that the course can use stays as it is.
+        if COURSE_DIR not in sys.path:
+            sys.path.insert(0, COURSE_DIR)
+        from utils.upstream import colab_constraints  # the standard library and `packaging` only: safe to import now
+        with tempfile.NamedTemporaryFile("w", suffix="-constraints.txt", delete=False) as pins:
+            pins.write("\\n".join(colab_constraints(wanted)) + "\\n")
         print("Installing the course's requirements (a minute or two)...")
-        install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *wanted], capture_output=True,
-                                 text=True)
+        install = subprocess.run([sys.executable, "-m", "pip", "install", *wanted, "-c", pins.name],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # pip's why, in order
+        os.remove(pins.name)
         if install.returncode != 0:
-            raise RuntimeError(f"Installing the course's requirements failed:\\n{install.stderr.strip()[-3000:]}\\n"
+            raise RuntimeError(f"Installing the course's requirements failed:\\n{install.stdout.strip()[-3000:]}\\n"
                                "Fix what pip says (or restart the runtime), then run this cell again: it retries.")
         open(installed, "w").close()
     os.chdir(os.path.join(COURSE_DIR, "chapters"))""".replace("CLONE_URL", CLONE_URL)

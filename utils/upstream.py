@@ -134,3 +134,33 @@ def require_cached_generate() -> None:
             f"({versions(('transformers', 'transformer_lens', 'torch'))}): {why}. Sampling through the bridge "
             f"would draw from the wrong distribution. This is the environment, not your code. "
             f"{environment_report()} (sample(..., engine='lean') is not affected, where it applies.)")
+
+
+def colab_constraints(requirements: list[str], installed=installed_version, lock: Path = LOCK) -> list[str]:
+    """The pins (`name==version` lines, for pip's `-c`) that install `requirements` (lines of requirements.txt) at the
+    tested versions into an environment that has packages of its own, such as Colab's.
+
+    From the lock's lines that apply to this Python and platform, it pins every package that is not installed yet,
+    and every requirement whose installed version is outside its range (Colab's transformers 4.x). An installed
+    package that satisfies the course (Colab's torch, numpy, its Jupyter) is left alone: a pin would make pip replace
+    it, and replacing what the runtime itself runs on can break it. `installed` maps a package's name to its installed
+    version, or None.
+
+    The Colab cell calls this before anything is installed, so it imports nothing but the standard library and
+    `packaging` (which pip needs too, and Colab has).
+    """
+    from packaging.requirements import Requirement
+
+    ranges = {}
+    for line in requirements:
+        text = line.split("#", 1)[0].strip()  # "transformers>=5.9,<5.24  # canary: <6"
+        if text:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate():
+                ranges[_normal(requirement.name)] = requirement.specifier
+    pins = []
+    for name, version in locked_versions(lock).items():
+        have = installed(name)
+        if have is None or (name in ranges and not ranges[name].contains(have, prereleases=True)):
+            pins.append(f"{name}=={version}")
+    return pins

@@ -27,6 +27,7 @@
 # %% [colab]
 
 # %% [setup]
+import math
 import os
 import re
 import sys
