@@ -26,6 +26,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "exercise(name): the test checks the exercise `name` of its part")
     config.addinivalue_line("markers", "slow: takes more than a few seconds (notebook runs, training)")
+    config.addinivalue_line("markers", "upstream(*libraries): checks what the course relies on from these libraries")
     try:
         harness.validate_impl(config.getoption("--impl"))
     except ValueError as error:
