@@ -7,9 +7,10 @@ The reference solutions of `chapters/part1_ppo.ipynb`, in the notebook's order. 
     python -m solutions.part1_ppo --json             # ... ending with a JSON line of the figures
 
 The loss follows the PPO recipe of Ouyang et al. (2022) and CleanRL's ppo.py: the clipped surrogate, a value
-loss, an entropy bonus, and a KL penalty to the frozen starting model. Unlike TRL's PPOTrainer, which folds a
-sampled per-token KL (k1) into the reward, the penalty here is the exact full-vocabulary KL added to the loss,
-as in ARENA's RLHF chapter; the notebook compares the two.
+loss, an entropy bonus, and a KL penalty to the frozen starting model. Unlike TRL's PPO trainer
+(trl.experimental.ppo in TRL 1.0 to 1.12; TRL 1.16 has none), which folded a sampled per-token KL (k1) into the
+reward, the penalty here is the exact full-vocabulary KL added to the loss, as in ARENA's RLHF chapter; the notebook
+compares the two.
 """
 
 from __future__ import annotations
@@ -233,8 +234,9 @@ def kl_k3(
 ) -> Float[Tensor, "batch gen"]:
     """The k3 estimate (Schulman, "Approximating KL divergence", 2020): (r - 1) - log r with r = q / p.
 
-    Unbiased, never negative, and of lower variance than k1 when the two models are close. It is what TRL's
-    GRPO uses for its KL term. 0 outside the mask.
+    Unbiased, never negative, and of lower variance than k1 when the two models are close. It is TRL's GRPO
+    per-token KL (which TRL 1.16 by default multiplies by the importance ratio: use_bias_correction_kl). 0 outside
+    the mask.
     """
     log_ratio = ref_logprobs - logprobs  # log r = log q - log p
     return (log_ratio.exp() - 1 - log_ratio) * completion_mask
@@ -264,10 +266,11 @@ def value_loss(
     """0.5 * mean squared error between the values and the (fixed) returns, over the valid tokens.
 
     With `clip` (not None), each token's error is the larger of (values - returns)^2 and (v_clipped - returns)^2,
-    where v_clipped = old_values + clamp(values - old_values, -clip, clip): CleanRL's `clip_vloss`, TRL's
-    `cliprange_value`. A value that has moved more than clip from its old value towards the return then gets no
-    gradient; one that moved away from it still does. The old values are constants, like the returns. Without
-    clip, old_values is not used; clip without old_values is refused (ValueError).
+    where v_clipped = old_values + clamp(values - old_values, -clip, clip): CleanRL's `clip_vloss`, the
+    `cliprange_value` of TRL's PPO trainer (TRL 1.0 to 1.12). A value that has moved more than clip from its old
+    value towards the return then gets no gradient; one that moved away from it still does. The old values are
+    constants, like the returns. Without clip, old_values is not used; clip without old_values is refused
+    (ValueError).
     """
     errors = (values - returns.detach()) ** 2
     if clip is not None:
@@ -431,7 +434,7 @@ class PPOConfig:
     warmup_steps: int = 10                 # optimiser steps
     final_lr_fraction: float = 0.1
     clip_eps: float = 0.2
-    clip_value: float | None = None        # clip the value loss around the rollout's values (CleanRL, TRL: 0.2)
+    clip_value: float | None = None        # clip the value loss around the rollout's values (CleanRL, old TRL PPO: 0.2)
     vf_coef: float = 0.5
     ent_coef: float = 0.001
     kl_coef: float = 0.2                   # beta: the weight of the exact KL to the reference in the loss

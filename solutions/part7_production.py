@@ -410,8 +410,9 @@ def to_trl_config(cfg: GRPOConfig, output_dir: str, world_size: int = 1) -> dict
     are [1.0, format_weight] on the addition task (exact answer, format) and [1.0] on "periods"; use_cpu is True when
     cfg.device is "cpu"; report_to is "wandb" or "none"; the rest are copied. Two rows are left to the script:
     eval_every (no eval_steps: TRL's evaluation is not our held-out accuracy, which a callback measures) and
-    table_every (logging_steps is 1: the curves need every step). Then every setting of TRL_SETTINGS (TRL's
-    defaults that differ from our trainer: constant learning rate, float32, no activation checkpointing, ...), and
+    table_every (logging_steps is 1: the curves need every step). Then every setting of TRL_SETTINGS (what our
+    trainer does where TRL has a setting and we have no knob: a constant learning rate, float32, no activation
+    checkpointing, the prompts unshuffled, k3 not multiplied by the ratio, ...; some are TRL's defaults already), and
     output_dir.
 
     Raises a ValueError when the n_prompts × group_size completions of a step cannot be shared equally by world_size

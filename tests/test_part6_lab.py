@@ -376,6 +376,7 @@ def test_kl_gradients_experiment_smoke():
     assert figures["k1_loss"]["cosine_reverse"] is None and figures["k1_loss"]["norm_ratio"] < 1e-4, figures
     assert figures["k1_reward"]["cosine_reverse"] > 0.9999 and abs(figures["k1_reward"]["norm_ratio"] - 1) < 1e-3
     assert figures["k3_equals_per_token_forward_kl_on_policy_states"]["max_relative_error"] < 1e-4, figures
+    assert figures["k3_times_ratio_equals_exact_per_token_kl"]["max_relative_error"] < 1e-4, figures
     assert 1.0 < figures["reverse_kl"]["mean"] < 4.0, figures["reverse_kl"]
     kl_gradients.plot(result)
 

@@ -908,6 +908,32 @@ def test_trl_accepts_the_translated_config(tmp_path):
         assert_equal(str(args.lr_scheduler_type).rsplit(".", 1)[-1].lower(), "constant", "TRL's learning rate schedule")
 
 
+@needs("trl")
+def test_trl_computes_our_trainers_loss_with_the_translated_config(tmp_path):
+    """With beta > 0, TRL's own _compute_loss, set up by to_trl_config, gives the loss and the gradient that our
+    trainer's call of grpo_loss gives, off-policy included: the KL term is the same (TRL's default would multiply k3
+    by the ratio, use_bias_correction_kl, which our trainer does not)."""
+    import trl
+
+    from solutions.part3_grpo import grpo_loss
+    from tests.test_part3_grpo import loss_and_grad, loss_inputs, trl_loss
+
+    logprobs, old, ref_lp, advantages, mask = loss_inputs(seed=5)
+    for cfg in (GRPOConfig(beta=0.04), GRPOConfig(beta=0.5, epsilon_high=0.28, loss_type="dr_grpo", max_new_tokens=5)):
+        args = trl.GRPOConfig(**ref.to_trl_config(cfg, str(tmp_path)))
+        ours = loss_and_grad(grpo_loss, logprobs, old, ref_lp, advantages, mask, epsilon=cfg.epsilon,
+                             epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                             max_completion_length=cfg.max_new_tokens)  # as GRPOTrainer's step calls it
+        theirs = loss_and_grad(trl_loss, logprobs, old, ref_lp, advantages, mask, epsilon=args.epsilon,
+                               epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type,
+                               max_completion_length=args.max_completion_length,
+                               use_bias_correction_kl=args.use_bias_correction_kl)
+        what = f"TRL's loss with to_trl_config(beta={cfg.beta}, loss_type={cfg.loss_type!r}) against our trainer's"
+        hint = "TRL_SETTINGS must set use_bias_correction_kl=False: our trainer adds beta × k3 alone"
+        assert_close(theirs[0], ours[0], what, atol=1e-5, hint=hint)
+        assert_close(theirs[1], ours[1], f"{what}: gradient", atol=1e-5, hint=hint)
+
+
 @needs("peft")
 def test_lora_config_matches_ours_in_parameter_count():
     """peft's LoRA on c_attn (q and v asked for) trains as many parameters as ours on q and v: 8,192."""

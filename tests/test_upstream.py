@@ -14,8 +14,10 @@ embedded model, in a few seconds:
     safetensors                       Part 2's adapter files round-trip, with the header layout utils/files.py reads
     peft                              the LoraConfig names and defaults the course writes and reads, the LoRA it
                                       computes (scaling, rank and alpha patterns, target rules, tensor layout, init)
-    trl                               the GRPOConfig / DPOConfig / RLOOConfig defaults and names the course quotes
-                                      (skipped without TRL: pip install -r requirements-bench.txt)
+    trl                               the GRPOConfig / DPOConfig / RLOOConfig defaults and names the course quotes,
+                                      which of knobs.py's TRL_SETTINGS change a TRL default, and the gradient of
+                                      GRPO's default `beta` term (skipped without TRL: pip install -r
+                                      requirements-bench.txt)
 
 Each test carries `@upstream(library, ...)`, which marks it (`pytest.mark.upstream`) and makes any failure, an
 unexpected exception included, name those libraries with their versions. `.ci/canary` runs this file against the
@@ -704,6 +706,8 @@ GRPO_DEFAULTS = [
     ("ds3_gather_for_generation", True, "chapters/source/part7_production.py: gathers unless False"),
     ("mask_truncated_completions", False, "solutions/part3_grpo.py GRPOConfig"),
     ("scale_rewards", "group", "solutions/part3_grpo.py GRPOConfig"),
+    ("use_bias_correction_kl", True, "chapters part1, part3, part6 and knobs.py: TRL 1.16 multiplies k3 by the ratio "
+                                     "by default"),
 ]
 
 
@@ -727,6 +731,57 @@ def test_trl_grpo_defaults_the_course_quotes(tmp_path):
     for value in ("group", "batch", "none"):  # knobs.py: "the same values"
         kept = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, scale_rewards=value).scale_rewards
         expect(kept == value, f"trl.GRPOConfig(scale_rewards={value!r}) became {kept!r}")
+
+
+@upstream("trl")
+def test_trl_defaults_that_differ_from_ours_are_the_ones_knobs_names(tmp_path):
+    """knobs.py says which of TRL_SETTINGS change one of TRL's defaults (TRL_DEFAULTS_THAT_DIFFER) and which only
+    write out a default that is already ours (no warm-up, no weight decay, top_p 1.0, ...): both halves, checked."""
+    from solutions.production.knobs import TRL_DEFAULTS_THAT_DIFFER, TRL_SETTINGS
+
+    trl = _trl()
+    args = _defaults(trl.GRPOConfig, tmp_path)
+
+    def plain(value):  # transformers' enums (SchedulerType.LINEAR, SaveStrategy.STEPS) as their strings
+        return getattr(value, "value", value)
+
+    defaults = {name: plain(getattr(args, name)) for name in TRL_SETTINGS}
+    if defaults.get("activation_checkpointing") is None:  # transformers without the new name: the old one decides
+        defaults["activation_checkpointing"] = args.gradient_checkpointing
+    differ = sorted(name for name, (value, _) in TRL_SETTINGS.items() if defaults[name] != value)
+    expect(differ == sorted(TRL_DEFAULTS_THAT_DIFFER), f"the TRL_SETTINGS whose trl.GRPOConfig default is not ours "
+           f"are {differ}; knobs.TRL_DEFAULTS_THAT_DIFFER says {sorted(TRL_DEFAULTS_THAT_DIFFER)} (TRL's defaults: "
+           f"{defaults})")
+
+
+@upstream("trl")
+def test_trl_default_kl_term_follows_the_reverse_kl(tmp_path):
+    """What chapters 1, 3 and 6 say about TRL's `beta` term, on one state with a vocabulary of 6, each token a
+    one-token completion weighted by pi(token): with trl.GRPOConfig's default (use_bias_correction_kl=True) the
+    expected gradient of TRL's own _compute_loss is that of the reverse KL(pi || ref); with
+    use_bias_correction_kl=False (k3 alone) it is that of the forward KL(ref || pi)."""
+    trl = _trl()
+    from tests.test_part3_grpo import trl_loss
+
+    default = _defaults(trl.GRPOConfig, tmp_path).use_bias_correction_kl
+    generator = torch.Generator().manual_seed(0)
+    theta = torch.randn(6, generator=generator, dtype=torch.float64).requires_grad_(True)  # the policy's logits
+    ref_lp = torch.randn(6, generator=generator, dtype=torch.float64).log_softmax(-1)
+
+    def expected_gradient(correction):
+        logp = theta.log_softmax(-1)
+        losses = torch.stack([trl_loss(logp[x].view(1, 1), None, ref_lp[x].view(1, 1), torch.zeros(1, dtype=logp.dtype),
+                                       torch.ones(1, 1, dtype=torch.bool), beta=1.0,
+                                       use_bias_correction_kl=correction) for x in range(6)])
+        return torch.autograd.grad((logp.exp().detach() * losses).sum(), theta)[0]
+
+    logp = theta.log_softmax(-1)
+    reverse = torch.autograd.grad((logp.exp() * (logp - ref_lp)).sum(), theta)[0]
+    forward = torch.autograd.grad((ref_lp.exp() * (ref_lp - theta.log_softmax(-1))).sum(), theta)[0]
+    expect_close(expected_gradient(default), reverse, "the expected gradient of TRL's beta term with "
+                 f"GRPOConfig's default use_bias_correction_kl={default}, against the reverse KL's", atol=1e-8)
+    expect_close(expected_gradient(False), forward, "the expected gradient of TRL's beta term with "
+                 "use_bias_correction_kl=False (k3 alone), against the forward KL's", atol=1e-8)
 
 
 @upstream("trl")

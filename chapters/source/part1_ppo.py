@@ -22,7 +22,9 @@
 # Part 0's `Samples.completion_mask` marks the valid tokens.
 #
 # References: Ouyang et al. 2022 (InstructGPT), the PPO recipe of Huang et al.'s "The 37 implementation details
-# of PPO" (CleanRL), Schulman's note "Approximating KL divergence" (2020), and TRL's `PPOTrainer`.
+# of PPO" (CleanRL), Schulman's note "Approximating KL divergence" (2020), and TRL's PPO trainer
+# (`trl.experimental.ppo` in TRL 1.0 to 1.12; it was removed in 1.13, and the TRL this course installs, 1.16, has no
+# PPO trainer).
 
 # %% [colab]
 
@@ -151,8 +153,8 @@ print(samples_table([{"periods": a.item(), "lexicon": b.item(), "text": t} for a
 #
 # $\lambda$ trades bias for variance: $\lambda = 1$ gives $A_t = r - V_t$ (the Monte-Carlo estimate: unbiased,
 # noisy), $\lambda = 0$ gives $A_t = \delta_t$ (one step of bootstrapping: low variance, as biased as the value
-# head is wrong). ARENA's PPO chapter uses $\lambda = 0$; TRL's `PPOTrainer` defaults to $\gamma = 1$,
-# $\lambda = 0.95$, which we use too. Compute it with a loop backwards over the positions.
+# head is wrong). ARENA's PPO chapter uses $\lambda = 0$; TRL's PPO trainer (TRL 1.0 to 1.12) defaulted to
+# $\gamma = 1$, $\lambda = 0.95$, which we use too. Compute it with a loop backwards over the positions.
 #
 # Advantages and returns are *targets*: return them detached.
 
@@ -171,9 +173,12 @@ print(samples_table([{"periods": a.item(), "lexicon": b.item(), "text": t} for a
 # the sampled tokens), and *estimate* it from the sampled token $x \sim \pi_\theta$ instead, with $r = \pi_\text{ref}(x)/\pi_\theta(x)$:
 #
 # - **k1** $= -\log r = \log \pi_\theta(x) - \log \pi_\text{ref}(x)$: unbiased, but single terms are often
-#   negative and its variance is high. TRL's `PPOTrainer` subtracts $\beta \cdot$ k1 from the reward at each token.
+#   negative and its variance is high. TRL's PPO trainer (TRL 1.0 to 1.12) subtracted $\beta \cdot$ k1 (its default
+#   `kl_estimator`) from the reward at each token; Part 5's RLOO, like TRL 1.16's, subtracts $\beta$ times the
+#   sequence's summed k1.
 # - **k3** $= (r - 1) - \log r$: also unbiased, never negative, and of lower variance while the models are close.
-#   TRL's `GRPOTrainer` adds $\beta \cdot$ k3 to the loss.
+#   TRL's `GRPOTrainer` adds $\beta \cdot$ k3 to the loss (in TRL 1.16, by default, k3 times the importance ratio:
+#   `use_bias_correction_kl`, below).
 #
 # Here, as in ARENA, we add $\beta$ times the *exact* KL to the loss. Write all three; then compare them.
 
@@ -234,17 +239,21 @@ print(samples_table(rows))
 # - **k3 in the loss**: $\nabla\big((r - 1) - \log r\big) = (1 - r)\,\nabla\log\pi_\theta(x)$, whose expectation is
 #   $-\sum_x \pi_\text{ref}(x)\nabla\log\pi_\theta(x) = \nabla\,\mathrm{KL}(\pi_\text{ref}\,\|\,\pi_\theta)$: the
 #   gradient of the **forward** KL of that state's next-token distribution, not of the reverse KL whose value k3
-#   estimates. This is what TRL's GRPO does with `beta > 0` (Part 3). TRL's `use_bias_correction_kl` multiplies k3
-#   by the ratio $\pi_\theta/\pi_\text{old}$; on-policy its value is 1, but its gradient turns the term into
-#   $-\log r\,\nabla\log\pi_\theta = \mathrm{k1}\,\nabla\log\pi_\theta$, whose expectation is the reverse KL's.
+#   estimates. This is TRL's GRPO with `beta > 0` and `use_bias_correction_kl=False` (the default from TRL 0.26,
+#   which added the flag, to 1.9; before it, k3 alone was the term: TRL 0.14 and 0.25 checked), and Part 3's
+#   trainer. With `use_bias_correction_kl=True`, **TRL 1.16's default** (since 1.10), TRL multiplies k3 by the
+#   ratio $\pi_\theta/\pi_\text{old}$; on-policy its value is 1, but its gradient turns the term into
+#   $-\log r\,\nabla\log\pi_\theta = \mathrm{k1}\,\nabla\log\pi_\theta$, whose expectation is the gradient of
+#   the **reverse** KL $\mathrm{KL}(\pi_\theta\,\|\,\pi_\text{ref})$ of that state's distribution.
 # - **The exact KL in the loss** (`kl_exact`, what this chapter does): the gradient of
 #   $\mathrm{KL}(\pi_\theta\,\|\,\pi_\text{ref})$ of each position's distribution, exactly. But only of each
 #   position's, *on the states the samples visited*: it ignores that changing the token chosen at position $t$
 #   changes the states at $t+1, t+2, \dots$, and so which later distributions the penalty is paid on. The same
 #   holds for k1 and k3 above: each is a per-state gradient, summed over the states visited.
-# - **KL in the reward** (TRL's `PPOTrainer`, Part 5's RLOO): $-\beta\,$k1 is treated as a reward, so its gradient
-#   goes through the policy-gradient estimator, $\mathbb{E}[\nabla\log\pi_\theta(x)\cdot \mathrm{k1}]$ at one step, and
-#   in a sequence each token's log-prob is weighted by the KL of everything after it. In expectation that is the
+# - **KL in the reward** (Part 5's RLOO, TRL's RLOO, and TRL's PPO trainer up to 1.12): $-\beta\,$k1 is treated as
+#   a reward, so its gradient goes through the policy-gradient estimator,
+#   $\mathbb{E}[\nabla\log\pi_\theta(x)\cdot \mathrm{k1}]$ at one step, and in a sequence each token's log-prob is
+#   weighted by the KL of everything after it. In expectation that is the
 #   gradient of the **sequence-level** reverse KL, $\mathrm{KL}(\pi_\theta(\text{completion})\,\|\,
 #   \pi_\text{ref}(\text{completion}))$, later states included; the price is the policy gradient's variance.
 #
@@ -302,9 +311,9 @@ print(samples_table([{"loss term": name, **{f"d/d logit {i}": round(v, 4) for i,
 # - **Entropy** of the next-token distribution, $H = -\sum_v p(v)\log p(v)$ (in nats). A small bonus for it
 #   slows the collapse onto a few tokens.
 # - **Value loss**: $\tfrac12 (V_t - R_t)^2$, with $R_t$ the return. The ½ makes the gradient the plain error, and
-#   matches CleanRL and TRL. Both of them also **clip** it by default (CleanRL's `clip_vloss=True`, with the same
-#   coefficient as the ratio's clip, 0.2; TRL's PPO `cliprange_value=0.2`): with $V^\text{old}_t$ the value stored
-#   at rollout time, they take
+#   matches CleanRL and TRL's PPO trainer (TRL 1.0 to 1.12). Both of them also **clip** it by default (CleanRL's
+#   `clip_vloss=True`, with the same coefficient as the ratio's clip, 0.2; that trainer's `cliprange_value=0.2`):
+#   with $V^\text{old}_t$ the value stored at rollout time, they take
 #   $\tfrac12\max\big((V_t - R_t)^2,\ (V^\text{old}_t + \mathrm{clip}(V_t - V^\text{old}_t, -c, c) - R_t)^2\big)$,
 #   the same pessimistic trick as the surrogate below: a value that has already moved more than $c$ from its old
 #   value *towards* the return gets no more gradient in this learning phase, while one that moved away is still
@@ -477,18 +486,20 @@ plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explai
 # Things to try:
 # - `PPOConfig(reward="sentiment")`: the same loop with the lexicon reward.
 # - `PPOConfig(lam=0.0)` (ARENA's one-step advantages) or `lam=1.0`: compare the explained variance and the speed.
-# - `PPOConfig(clip_value=0.2)`: CleanRL's and TRL's value clipping (section 5). In our runs of seeds 0, 1 and 2
-#   (one thread) the reward ended where it does without it (7.97–7.99 full stops, against 7.98–8.08) and the KL a
-#   little lower in all three (19.4–20.1 nats at the end, against 19.9–21.5; at most 19.6–20.4, against 20.8–22.1).
-#   Three seeds are too few to call that a gain, which is why the clip stays off by default.
+# - `PPOConfig(clip_value=0.2)`: the value clipping of CleanRL and of TRL's PPO trainer (section 5). In our runs of
+#   seeds 0, 1 and 2 (one thread) the reward ended where it does without it (7.97–7.99 full stops, against
+#   7.98–8.08) and the KL a little lower in all three (19.4–20.1 nats at the end, against 19.9–21.5; at most
+#   19.6–20.4, against 20.8–22.1). Three seeds are too few to call that a gain, which is why the clip stays off by
+#   default.
 # - On a GPU, `PPOConfig.gpt2()` trains GPT-2 small on the same reward; `PPOConfig.gpt2(reward="classifier")` uses
 #   the IMDB sentiment classifier, with prompts of your choice (e.g. `prompts=("This movie was",)`).
 #
 # ### The difference from TRL
 #
-# TRL's `PPOTrainer` puts the KL into the *reward*: each token gets $-\beta\,$k1, the last one also gets the
-# reward model's score, and GAE turns that into advantages — so the KL influences the policy only through the
-# advantages, and the value head learns to predict it. Here the exact KL is a separate term of the loss, whose
+# TRL's PPO trainer (`trl.experimental.ppo.PPOTrainer` in TRL 1.0 to 1.12, removed in 1.13; TRL 1.16 has none) put
+# the KL into the *reward*: each token got $-\beta\,$k1 (`kl_coef` 0.05 by default), the last one also got the
+# reward model's score, and GAE turned that into advantages — so the KL influenced the policy only through the
+# advantages, and the value head learned to predict it. Here the exact KL is a separate term of the loss, whose
 # gradient acts directly on every position's full distribution. Both keep the policy near the reference; the
 # loss version has lower variance and no dependence on the critic, at the price of the reference logits at every
 # position.

@@ -163,7 +163,8 @@ print(samples_table([{"rewards": str(rewards[i:i + 4].tolist()),
 #   `epsilon`.
 # - `use_bias_correction_kl` multiplies k3 by $\rho$: off-policy, k3's expectation under the old policy is not the
 #   KL of the current one; the ratio re-weights it. The ratio is *not* detached there, in TRL's `_compute_loss`
-#   (trl 1.16: `per_token_kl * coef_1`) as in ours, and that changes the gradient (below).
+#   (trl 1.16: `per_token_kl * coef_1`) as in ours, and that changes the gradient (below). It is off by default here,
+#   and our trainer leaves it off (k3 alone, as in TRL up to 1.9); TRL turns it on by default from 1.10 (1.16 too).
 #
 # How the per-token losses are **aggregated** matters more than it looks (`loss_type`):
 # - `"grpo"`: average each sequence's tokens, then the sequences. A token of a short answer weighs more than a

@@ -49,10 +49,12 @@ SEEDS = [0, 1] if SMOKE else [0, 1, 2]
 # ## 1. KL gradients, exactly
 #
 # Every trainer in this course keeps the policy near a reference with a KL term, and there are several ways to write
-# it. TRL's GRPO adds `beta * k3` to the **loss**, token by token (Part 3); RLOO subtracts `beta * k1` from the
-# **reward** (Part 5), as TRL's PPO trainer does too; Part 1's PPO, like ARENA's, adds the **exact** KL over the whole
-# vocabulary at each token to the loss; others put k1 or k2 in the loss. All of them estimate the same *value*,
-# KL(π‖ref). Training follows their *gradients*. Are those the same?
+# it. Part 3's GRPO adds `beta * k3` to the **loss**, token by token, as TRL's GRPO did by default before 1.10 (TRL
+# 1.16's default multiplies each token's k3 by the ratio π/π_old: `use_bias_correction_kl`); RLOO subtracts
+# `beta * k1` from the **reward** (Part 5), as TRL's PPO trainer did too (TRL 1.0 to 1.12; TRL 1.16 has none); Part
+# 1's PPO, like ARENA's, adds the **exact** KL over the whole vocabulary at each token to the loss; others put k1 or
+# k2 in the loss. All of them estimate the same *value*, KL(π‖ref). Training follows their *gradients*. Are those the
+# same?
 #
 # Here they can be computed exactly. The tiny model's vocabulary has 356 tokens, so a prompt has 356² = 126,736
 # two-token completions, and **one** batched forward pass of 356 rows (the prompt followed by each possible first
@@ -79,13 +81,19 @@ SEEDS = [0, 1] if SMOKE else [0, 1, 2]
 #   It estimates the KL's value without bias, and pulls on nothing.
 # - **k1 in the reward** (the score function $\mathrm{sg}(\log\frac{\pi(y)}{\text{ref}(y)})\nabla\log\pi(y)$, what
 #   RLOO does): exactly the gradient of the sequence-level reverse KL.
-# - **k3 in the loss** ($\frac{\text{ref}}{\pi} - 1 - \log\frac{\text{ref}}{\pi}$ per token, TRL's `beta` term): at a
-#   state $s$, $\mathbb{E}_{a\sim\pi}[(1 - \frac{\text{ref}(a)}{\pi(a)})\nabla\log\pi(a)] = -\sum_a \text{ref}(a)
+# - **k3 in the loss** ($\frac{\text{ref}}{\pi} - 1 - \log\frac{\text{ref}}{\pi}$ per token: Part 3's `beta` term,
+#   and TRL's with `use_bias_correction_kl=False`): at a state $s$,
+#   $\mathbb{E}_{a\sim\pi}[(1 - \frac{\text{ref}(a)}{\pi(a)})\nabla\log\pi(a)] = -\sum_a \text{ref}(a)
 #   \nabla\log\pi(a) = \nabla \mathrm{KL}(\text{ref}(\cdot|s)\|\pi(\cdot|s))$: a **forward** KL, per token, on the
 #   states the policy visits.
 # - **k2 in the loss** ($\frac12\log^2\frac{\pi}{\text{ref}}$) and the **exact per-token KL**: at a state,
 #   $\nabla\mathrm{KL}(\pi(\cdot|s)\|\text{ref}(\cdot|s))$ with the state held fixed. That is a per-token reverse KL,
 #   which misses one term of the sequence's: the first token is never charged for the KL of the token that follows it.
+# - **k3 times the ratio** $\pi/\mathrm{sg}(\pi)$ (TRL 1.16's default `beta` term, `use_bias_correction_kl=True`):
+#   on-policy its value is k3's, but the ratio's gradient adds $\mathrm{k3}\,\nabla\log\pi$, and at a state
+#   $\mathbb{E}_{a\sim\pi}[(1 - \frac{\text{ref}(a)}{\pi(a)} + \mathrm{k3}(a))\nabla\log\pi(a)] =
+#   \mathbb{E}_{a\sim\pi}[\log\frac{\pi(a)}{\text{ref}(a)}\nabla\log\pi(a)] =
+#   \nabla\mathrm{KL}(\pi(\cdot|s)\|\text{ref}(\cdot|s))$: the per-token reverse KL, like k2 and the exact per-token KL.
 
 # %% [setup]
 from solutions.part6_lab import (FIRST_TOKENS_IN_RANGE, FIRST_TOKENS_IN_VOCABULARY, KL_ESTIMATORS, KL_LOSSES,
@@ -155,7 +163,9 @@ kl_figures = kl_gradients.summarize(kl_result)
 for kind in KL_LOSSES:
     print(f"{kind:>16}: " + ", ".join(f"{k} {v}" for k, v in kl_figures[kind].items() if k != "per_seed"))
 print("reverse KL per seed:", kl_figures["reverse_kl"]["per_seed"], "| k3 = per-token forward KL on pi's states, "
-      "largest relative error:", kl_figures["k3_equals_per_token_forward_kl_on_policy_states"]["max_relative_error"])
+      "largest relative error:", kl_figures["k3_equals_per_token_forward_kl_on_policy_states"]["max_relative_error"],
+      "| k3 x ratio = exact per-token KL:",
+      kl_figures["k3_times_ratio_equals_exact_per_token_kl"]["max_relative_error"])
 kl_gradients.plot(kl_result);
 
 # %% [markdown]
@@ -167,14 +177,17 @@ kl_gradients.plot(kl_result);
 #   gradient is noise around zero: its cosine with the reverse-KL gradient stays between 0.04 and 0.23 from N = 1 to
 #   1024. More samples do not help: there is nothing to find.
 # - **k1 in the reward is the sequence-level reverse-KL gradient**: cosine 1.000000 and norm ratio 1.0000 on every seed.
-# - **k3 in the loss (TRL's `beta` term) is not.** Cosine 0.79 with the reverse-KL gradient (0.52, 1.00, 0.85 on seeds
-#   0, 1, 2), and 0.39 of its norm (0.72, 0.18, 0.26). Its expected gradient is the gradient of the per-token forward
-#   KL(ref‖π) on the states the policy visits, to a relative error of 4e-7 on every seed, and it is closer to the
-#   sequence's forward-KL gradient (cosine 0.92) than to the reverse one. So `beta` in TRL's GRPO weighs a forward KL,
-#   token by token: here a weaker pull (the forward KL is 0.57 nats where the reverse is 2.0), in another direction.
-# - **k2 in the loss and the exact per-token KL** (Part 1's PPO term) have one expected gradient (equal to six digits on every seed): the
-#   per-token reverse KL with the states held fixed. Cosine 0.97 (0.92, 1.00, 0.99), norm 0.74 (0.58, 0.99, 0.65).
-#   What they miss is the first token's share of the second token's KL; on seed 1 that share is small.
+# - **k3 in the loss (Part 3's `beta` term) is not.** Cosine 0.79 with the reverse-KL gradient (0.52, 1.00, 0.85 on
+#   seeds 0, 1, 2), and 0.39 of its norm (0.72, 0.18, 0.26). Its expected gradient is the gradient of the per-token
+#   forward KL(ref‖π) on the states the policy visits, to a relative error of 4e-7 on every seed, and it is closer to
+#   the sequence's forward-KL gradient (cosine 0.92) than to the reverse one. So `beta` on k3 alone (Part 3, and TRL
+#   with `use_bias_correction_kl=False`) weighs a forward KL, token by token: here a weaker pull (the forward KL is
+#   0.57 nats where the reverse is 2.0), in another direction.
+# - **k2 in the loss, the exact per-token KL** (Part 1's PPO term) **and k3 times the ratio** (TRL 1.16's default
+#   `beta` term) have one expected gradient (k2 and the exact KL equal to six digits on every seed, k3 × ratio to a
+#   relative error of 5e-7): the per-token reverse KL with the states held fixed. Cosine 0.97 (0.92, 1.00, 0.99),
+#   norm 0.74 (0.58, 0.99, 0.65). What they miss is the first token's share of the second token's KL; on seed 1 that
+#   share is small.
 # - **The distance decides whether any of this matters.** At a tenth of the main scale (KL 0.0007 nats) every cosine is
 #   above 0.997, and at 0.13 nats above 0.976; at 2 nats k3's falls to 0.79, at 8 nats to 0.74. Near the reference
 #   every KL gradient is the same to first order; they part once the policy has moved, which is when the KL term is
@@ -623,10 +636,14 @@ off_policy.plot(off_policy_result);
 #
 # - **A KL estimate can be right in value and wrong in gradient** (section 1). With y ~ π, k1, k3 and the exact
 #   per-token KL all have KL(π‖ref) as their expected value; in the loss, k1's expected gradient is exactly zero,
-#   while k1 put in the reward (RLOO, TRL's PPO) has exactly the sequence-level KL's gradient.
-# - **TRL's GRPO `beta` term follows a forward KL** (section 1): k3 in the loss has the gradient of the per-token
-#   KL(ref‖π) on the policy's states (Tang & Munos 2025). At 2 nats from the reference its cosine with the reverse-KL
-#   gradient was 0.79 (0.52 to 1.00 over 3 seeds), at 0.39 of its norm; more samples do not close that gap.
+#   while k1 put in the reward (RLOO, and TRL's PPO trainer up to TRL 1.12) has exactly the sequence-level KL's
+#   gradient.
+# - **k3 alone in the loss follows a forward KL** (section 1): Part 3's `beta` term, and TRL's GRPO with
+#   `use_bias_correction_kl=False` (its default before TRL 1.10), has the gradient of the per-token KL(ref‖π) on the
+#   policy's states (Tang & Munos 2025). At 2 nats from the reference its cosine with the reverse-KL gradient was 0.79
+#   (0.52 to 1.00 over 3 seeds), at 0.39 of its norm; more samples do not close that gap. TRL 1.16's default
+#   multiplies k3 by the ratio, and that term has the per-token reverse KL's expected gradient, the exact per-token
+#   KL's.
 # - **Per-token reverse-KL terms are partial, and the exact one is the least noisy** (section 1): k2 and the exact
 #   per-token KL miss the earlier tokens' share of the later ones' KL (cosine 0.97 here); the exact per-token KL's
 #   gradient from one sample is already within cosine 0.95 of its expectation.

@@ -208,7 +208,10 @@ except ValueError as error:
 # - **TRL counts optimizer steps.** With `num_iterations` μ > 1, each batch of rollouts serves μ optimizer steps, so
 #   `max_steps = steps × μ`.
 # - **TRL's defaults are not ours.** Its learning rate decays linearly to 0, it trains in bfloat16 with activation
-#   checkpointing, and it shuffles the prompts; `TRL_SETTINGS` turns each of these to what our trainer does.
+#   checkpointing, it shuffles the prompts, it saves checkpoints, and (trl 1.16) it multiplies the KL term k3 by the
+#   ratio (`use_bias_correction_kl`), which changes that term's gradient whenever `beta > 0` (Part 3, section 5);
+#   `TRL_SETTINGS` turns each of these to what our trainer does, and also writes out a few settings whose TRL default
+#   is already ours (no warm-up, no weight decay, the whole vocabulary sampled).
 #
 # And one that cannot be made the same: **the LoRA**. Hugging Face's GPT-2 computes q, k and v with one fused matrix
 # (`attn.c_attn`, whose output is `[q | k | v]`), so peft can only adapt the three together: one rank-4 LoRA whose A

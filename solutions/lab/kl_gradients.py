@@ -14,10 +14,12 @@ over both tokens: with the whole question "a+b=" the answer's first digit is cer
 pitfalls in KL divergence gradient estimation for RL", arXiv:2506.09477), which the numbers check:
   - k1 in the loss has zero expected gradient (sum_y pi(y) grad log pi(y) = grad sum_y pi(y) = 0);
   - k1 in the reward (score function) is the sequence-level reverse-KL gradient, exactly;
-  - k3 in the loss (TRL's GRPO `beta` term) has the expected gradient sum_t E_{s_t ~ pi}[grad KL(ref(.|s_t) ||
-    pi(.|s_t))]: a per-token FORWARD KL on the states the policy visits;
+  - k3 in the loss (TRL's GRPO `beta` term with use_bias_correction_kl=False, as in Part 3's trainer) has the
+    expected gradient sum_t E_{s_t ~ pi}[grad KL(ref(.|s_t) || pi(.|s_t))]: a per-token FORWARD KL on the states the
+    policy visits;
   - k2 in the loss and the exact per-token KL follow the per-token reverse KL with the states held fixed, which
-    misses the sequence-level term in which a first token is charged for the KL of what follows it.
+    misses the sequence-level term in which a first token is charged for the KL of what follows it; so does k3 times
+    the ratio pi / sg(pi) (TRL 1.16's default `beta` term, use_bias_correction_kl=True), checked at the main scale.
 
     run(seeds, smoke, **exercises) -> result;  summarize(result) -> JSON-ready dict;  plot(result, path) -> Figure
 """
@@ -39,7 +41,7 @@ from utils.models import load_model
 from utils.sampling import tokenize_prompts
 
 KINDS = part6_lab.KL_LOSSES
-LABELS = {"k1_loss": "k1 in the loss", "k2_loss": "k2 in the loss", "k3_loss": "k3 in the loss (TRL)",
+LABELS = {"k1_loss": "k1 in the loss", "k2_loss": "k2 in the loss", "k3_loss": "k3 in the loss",
           "exact_token_loss": "exact per-token KL", "k1_reward": "k1 in the reward"}
 
 
@@ -95,6 +97,17 @@ def _forward_kl_on_policy_states(first, second, ref_first, ref_second) -> torch.
     return forward_first + (first.exp().detach() * forward_second).sum()
 
 
+def _k3_times_ratio(weights, first, second, ref_first, ref_second) -> torch.Tensor:
+    """TRL 1.16's default `beta` term (use_bias_correction_kl=True): each token's k3 times its ratio pi / sg(pi),
+    which is 1 but carries a gradient; the surrogate of its expected gradient, over every completion (rows = every
+    first token, in order). By the theory its gradient is the exact per-token KL's."""
+    def k3_times_ratio(logp, ref_logp):
+        return part6_lab.token_kl_estimate(logp, ref_logp, "k3") * (logp - logp.detach()).exp()
+
+    per_token = k3_times_ratio(first, ref_first)[:, None] + k3_times_ratio(second, ref_second)  # [vocab, vocab]
+    return (weights.detach() * per_token).sum()
+
+
 def _scale_b(lora_model, b_start: dict, scale: float) -> None:
     with torch.no_grad():
         for key, adapter in lora_model.adapters.items():
@@ -145,6 +158,7 @@ def _exact_gradients(lora_model, prompt, reference, two_token_logprobs, estimato
     if identity:
         out["per_token_forward_on_policy_states"] = _flat_grad(
             _forward_kl_on_policy_states(first, second, ref_first, ref_second), params)
+        out["k3_times_ratio"] = _flat_grad(_k3_times_ratio(weights, first, second, ref_first, ref_second), params)
     out["weights"] = weights
     return out
 
@@ -213,7 +227,8 @@ def run(seeds: list[int], smoke: bool, two_token_logprobs=None, estimator_surrog
             bar.update(1)
             runs.append({"seed": seed, "prompt": text, "b_scale": calibrated * settings.b_std,
                          "by_scale": {s: _measure(g) for s, g in by_scale.items()},
-                         "k3_identity": _identity(main), "noise": noise})
+                         "k3_identity": _identity(main), "k3_ratio_identity": _ratio_identity(main),
+                         "noise": noise})
             _scale_b(lora_model, b_start, 1.0)
         base.reset_hooks()
     bar.close()
@@ -239,6 +254,12 @@ def _identity(g: dict) -> dict:
     return {"cosine": _cosine(k3, rhs), "relative_error": ((k3 - rhs).norm() / rhs.norm()).item()}
 
 
+def _ratio_identity(g: dict) -> dict:
+    """k3 times the ratio (TRL 1.16's default) against the exact per-token KL: equal, by the theory."""
+    k3_ratio, rhs = g["k3_times_ratio"], g["exact_token_loss"]
+    return {"cosine": _cosine(k3_ratio, rhs), "relative_error": ((k3_ratio - rhs).norm() / rhs.norm()).item()}
+
+
 # --- summary and figure -------------------------------------------------------------------------------------------
 
 def _per_seed(result: dict, value) -> list[float | None]:
@@ -256,7 +277,8 @@ def _mean(values: list):
 
 def summarize(result: dict) -> dict:
     """The JSON figures: per KL term, cosines with the exact reverse- and forward-KL gradients and the norm ratio at
-    the main scale (mean over seeds; per-seed values under "per_seed"); the KLs used; the k3 identity; the sweep."""
+    the main scale (mean over seeds; per-seed values under "per_seed"); the KLs used; the k3 and k3 × ratio
+    identities; the sweep."""
     def at(scale, key, field=None):
         return lambda r: r["by_scale"][scale][key] if field is None else r["by_scale"][scale][key][field]
 
@@ -275,6 +297,8 @@ def summarize(result: dict) -> dict:
     out["forward_kl"] = {"mean": round(_mean(_per_seed(result, at(1.0, "forward_kl"))), 4)}
     errors = [r["k3_identity"]["relative_error"] for r in result["runs"]]
     out["k3_equals_per_token_forward_kl_on_policy_states"] = {"max_relative_error": float(f"{max(errors):.3g}")}
+    errors = [r["k3_ratio_identity"]["relative_error"] for r in result["runs"]]
+    out["k3_times_ratio_equals_exact_per_token_kl"] = {"max_relative_error": float(f"{max(errors):.3g}")}
     out["scale_sweep"] = [
         {"scale": s, "reverse_kl": round(_mean(_per_seed(result, at(s, "reverse_kl"))), 4),
          **{f"cosine_reverse_{kind}": (None if (m := _mean(_per_seed(result, at(s, kind, "cosine_reverse")))) is None

@@ -42,7 +42,8 @@ GRPO_TO_TRL: dict[str, Knob] = {
     "lora_targets": Knob(None, "peft: LoraConfig(target_modules=...), GPT-2's module names: q, k, v -> attn.c_attn "
                                "(fused: one LoRA for all three, whose A is shared and which adapts k too), o -> "
                                "attn.c_proj, mlp_in -> mlp.c_fc, mlp_out -> mlp.c_proj", peft="target_modules"),
-    "beta": Knob("beta", "the same; TRL's default is 0 too (no reference model is loaded)"),
+    "beta": Knob("beta", "the same; TRL's default is 0 too (no reference model is loaded). With beta > 0 the same "
+                         "KL term needs use_bias_correction_kl=False (TRL_SETTINGS)"),
     "epsilon": Knob("epsilon", "the same (the ratio's clip below 1)"),
     "epsilon_high": Knob("epsilon_high", "the same; None means epsilon on both sides"),
     "loss_type": Knob("loss_type", "the same names and definitions (Part 3 checks ours against TRL's code)"),
@@ -65,21 +66,30 @@ GRPO_TO_TRL: dict[str, Knob] = {
     "wandb": Knob("report_to", "'wandb' or 'none'"),
 }
 
-# TRL settings with no knob of ours, whose TRL default differs from what our trainer does: (value, why)
+# TRL settings with no knob of ours, each set to what our trainer does: (value, why). Some of TRL's defaults (trl 1.16)
+# differ from it: TRL_DEFAULTS_THAT_DIFFER. The others are TRL's defaults already, written out so that the run does
+# not depend on them (tests/test_upstream.py checks which is which against the installed TRL).
 TRL_SETTINGS: dict[str, tuple[object, str]] = {
     "lr_scheduler_type": ("constant", "ours keeps the learning rate constant; TRL's default decays it linearly"),
-    "warmup_steps": (0, "no warm-up in ours"),
-    "weight_decay": (0.0, "our AdamW has no weight decay"),
+    "warmup_steps": (0, "no warm-up in ours (TRL's default too)"),
+    "weight_decay": (0.0, "our AdamW has no weight decay (TRL's default too)"),
     "activation_checkpointing": (False, "TRL turns gradient (activation) checkpointing on by default; ours keeps "
                                         "the activations"),
     "bf16": (False, "TRL trains in bfloat16 autocast by default; ours in float32"),
-    "gradient_accumulation_steps": (1, "one optimizer step per batch of rollouts, as ours"),
-    "steps_per_generation": (1, "a fresh batch of rollouts for every optimizer step (times num_iterations)"),
-    "shuffle_dataset": (False, "the prompts in the order we draw them, so that both runs see the same ones"),
-    "top_p": (1.0, "no nucleus filtering, as ours"),
-    "top_k": (0, "no top-k filtering, as ours (0 is TRL's 'off')"),
-    "save_strategy": ("no", "no checkpoints mid-run (the script saves the adapter at the end)"),
+    "gradient_accumulation_steps": (1, "one optimizer step per batch of rollouts, as ours (TRL's default too)"),
+    "steps_per_generation": (1, "a fresh batch of rollouts for every optimizer step (times num_iterations), as ours "
+                                "(TRL's default: it takes gradient_accumulation_steps' value, 1)"),
+    "shuffle_dataset": (False, "TRL shuffles the prompts by default; here they come in the order we draw them, so "
+                               "that both runs see the same ones"),
+    "top_p": (1.0, "no nucleus filtering, as ours (TRL's default too)"),
+    "top_k": (0, "no top-k filtering, as ours (TRL's default too; 0 is its 'off')"),
+    "save_strategy": ("no", "TRL saves a checkpoint every save_steps by default; none mid-run here (the script saves "
+                            "the adapter at the end)"),
+    "use_bias_correction_kl": (False, "ours adds beta × k3 per token; TRL's default (since trl 1.10) multiplies k3 by "
+                                      "the ratio, which changes the KL term's gradient whenever beta > 0"),
 }
+TRL_DEFAULTS_THAT_DIFFER = ("lr_scheduler_type", "activation_checkpointing", "bf16", "shuffle_dataset",
+                            "save_strategy", "use_bias_correction_kl")  # the rest of TRL_SETTINGS are its defaults
 
 # Our LoRA targets -> the module each adapts in Hugging Face's GPT-2: HF_MODULES in solutions/part7_production.py.
 # (q, k and v share one fused matrix there, attn.c_attn, so peft adapts the three together through one shared A.)
