@@ -28,10 +28,6 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import torch
-from jaxtyping import Float, Int
-from torch import Tensor
-
 ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
 if not (ROOT / "utils" / "harness.py").exists():
     raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
@@ -39,6 +35,12 @@ if not (ROOT / "utils" / "harness.py").exists():
                        "jupyter lab chapters/")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
 
 from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
 from utils.harness import check

@@ -38,12 +38,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-import torch
-import torch.nn as nn
-from jaxtyping import Bool, Float, Int
-from torch import Tensor
-from tqdm.auto import tqdm
-
 ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
 if not (ROOT / "utils" / "harness.py").exists():
     raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
@@ -51,6 +45,14 @@ if not (ROOT / "utils" / "harness.py").exists():
                        "jupyter lab chapters/")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
+
+import torch
+import torch.nn as nn
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
 
 from solutions.part0_warmup import get_logprobs, make_steering_hook  # Part 0, solved
 from utils.data import NEGATIVE, POSITIVE
@@ -465,19 +467,21 @@ plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explai
 
 # %% [markdown]
 # Look at the samples in the tables above. The model learns to write more, shorter sentences ("They are fun. You
-# feel warm."), which is as many full stops as 32 tokens of fluent text can hold: the reward levels off at 8 and
-# the KL at about 20 nats per sample. With seed 0 the run ends at 7.98 full stops per sample (the mean of the last
-# five phases, from 3.16 at the start) and a KL of 20.1 nats (at most 20.8). The clip fraction stays below 0.1 and
-# falls to nearly 0 once the reward has levelled off: the updates are small, nothing is being cut. The explained
-# variance climbs to about 0.5–0.8 while the reward climbs; once nearly every sample scores 8, the one that doesn't
-# dominates the normalised rewards, and the explained variance swings (down to −7 in that run): there is almost
-# nothing left to predict, so do not read it as a broken value head.
+# feel warm."), which is as many full stops as 32 tokens of fluent text can hold: the reward levels off at about 8
+# and the KL at about 20 nats per sample. Over seeds 0, 1 and 2, each run on one and on two threads, a run ends at
+# 7.94–8.12 full stops per sample (the mean of the last five phases, from 2.67–3.16 at the start; 3.16 for seed 0)
+# and a KL of 19.2–23.0 nats (at most 20.1–23.9). The clip fraction stays at about 0.1 or below (0.08–0.11 at its
+# highest, mostly in the first ten phases) and falls to nearly 0 once the reward has levelled off: the updates are
+# small, nothing is being cut. The explained variance climbs (to 0.79–0.95 at its highest) while the reward climbs;
+# once nearly every sample scores 8, the one that doesn't dominates the normalised rewards, and the explained
+# variance swings (down to between −1.4 and −24 in these runs): there is almost nothing left to predict, so do not
+# read it as a broken value head.
 #
-# How much a run moves: the same seed run with two threads instead of one ended at 7.99 and a KL of 20.3, against
-# 7.98 and 20.1 with one; seed 1 started from 2.67 (the first batch is a sample too) and ended at 7.98 with a KL
-# of 21.5 (at most 22.1). Float-level differences in the matmuls (thread count, CPU, torch version) change which
+# How much a run moves: seed 0 ended at 7.97 and a KL of 20.1 on one thread, 7.98 and 20.0 on two; seed 2 ended at
+# 8.00 and 19.5 on two threads but at 8.12 and 23.0 on one, its KL still climbing; seed 1 started from 2.67 (the
+# first batch is a sample too). Float-level differences in the matmuls (thread count, CPU, torch version) change which
 # tokens are sampled a few phases in, and the run goes its own way from there; so a result that differs from ours
-# in the second decimal, or a KL a few tenths away, is no sign of a bug in your loop. The tests compare your
+# in the second decimal, or a KL a few nats away, is no sign of a bug in your loop. The tests compare your
 # functions on tiny deterministic runs, where there is no such drift. Lower `kl_coef`
 # (try `PPOConfig(kl_coef=0.0)`) and it soon learns what the reward really counts: it emits `.` after almost
 # anything, and the KL shoots up. That is **reward hacking**, and the KL penalty is the standard, partial,
@@ -487,10 +491,11 @@ plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explai
 # - `PPOConfig(reward="sentiment")`: the same loop with the lexicon reward.
 # - `PPOConfig(lam=0.0)` (ARENA's one-step advantages) or `lam=1.0`: compare the explained variance and the speed.
 # - `PPOConfig(clip_value=0.2)`: the value clipping of CleanRL and of TRL's PPO trainer (section 5). In our runs of
-#   seeds 0, 1 and 2 (one thread) the reward ended where it does without it (7.97–7.99 full stops, against
-#   7.98–8.08) and the KL a little lower in all three (19.4–20.1 nats at the end, against 19.9–21.5; at most
-#   19.6–20.4, against 20.8–22.1). Three seeds are too few to call that a gain, which is why the clip stays off by
-#   default.
+#   seeds 0, 1 and 2 (one thread) the reward ended where it does without it (7.94–7.98 full stops, against
+#   7.94–8.12); the KL ended at 19.3–19.6 nats, against 19.2–23.0 (lower on seeds 0 and 2, a little higher on seed
+#   1), and peaked lower in all three (at most 19.5–20.2, against 20.2–23.9). Three seeds are too few to call that a
+#   gain, and the runs without the clip move as much with the thread count alone (on two threads they end at
+#   19.5–20.0 nats, at most 20.1–20.5), which is why the clip stays off by default.
 # - On a GPU, `PPOConfig.gpt2()` trains GPT-2 small on the same reward; `PPOConfig.gpt2(reward="classifier")` uses
 #   the IMDB sentiment classifier, with prompts of your choice (e.g. `prompts=("This movie was",)`).
 #

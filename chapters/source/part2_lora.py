@@ -24,13 +24,6 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import torch
-import torch.nn as nn
-from jaxtyping import Float
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from torch import Tensor
-
 ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
 if not (ROOT / "utils" / "harness.py").exists():
     raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
@@ -38,6 +31,15 @@ if not (ROOT / "utils" / "harness.py").exists():
                        "jupyter lab chapters/")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
+
+import torch
+import torch.nn as nn
+from jaxtyping import Float
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
 
 from solutions.part0_warmup import completion_logprobs  # Part 0, solved
 from solutions.part1_ppo import PPOConfig, PPOTrainer    # Part 1, solved

@@ -33,12 +33,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-import torch
-import torch.nn as nn
-from jaxtyping import Bool, Float
-from torch import Tensor
-from tqdm.auto import tqdm
-
 ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
 if not (ROOT / "utils" / "harness.py").exists():
     raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
@@ -46,6 +40,14 @@ if not (ROOT / "utils" / "harness.py").exists():
                        "jupyter lab chapters/")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
+
+import torch
+import torch.nn as nn
+from jaxtyping import Bool, Float
+from torch import Tensor
+from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs, get_logprobs           # Part 0, solved
 from solutions.part1_ppo import kl_exact, kl_k3, reward_char_count             # Part 1, solved
@@ -287,17 +289,20 @@ plot_curves(logger.history, ["accuracy", "reward/exact_answer", "completion_leng
             title="GRPO + LoRA on 2-digit additions");
 
 # %% [markdown]
-# Held-out accuracy (greedy decoding) climbs from 43% to about 90% (seed 0 ended at 90.4% in our run). How much
-# should yours move? The README's five seeds end between 86.4% and 90.6%, and the *same* seed moves by about 2
-# points from float-level differences alone: another thread count or CPU can sum floats in another order, one
-# sampled token changes, and the run drifts apart (seed 0 ended at 88.3% in the README's runs and at 90.4% in ours,
-# run with `RLHF_THREADS=1`). A result 2 points off ours is not a bug.
+# Held-out accuracy (greedy decoding) climbs from 43% to between 81% and 90% at step 150 (median 88%; seeds 0–4,
+# each run on one and on two torch threads), and its best evaluation along the way lies between 87% and 91%. How
+# much should yours move? The seed alone moves the end point by several points, and the end point is one sample of a
+# noisy curve: seed 2 stood at 91% at step 140 and ended at 81%. The *same* seed can also move by a couple of points
+# from float-level differences alone: another thread count or CPU sums floats in another order, one sampled token
+# changes, and the run drifts apart (seed 0 ends at 88.3% with `RLHF_THREADS=1` and at 90.4% with
+# `RLHF_THREADS=2`; seeds 1 to 4 happened to come out the same on both). A result in that range, or a point or two
+# outside it, is not a bug.
 #
 # Watch `zero_std_fraction`, the share of groups whose 8 rewards are all equal (advantages 0: they teach nothing).
-# In our runs it stays between 0 and 0.19 for seed 0 (0.31 at most for seed 1) and *falls* as training goes on,
-# from about 0.12–0.18 over the first 10 steps to about 0.03–0.04 over the last 10. Greedy answers become right,
+# In our runs (seeds 0–4, one and two threads) it never rises above 0.19–0.31 and *falls* as training goes on,
+# from 0.09–0.18 over the first 10 steps to 0.01–0.04 over the last 10. Greedy answers become right,
 # but training samples at temperature 1, and sampled answers are right less than half the time at the end
-# (`reward/exact_answer` rises from about 0.28 over the first 10 steps to 0.43–0.45 over the last 10): a group of 8
+# (`reward/exact_answer` rises from 0.26–0.29 over the first 10 steps to 0.41–0.46 over the last 10): a group of 8
 # is rarely all right. On a model whose samples are right most of the time, the fraction would rise, and fewer
 # samples would carry signal: that is why GRPO wants prompts of the right difficulty. DAPO's dynamic sampling (Yu et
 # al. 2025) keeps the batch full of groups with some spread by sampling more prompts than it needs and filtering out
@@ -323,11 +328,13 @@ print(f"per token: exact KL {masked_mean(exact, mask):.4f}, k3 estimate {masked_
       f"{k3[mask].std() / mask.sum().sqrt():.4f})")
 
 # %% [markdown]
-# Both measure the same thing, the KL(π‖ref) per token on the policy's samples, and k3 comes out lower: in our runs
-# 0.19 against an exact 0.25 (seed 0) and 0.16 against 0.21 (seed 1), about two standard errors below. k3 is
-# unbiased, but its terms are skewed: most are small, and the large ones come from tokens the policy rarely samples
-# and the reference likes much more ($\text{ref}/\pi$ large), so a few hundred tokens usually miss some of them and a
-# typical estimate falls a little short. The exact KL sums over the whole vocabulary at each position and has no
+# Both measure the same thing, the KL(π‖ref) per token on the policy's samples, and k3 usually comes out lower: in
+# our runs (seeds 0–4, one and two threads) the exact KL was 0.20–0.28 and k3 0.16–0.30, below it in four of the six
+# distinct runs (by 0.7 to 1.9 standard errors; seed 0 on one thread: 0.19 against 0.26) and above it in two (seeds
+# 2 and 4, by less than one). k3 is unbiased, but its terms are skewed: most are small, and the large ones come from
+# tokens the policy rarely samples and the reference likes much more ($\text{ref}/\pi$ large), so a few hundred
+# tokens usually miss some of them and a typical estimate falls a little short (and one that catches some
+# overshoots). The exact KL sums over the whole vocabulary at each position and has no
 # such noise, but it needs both models' full logits; k3 needs one log-prob per sampled token.
 
 # %% [markdown]

@@ -25,11 +25,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from jaxtyping import Bool, Float, Int
-from torch import Tensor
-
 ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
 if not (ROOT / "utils" / "harness.py").exists():
     raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
@@ -37,6 +32,13 @@ if not (ROOT / "utils" / "harness.py").exists():
                        "jupyter lab chapters/")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
 
 from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
 from utils.harness import check
@@ -179,7 +181,7 @@ kl_gradients.plot(kl_result);
 # - **k1 in the reward is the sequence-level reverse-KL gradient**: cosine 1.000000 and norm ratio 1.0000 on every seed.
 # - **k3 in the loss (Part 3's `beta` term) is not.** Cosine 0.79 with the reverse-KL gradient (0.52, 1.00, 0.85 on
 #   seeds 0, 1, 2), and 0.39 of its norm (0.72, 0.18, 0.26). Its expected gradient is the gradient of the per-token
-#   forward KL(ref‖π) on the states the policy visits, to a relative error of 4e-7 on every seed, and it is closer to
+#   forward KL(ref‖π) on the states the policy visits, to a relative error of 5e-7 on every seed, and it is closer to
 #   the sequence's forward-KL gradient (cosine 0.92) than to the reverse one. So `beta` on k3 alone (Part 3, and TRL
 #   with `use_bias_correction_kl=False`) weighs a forward KL, token by token: here a weaker pull (the forward KL is
 #   0.57 nats where the reverse is 2.0), in another direction.
@@ -290,13 +292,14 @@ hacking.plot(hacking_result);
 # What to look for (the numbers are from `python -m solutions.part6_lab --only hacking`, seeds 0, 1, 2):
 #
 # - **The judge is weak, as reward models are.** From 232 to 235 pairs per seed, the reward model ranks 67-76% of
-#   its training pairs right, and 63%, 58% and 49% of the 70 to 81 held-out pairs (seeds 0, 1, 2). Telling a right
+#   its training pairs right, and 63%, 60% and 49% of the 70 to 81 held-out pairs (seeds 0, 1, 2). Telling a right
 #   sum from a near miss takes arithmetic that a few hundred comparisons do not teach; what it learns instead is which
 #   answers *look* right. (What we tried did not change that: 450 pairs, 8 or 12 epochs, lr 3e-4, or training the
 #   head alone, or the last block and the head, all stayed between 48% and 65% on held-out pairs.)
-# - **Over-optimisation (left).** With `beta` 0, the proxy climbs in every seed, from 1.03 to 2.72 on average (per
-#   seed: 0.68 to 2.68, 0.95 to 2.68, 1.45 to 2.80; a Bradley-Terry score has no meaningful zero, so the panel shows
-#   the gain), while the gold score falls from 17.7% to 1.3% (19.5% to 1.6%, 14.1% to 0.8%, 19.5% to 1.6%). As in
+# - **Over-optimisation (left).** With `beta` 0, the proxy climbs in every seed, from 1.03 to 2.68–2.78 on average
+#   (the range is over one and two torch threads; per seed: 0.68 to 2.54–2.70, 0.96 to 2.72–2.76, 1.45 to
+#   2.73–2.92; a Bradley-Terry score has no meaningful zero, so the panel shows the gain), while the gold score falls
+#   from 17.7% to 1.3–1.6% (19.5% to 1.6%, 14.1% to 0.8%, 19.5% to 1.6–2.3%). As in
 #   Gao et al., it first rises in two seeds (to 24.2% and 21.9% at step 10; seed 1 holds at 13.3%), then falls once
 #   the policy is 1.5 to 3.5 nats from the reference.
 # - **What the policy found.** It stopped reading the question. It answers the few numbers the reward model rates
@@ -308,11 +311,13 @@ hacking.plot(hacking_result);
 #   to 84% (100%, 52%, 100%) while the gold score goes to 2.1% (0%, 6%, 0%). In seeds 0 and 2 every completion at the
 #   end is a string of words. The fix is one condition, `numbers and all(...)`; better, judge with the strict
 #   verifier (Part 3's `reward_exact_answer`), here the gold score. Trained against that fixed verifier, GRPO is
-#   Part 3's main job, which takes held-out accuracy from 42.7% to 88% (its learning rate is 3e-3, not this run's
+#   Part 3's main job, which takes held-out accuracy from 42.7% to 81–90% (its learning rate is 3e-3, not this run's
 #   1e-2).
-# - **`beta` as the leash (right).** At the end of 40 steps: `beta` 0 reaches a KL of 8.6 nats per completion (8.2 to
-#   8.9), proxy +1.69, gold 1.3%; `beta` 0.5, KL 0.58 (0.30 to 0.72), proxy +0.56, gold 15.9% (14.8% to 16.4%);
-#   `beta` 2, KL 0.03, proxy +0.18, gold 18.8% (16.4% to 21.1%), about where it started. The leash does not make the
+# - **`beta` as the leash (right).** At the end of 40 steps (means of the three seeds on one and on two threads, and
+#   in brackets the range of single runs): `beta` 0 reaches a KL of 8.5–9.1 nats per completion (7.9 to 9.4), proxy
+#   +1.65 to +1.75, gold 1.3–1.6%; `beta` 0.5, KL 0.60–0.63 (0.27 to 0.84), proxy +0.54 to +0.57, gold 15.4–15.6%
+#   (14.1% to 16.4%); `beta` 2, KL 0.04 (0.02 to 0.04), proxy +0.17, gold 19.0% (16.4% to 21.1%), about where it
+#   started. The leash does not make the
 #   proxy honest: it limits how far the policy can go to exploit it. Gao et al. report the same of their KL penalty:
 #   it acts like early stopping, holding the run back on the same gold-against-KL curve rather than lifting it (the
 #   `beta` 0 run passed a KL of 0.1 to 0.3 nats at step 10, with gold 13% to 24%, and 0.8 to 2.8 at step 20, with
@@ -407,14 +412,16 @@ length_bias.plot(length_bias_result);
 # and "end" pool the completions of the first and of the last 10 of the 45 steps):
 #
 # - **No gap opens between right and wrong answers, under any loss.** Mean length of wrong / right answers, start →
-#   end, mean over seeds: `grpo` 15.2 / 15.6 → 20.2 / 20.6; `dr_grpo` 14.9 / 15.5 → 16.1 / 16.2; `dapo` 14.9 / 15.8
-#   → 23.7 / 23.8; `grpo` with `scale_rewards="none"` 15.0 / 15.6 → 21.0 / 22.2. In every run the two curves move
-#   together: at the end they are never more than 1.2 tokens apart, where the length bias predicts wrong answers
+#   end, mean over seeds, on one thread or two: `grpo` 15.2 / 15.6 → 15.5 / 15.9 or 18.2 / 18.1; `dr_grpo` 14.9 /
+#   15.5 → 15.1 / 14.7 or 14.1 / 14.6; `dapo` 14.9 / 15.8 → 21.5 / 21.8 or 18.4 / 18.2; `grpo` with
+#   `scale_rewards="none"` 15.0 / 15.6 → 16.0 / 16.2 or 20.0 / 19.5. In every run the two curves move together: at
+#   the end they are never more than about 2 tokens apart, either way, where the length bias predicts wrong answers
 #   longer than right ones under `grpo` only.
 # - **What moves is the length of everything, and it moves by chance.** The seeds disagree by far more than the
-#   configurations do: under `dr_grpo` the wrong answers end at 7.6, 21.7 and 19.1 tokens; under `grpo` at 12.7, 24.0
-#   and 24.0. Six of the twelve runs end pressed against the 24-token limit (`grpo` 2 of 3, `dapo` 3 of 3,
-#   `grpo_scale_none` 1 of 3, `dr_grpo` 0 of 3); with three seeds that ranks nothing. The reward says nothing about
+#   configurations do: under `dr_grpo` the wrong answers end at 10.8, 23.9 and 10.7 tokens on one thread (9.2, 19.3
+#   and 13.8 on two); under `grpo` at 12.7, 24.0 and 9.9 (12.7, 24.0 and 18.0). The thread count alone moves a run's
+#   end length by up to 15 tokens. Five of the twelve runs on one thread, and three on two, end at or next to the
+#   24-token limit; with three seeds that ranks nothing. The reward says nothing about
 #   the words after the first, so those tokens carry pure noise, and with `lr` 1e-2 the noise random-walks the
 #   decision to stop. This is a lesson of its own: an unconstrained length drifts, whatever the loss.
 # - **The bias is there, and small.** The one-update measurement isolates it: how much more an update raises
@@ -424,7 +431,8 @@ length_bias.plot(length_bias_result);
 #   is positive (+0.012, +0.004, +0.005), but each value is smaller than the spread over seeds, and far smaller than
 #   the change both probes share (0.03 to 0.22 in size, its sign set by the batch). `dr_grpo` and `dapo` are
 #   identical here: on one batch they differ by a constant factor.
-# - **Accuracy barely moves** (about 0.5 → 0.52–0.57; one `grpo_scale_none` seed collapsed to no right answer at all):
+# - **Accuracy barely moves** (about 0.5 → 0.51–0.58, means over seeds; on two threads one `grpo_scale_none` seed
+#   collapsed to no right answer at all, on one thread it did not):
 #   the one token that decides the reward is drowned among the 15 or so free ones, which is the same noise again.
 #
 # Why so little, when Liu et al. saw wrong answers grow without end? Their responses run to thousands of tokens, so
@@ -618,9 +626,9 @@ off_policy.plot(off_policy_result);
 #   that has moved further. Over 16 steps the extra updates did not buy reward: 0.46, 0.44 and 0.43 over the last 5
 #   steps (standard deviations 0.01, 0.05 and 0.08 over seeds). They did buy a clip that has work to do.
 # - **Our sampler is the trainer, to float rounding.** The lean decoder and TransformerLens's `generate` give each
-#   token they drew a log-prob within 5.5e-6 of the trainer's (mean 3e-7): different kernels, a KV cache, the LoRA
+#   token they drew a log-prob within 7e-6 of the trainer's (mean 4e-7): different kernels, a KV cache, the LoRA
 #   merged or as hooks, and the same function. The same decoder in bfloat16 is off by 0.007 on average and 0.11 at
-#   worst, a probability 12% off. Weights 4 steps stale: 0.10 on average and 1.16 at worst, a factor of 3.
+#   worst, a probability 12% off. Weights 4 steps stale: 0.10 on average and 1.36 at worst, a factor of almost 4.
 # - **A stale sampler hurt, and TIS helped.** Trained on samples from weights 4 steps old, uncorrected, held-out
 #   accuracy fell from 42% to 14% at its lowest (9% to 22% over seeds, around step 10) and ended at 43%
 #   (28% to 53%). With TIS it fell to 37% at its lowest (28% to 42%) and ended at 57% (56% to 58%); the on-policy
@@ -649,17 +657,20 @@ off_policy.plot(off_policy_result);
 #   gradient from one sample is already within cosine 0.95 of its expectation.
 # - **A learned reward is a proxy, and RL finds its blind spots** (section 2). Against a reward model that ranks 49-63%
 #   of held-out pairs right, GRPO with `beta` 0 raised the proxy in all 3 seeds while the exact verifier's score fell
-#   from 17.7% to 1.3%: the policy came to answer "109" or "100" whatever the question.
+#   from 17.7% to 1.3–1.6%: the policy came to answer "109" or "100" whatever the question.
 # - **A bug in a verifier is a reward to be collected** (section 2): `all` of no numbers is True, and a completion with
 #   no number at all took the buggy reward to 100% in 2 seeds of 3, the gold score to 0.
-# - **`beta` is a leash, not a fix** (section 2): it bounds the KL (8.6 nats at `beta` 0, 0.58 at 0.5, 0.03 at 2) and
-#   so how much damage the proxy can do (gold 1.3%, 15.9%, 18.8%), and how much the proxy gains (+1.69, +0.56, +0.18).
+# - **`beta` is a leash, not a fix** (section 2): it bounds the KL (8.5–9.1 nats at `beta` 0, about 0.6 at 0.5, 0.04
+#   at 2) and so how much damage the proxy can do (gold 1.3–1.6%, about 15.5%, 19.0%), and how much the proxy gains
+#   (+1.65 to +1.75, about +0.55, +0.17).
 # - **Where a loss's length bias comes from is one line of arithmetic** (section 3): `"grpo"` gives each token of an
 #   L-token answer the weight 1/(B L), so a long wrong answer is penalised less per token; `"dr_grpo"` and `"dapo"`
 #   give every token of a batch one weight (and on one batch they are the same update).
 # - **A small bias does not show in a few noisy runs** (section 3): over 45 steps and 3 seeds no loss type opened a
-#   gap between the lengths of right and wrong answers (at most 1.2 tokens), while the length of everything drifted by
-#   chance (one loss type's seeds ended 7.6 to 21.7 tokens apart). One update measured on 256 completions shows the
+#   gap between the lengths of right and wrong answers (at most 2.1 tokens), while the length of everything drifted
+#   by chance (one loss type's seeds ended 10.7 to 23.9 tokens apart, and one thread against two moved a run by up to
+#   15). One update measured on 256 completions shows the
+
 #   predicted sign for `grpo` (+0.006 in log P(stop after a right answer) - log P(stop after a wrong one), against
 #   -0.001 for `dr_grpo`), smaller than the spread over seeds. Measure a mechanism where it acts, not only downstream.
 # - **Hooks make "what did RL change?" cheap** (section 4). With the LoRA as hooks it is one module run with
@@ -671,7 +682,7 @@ off_policy.plot(off_policy_result);
 #   instead of 82.2%), yet no block alone gets near all of them together.
 # - **The clip fires only off-policy** (section 5). With `num_iterations` 1 the ratio is exactly 1 and the clip
 #   fraction 0; with 2 and 4, 1.9% and 6.2% of the tokens are clipped (3 seeds), all of it in the later updates.
-# - **On-policy is a claim about the sampler** (section 5). Our lean decoder matches the trainer to 5.5e-6 in
-#   log-prob; in bfloat16 it is 0.11 off at worst, and weights 4 steps stale 1.16. Trained on 4-step-stale samples,
+# - **On-policy is a claim about the sampler** (section 5). Our lean decoder matches the trainer to 7e-6 in
+#   log-prob; in bfloat16 it is 0.11 off at worst, and weights 4 steps stale 1.36. Trained on 4-step-stale samples,
 #   held-out accuracy fell to 14% before recovering to 43%; truncated importance sampling (weights min(π/π_sampler,
 #   2)) kept its lowest at 37% (28% to 42%) and ended at 57%, against 63% on-policy.
