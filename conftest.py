@@ -7,6 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never wait on the network
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ["RLHF_SHAPE_CHECKS"] = "1"  # the solutions' shape annotations are checked at every call (solutions/__init__)
 
+import utils  # noqa: E402,F401  (before torch: the course's CPU wait policy, utils/cpu_policy.py)
 import random  # noqa: E402
 
 import pytest  # noqa: E402

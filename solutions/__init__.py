@@ -8,6 +8,8 @@ RLHF_SHAPE_CHECKS=0 turns the checks off (bench/shape_checks.py measures what th
 
 import os
 
+import utils  # noqa: F401  (first: the course's CPU wait policy must be set before torch loads)
+
 if os.environ.get("RLHF_SHAPE_CHECKS", "1") != "0":
     from jaxtyping import install_import_hook
 
