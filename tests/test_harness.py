@@ -181,6 +181,9 @@ def usage_of(solution) -> Usage:
     if inspect.isclass(solution):
         usage.wrapped = type(solution.__name__, (solution,), {n: record(f, usage) for n, f in functions.items()})
         usage.wrapped.__qualname__ = solution.__qualname__
+        # Marked as a wrapper of the reference, as functools.wraps marks the functions: the checker then counts this
+        # run as the reference's own, and needs no control run for the mutants' failures (utils/checker/environment.py)
+        usage.wrapped.__wrapped__ = solution
     else:
         usage.wrapped = record(solution, usage)
     return usage

@@ -242,10 +242,12 @@ def shared_tiny_model():
     if _tiny_model is None:
         from utils.models import load_model
 
-        _tiny_model = load_model("tiny", device="cpu")
-        _pristine = [(module, table, name, t, t.detach().clone(), t.requires_grad)
-                     for module in _tiny_model.modules() for table in ("_parameters", "_buffers")
-                     for name, t in getattr(module, table).items() if t is not None]
+        model = load_model("tiny", device="cpu")
+        pristine = [(module, table, name, t, t.detach().clone(), t.requires_grad)
+                    for module in model.modules() for table in ("_parameters", "_buffers")
+                    for name, t in getattr(module, table).items() if t is not None]
+        # Both at once: an interrupt while loading must leave no model behind without its saved weights.
+        _tiny_model, _pristine = model, pristine
     return _tiny_model
 
 

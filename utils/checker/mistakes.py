@@ -26,6 +26,7 @@ import torch
 
 from utils.checker.compare import CheckFailure
 from utils.checker.observe import recording, same
+from utils.upstream import EnvironmentMismatch
 
 # Seconds that diagnosing may take in one pytest session (None: no limit). check() sets a limit.
 budget_s: float | None = None
@@ -134,10 +135,13 @@ class MistakeFinder:
         self.passed.clear()
         RESULTS.clear()
 
-    def pytest_sessionfinish(self, session):
+    def pytest_sessionfinish(self, session, exitstatus):
         """A named mistake must also pass the tests the learner's version passed: replay the candidates on the
         passed tests they have not run yet (their fixtures are torn down by now, so a replay that breaks for another
         reason than a failed check proves nothing and is not kept)."""
+        if exitstatus == pytest.ExitCode.INTERRUPTED:  # stopped (an interrupt, check()'s time limit): stop now
+            self.passed.clear()
+            return
         try:
             for node, (item, funcargs, impl, name, mutants, state) in list(self.passed.items()):
                 if set(funcargs) & {"monkeypatch", "capsys", "capfd", "caplog"}:
@@ -179,8 +183,9 @@ class MistakeFinder:
             for mutant in likely(name):  # candidates named by earlier failures must pass this test too
                 if (item.nodeid, mutant) not in _cache and not self.out_of_time():
                     _cache[(item.nodeid, mutant)] = self.timed_replay(item, impl, name, mutant, state)
-        if exc is None or isinstance(exc, (NotImplementedError, KeyboardInterrupt, SystemExit, pytest.skip.Exception)):
-            return
+        if exc is None or isinstance(exc, (NotImplementedError, KeyboardInterrupt, SystemExit, pytest.skip.Exception,
+                                           EnvironmentMismatch)):
+            return  # nothing to diagnose: not written yet, stopped, skipped, or the libraries' fault (environment.py)
         if not learner.observations and learner.where[1] == "AssertionError":
             return  # a bare assert: nothing recorded to compare
         result.matches = self.diagnose(item, impl, name, mutants, learner, state)

@@ -1,30 +1,29 @@
 """Running one exercise's tests in-process, and `check()`, the line under each exercise in a notebook.
 
-check() must survive the learner's code: a function that never returns is stopped after a time limit and reported
-as such; Ctrl-C (the notebook's interrupt button) still interrupts the cell; a stub that was not written yet is
-reported as that, not as a failure.
+check() must survive the learner's code and the machine it runs on:
+
+- a function that never returns is stopped after a time limit and reported as such, and the notebook's interrupt
+  button stops check() at once, wherever it lands (stopping.py);
+- a stub that was not written yet is reported as that, not as a failure;
+- a failed test counts against the learner only if the course's own solution passes it here (environment.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import io
 import os
-import threading
+import sys
 import time
 from dataclasses import dataclass, field
-from unittest import mock
+
+import pytest
 
 from utils import harness
-from utils.checker import mistakes
+from utils.checker import environment, mistakes
+from utils.checker.stopping import Stop, StopAtBoundaries
 
 DEFAULT_TIMEOUT_S = 60.0
 DIAGNOSIS_BUDGET_S = 30.0  # of check()'s time, at most this much goes to naming the mistake
-
-
-class CheckTimeout(KeyboardInterrupt):
-    """Raised inside the running test when check()'s time limit is up (a KeyboardInterrupt, so pytest stops)."""
 
 
 @dataclass
@@ -37,12 +36,19 @@ class Outcome:
     likely: list[object] = field(default_factory=list)          # the wrong versions that explain every failure
     not_written: bool = False                                   # every failure was NotImplementedError
     timed_out: str | None = None                                # the test that was running when time ran out
-    interrupted: bool = False
+    environment: dict[str, str] = field(default_factory=dict)   # failed tests the course's solution fails here too
+    mismatched: list[str] = field(default_factory=list)         # failed tests that raised EnvironmentMismatch
+    unconfirmed: list[str] = field(default_factory=list)        # failed tests the course's solution had no time to run
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         return bool(self.passed) and not self.failed and not self.timed_out
+
+    @property
+    def not_judged(self) -> list[str]:
+        """The failed tests that say nothing about the code under test here (the environment's)."""
+        return [t for t, _ in self.failed if t in self.environment or t in self.mismatched]
 
 
 class _Collector:
@@ -52,10 +58,10 @@ class _Collector:
         self.outcome, self.running, self.stubs = outcome, None, 0
 
     def pytest_runtest_logstart(self, nodeid, location):
-        self.running = nodeid.split("::")[-1]
+        self.running = _test_name(nodeid)
 
     def pytest_runtest_logreport(self, report):
-        name = report.nodeid.split("::")[-1]
+        name = _test_name(report.nodeid)
         if report.when == "call" and report.passed:
             self.outcome.passed.append(name)
         elif report.failed:
@@ -67,8 +73,28 @@ class _Collector:
         if report.failed:
             self.outcome.failed.append(("collection", _message(report)))
 
-    def pytest_keyboard_interrupt(self, excinfo):
-        self.outcome.interrupted = True
+    def pytest_exception_interact(self, node, call, report):
+        if environment.is_environment_error(call.excinfo.value if call.excinfo else None):
+            self.outcome.mismatched.append(_test_name(node.nodeid) if isinstance(node, pytest.Item) else "collection")
+
+
+class _Only:
+    """A pytest plugin that keeps only the tests named (all of them when `names` is None)."""
+
+    def __init__(self, names: list[str] | None):
+        self.names = names
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if self.names is None:
+            return
+        keep = [item for item in items if _test_name(item.nodeid) in self.names]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+
+
+def _test_name(nodeid: str) -> str:
+    return nodeid.split("::")[-1]
 
 
 def _message(report) -> str:
@@ -89,72 +115,128 @@ def _without_notes(text: str) -> str:
     return text.split("\nLikely mistake", 1)[0].strip()
 
 
-class _Watchdog:
-    """Raises CheckTimeout in the thread that entered it, once `seconds` have passed (if they do)."""
+class _ProcessState:
+    """What a pytest session in the learner's process may leave changed if it is cut short (a stop can land in the
+    middle of pytest's own cleanup), and what check() must not change: the standard streams (pytest captures them,
+    and check() sends its report to a buffer), the environment variables (conftest.py sets some for test runs only)
+    and torch's process-wide settings. Captured once, put back however the run ended."""
 
-    def __init__(self, seconds: float | None):
-        self.seconds, self.fired, self.armed = seconds, False, False
-        self.lock = threading.Lock()
-        self.thread_id = threading.get_ident()
-        self.timer = None
+    STREAMS = ("stdin", "stdout", "stderr")
 
-    def _fire(self):
-        with self.lock:
-            if self.armed:
-                self.fired = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id),
-                                                           ctypes.py_object(CheckTimeout))
+    def __init__(self):
+        self.streams = {name: getattr(sys, name) for name in self.STREAMS}
+        self.fds = {}
+        for fd in (0, 1, 2):
+            try:
+                self.fds[fd] = os.dup(fd)
+            except OSError:
+                pass  # a closed descriptor: nothing to put back
+        self.environ = dict(os.environ)
+        self.torch = environment.ProcessSettings()
 
-    def __enter__(self):
-        if self.seconds:
-            self.armed = True
-            self.timer = threading.Timer(self.seconds, self._fire)
-            self.timer.daemon = True
-            self.timer.start()
-        return self
+    def restore(self) -> None:
+        for name, stream in self.streams.items():
+            setattr(sys, name, stream)
+        for fd, saved in self.fds.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        self.fds = {}
+        for key in set(os.environ) - set(self.environ):  # key by key: the environment never looks empty meanwhile
+            del os.environ[key]
+        for key, value in self.environ.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+        self.torch.restore()
 
-    def __exit__(self, *exc):
-        with self.lock:
-            self.armed = False
-        if self.timer is not None:
-            self.timer.cancel()
-        return False
+
+def _session(part: str, name: str, impl: str, plugins: list, *options: str) -> None:
+    """One pytest session over the tests of exercise `name`, against `--impl impl`, reporting only to `plugins`."""
+    # pytest's report goes to a buffer, not the notebook: the Collector keeps what the learner needs. (Turning the
+    # terminal plugin off instead would break pytest's explanation of a failed `assert a == b`.)
+    sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+    # The exercise tests need no plugin from other packages, and those can cost seconds (hypothesis's imports all of
+    # hypothesis at the end of the first session, a time when an interrupt must stop it at once).
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    pytest.main([str(harness.TESTS / f"test_{part}.py"), "--impl", impl, "--exercise", name, "-q",
+                 "-p", "no:cacheprovider", "-p", "no:unraisableexception",
+                 "-W", "ignore::pytest.PytestAssertRewriteWarning", *options],
+                plugins=plugins)
 
 
 def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None = None,
                        diagnosis_budget: float | None = None) -> Outcome:
-    """Run the tests of exercise `name` of `part` against `obj`, in this process, and return what happened."""
-    import pytest
+    """Run the tests of exercise `name` of `part` against `obj`, in this process, and return what happened.
 
-    harness.OVERRIDES[part] = {name: obj}
+    Raises KeyboardInterrupt, once everything is put back, if the run was interrupted.
+    """
     outcome = Outcome(name)
     collector = _Collector(outcome)
+    saved = _ProcessState()
     previous_budget, mistakes.budget_s = mistakes.budget_s, diagnosis_budget
     start = time.perf_counter()
-    watchdog = _Watchdog(timeout)
+    stop = Stop(timeout)
+    learner_done = False
     try:
-        # pytest's report goes to a buffer, not the notebook: the Collector keeps what the learner needs. (Turning
-        # the terminal plugin off instead would break pytest's explanation of a failed `assert a == b`.) patch.dict
-        # undoes what conftest.py sets for test runs only (HF_HUB_OFFLINE, WANDB_MODE) in the learner's session.
-        with mock.patch.dict(os.environ), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()), watchdog:
-            pytest.main([str(harness.TESTS / f"test_{part}.py"), "--impl", "memory", "--exercise", name, "-q",
-                         "-p", "no:cacheprovider", "-p", "no:unraisableexception",
-                         "-W", "ignore::pytest.PytestAssertRewriteWarning"],
-                        plugins=[collector])
-    except CheckTimeout:
-        pass  # it arrived between tests, or after pytest finished
+        stop.arm()
+        harness.OVERRIDES[part] = {name: obj}
+        _session(part, name, "memory", [collector, StopAtBoundaries(stop)])
+        harness.OVERRIDES.pop(part, None)
+        learner_done = not stop.stopped
+        if learner_done:
+            outcome.likely = mistakes.likely(name)
+            saved.torch.restore()  # the control must not inherit what the learner's code changed
+            _judge_failures(part, name, obj, outcome, stop)
+    except KeyboardInterrupt:
+        pass  # the time limit or an interrupt that landed outside pytest's hands: `stop` records which
+    except Exception:
+        if not stop.stopped:
+            raise
+        # pytest, stopped in the middle of setting itself up or of cleaning up, can fail in other ways: what
+        # happened is the stop, which is reported below
     finally:
+        stop.disarm()  # from here on, a stop is recorded, not raised: the cleanup below always runs
         harness.OVERRIDES.pop(part, None)
         mistakes.budget_s = previous_budget
-        harness.restore_shared_model()
+        try:
+            harness.restore_shared_model()
+        finally:  # whatever the learner's code did to the model, the notebook gets its streams and its handler back
+            saved.restore()
+            stop.close()
     outcome.seconds = time.perf_counter() - start
-    if watchdog.fired:
+    if stop.interrupted:
+        raise stop.interruption(f"check({name})")
+    if not learner_done and stop.timed_out:
         outcome.timed_out = collector.running or "(between tests)"
-        outcome.interrupted = False
-    outcome.likely = mistakes.likely(name)
     outcome.not_written = bool(outcome.failed) and collector.stubs == len(outcome.failed) and not outcome.passed
     return outcome
+
+
+def _judge_failures(part: str, name: str, obj: object, outcome: Outcome, stop: Stop) -> None:
+    """Never a false blame: find which failed tests fail on the course's own solution here too (environment.py).
+    A failure that cannot be judged here, or could not be confirmed in time, withdraws every named mistake."""
+    reference = getattr(harness.solutions_module(part), name, None)
+    if environment.is_the_reference(obj, reference):
+        environment.remember(part, name, outcome.passed, outcome.failed)  # this run was the control
+    suspects = [test for test, message in outcome.failed
+                if test not in outcome.mismatched and not message.startswith("NotImplementedError")]
+    to_run = environment.not_yet_run(part, name, suspects)
+    if to_run:
+        control = Outcome(name)
+        _session(part, name, "solutions", [_Collector(control), StopAtBoundaries(stop),
+                                           _Only(None if "collection" in to_run else to_run)],
+                 "-p", "no:mistake-finder")  # the reference's failures are not the learner's to diagnose
+        if not stop.stopped:  # a run cut short proves nothing about the tests it did not finish
+            reported = set(control.passed) | {test for test, _ in control.failed}
+            collection = dict(control.failed).get("collection")
+            if collection is None and "collection" in to_run:
+                control.passed.append("collection")  # the reference's run collected the file without an error
+            elif collection is not None:  # the reference cannot even collect them: it fails every one
+                control.failed += [(test, collection) for test in to_run if test not in reported]
+            environment.remember(part, name, control.passed, control.failed)
+    outcome.environment = environment.reference_failures(part, name, suspects)
+    outcome.unconfirmed = environment.not_yet_run(part, name, suspects)
+    if outcome.environment or outcome.mismatched or outcome.unconfirmed:
+        outcome.likely = []
 
 
 def check(obj: object, part: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -168,8 +250,6 @@ def check(obj: object, part: str | None = None, timeout: float = DEFAULT_TIMEOUT
         raise TypeError("check() takes the function or class you wrote, e.g. check(get_logprobs)")
     part = part or harness.part_defining(name)
     outcome = run_exercise_tests(part, name, obj, timeout=timeout, diagnosis_budget=DIAGNOSIS_BUDGET_S)
-    if outcome.interrupted:
-        raise KeyboardInterrupt(f"check({name}) was interrupted")
     print(report(outcome, part, timeout))
 
 
@@ -187,9 +267,23 @@ def report(outcome: Outcome, part: str, timeout: float | None = None) -> str:
         return f"⚠️ {name}: no test ran; is it an exercise of {part}?"
     if outcome.not_written:
         return f"✏️ {name}: not written yet (it still raises NotImplementedError). Write its body, then check again."
-    lines = [f"❌ {name}: {len(outcome.failed)} of {total} tests failed."]
+    not_judged = outcome.not_judged
+    if len(not_judged) == len(outcome.failed):
+        lines = [f"⚠️ {name}: {len(outcome.failed)} of {total} tests failed, and not because of your code: this "
+                 "machine's environment is at fault (see below)."]
+    else:
+        lines = [f"❌ {name}: {len(outcome.failed)} of {total} tests failed."]
     for test, message in outcome.failed:
-        lines.append(f"\n  {test}:\n    " + message.replace("\n", "\n    "))
+        aside = " (not your code: see below)" if test in not_judged else ""
+        lines.append(f"\n  {test}:{aside}\n    " + message.replace("\n", "\n    "))
+    if not_judged:
+        lines.append("\n" + environment.explain(
+            name, outcome.environment, outcome.mismatched, every_failure=len(not_judged) == len(outcome.failed),
+            failures=dict(outcome.failed), others_confirmed=not outcome.unconfirmed))
+    if outcome.unconfirmed:
+        lines.append("\n" + environment.explain_unconfirmed(name, outcome.unconfirmed))
+    if not_judged or outcome.unconfirmed:
+        return "\n".join(lines)
     named = outcome.likely
     if named:
         if len(named) == 1:

@@ -1,0 +1,132 @@
+"""Never a false blame: a failed test counts against the learner only if the course's own solution passes it here.
+
+A test can fail on this machine for reasons that have nothing to do with the code under test: a library release that
+changed what the course relies on (transformers 5.24 made TransformerLens's cached `generate` decode wrongly, and a
+test that compares with `generate` then fails on the reference itself), a missing optional package, another float
+behaviour. Naming a "likely mistake" then blames the learner for the machine. So before check() names a mistake, the
+tests that failed are run on the reference solution (the *control*), once per process for each test:
+
+- a test that fails on the reference too says nothing about the learner's code; check() says so, with how this
+  machine's libraries differ from the tested ones (utils/upstream.py), and names no mistake at all: a known wrong
+  version is recognised by how it fails *every* test, and a test that cannot be judged here breaks that comparison;
+- a test that raised `EnvironmentMismatch` (the course's own check that the libraries decode correctly) is the
+  environment's by definition, and needs no control;
+- a control that could not finish (check()'s time limit) leaves the failure unconfirmed: no mistake is named.
+
+The control runs in this process, after the learner's code: settings a learner's code may have changed for the whole
+process (torch's grad mode, default dtype, ...) are put back first, so that the reference is not failed by them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from utils.upstream import EnvironmentMismatch, differences_from_lock, environment_report
+
+# (part, exercise, test) -> how the reference fails that test on this machine, or None when it passes
+_reference_runs: dict[tuple[str, str, str], str | None] = {}
+
+
+def remember(part: str, exercise: str, passed: Iterable[str], failed: Iterable[tuple[str, str]]) -> None:
+    """Record a run of the reference: the tests it passed, and (test, message) for those it failed."""
+    for test in passed:
+        _reference_runs[(part, exercise, test)] = None
+    for test, message in failed:
+        _reference_runs[(part, exercise, test)] = message
+
+
+def not_yet_run(part: str, exercise: str, tests: Iterable[str]) -> list[str]:
+    """Those of `tests` whose run on the reference is not known yet in this process."""
+    return [t for t in tests if (part, exercise, t) not in _reference_runs]
+
+
+def reference_failures(part: str, exercise: str, tests: Iterable[str]) -> dict[str, str]:
+    """{test: how the reference fails it here} for those of `tests` that the reference is known to fail."""
+    known = {t: _reference_runs.get((part, exercise, t)) for t in tests}
+    return {t: message for t, message in known.items() if message is not None}
+
+
+def is_environment_error(exc: BaseException | None) -> bool:
+    """Whether a test's exception says, by its type, that the libraries are at fault (not the code under test)."""
+    return isinstance(exc, EnvironmentMismatch)
+
+
+def is_the_reference(obj: object, reference: object) -> bool:
+    """Whether `obj` is the reference itself, or a wrapper that declares it calls the reference and nothing else
+    (`__wrapped__`, as functools.wraps sets it; the meta-test's recording wrapper): then its run *is* the control.
+    Only the object's own attribute counts: a learner's subclass of a reference class is not the reference."""
+    return obj is reference or (reference is not None and getattr(obj, "__dict__", {}).get("__wrapped__") is reference)
+
+
+class ProcessSettings:
+    """The process-wide torch settings a learner's code can change in passing (`torch.set_grad_enabled(False)` instead
+    of `with torch.no_grad():`, a new default dtype, ...), captured so that they can be put back."""
+
+    def __init__(self):
+        self.grad = torch.is_grad_enabled()
+        self.dtype = torch.get_default_dtype()
+        self.device = torch.get_default_device() if hasattr(torch, "get_default_device") else None
+        self.anomaly = torch.is_anomaly_enabled()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+
+    def restore(self) -> None:
+        # Only what changed: some setters import much of torch on first use (use_deterministic_algorithms: dynamo).
+        if torch.is_grad_enabled() != self.grad:
+            torch.set_grad_enabled(self.grad)
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+        if self.device is not None and torch.get_default_device() != self.device:
+            torch.set_default_device(self.device)
+        if torch.is_anomaly_enabled() != self.anomaly:
+            torch.set_anomaly_enabled(self.anomaly)
+        if torch.are_deterministic_algorithms_enabled() != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic)
+
+
+def _tests(names: list[str]) -> str:
+    quoted = ["collecting the test file" if n == "collection" else f"`{n}`" for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def _first_line(message: str, limit: int = 240) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else "(no message)"
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
+def explain(name: str, broken: dict[str, str], mismatched: list[str], every_failure: bool,
+            failures: dict[str, str] | None = None, others_confirmed: bool = True) -> str:
+    """What check() prints when failed tests fail on the reference too (`broken`: test -> how the reference fails it)
+    or raised EnvironmentMismatch (`mismatched`, whose own message already says how the libraries differ).
+    `failures` (test -> the learner's message) spares repeating a reference failure that reads the same."""
+    failures = failures or {}
+    causes = []
+    if broken:
+        causes.append(f"{_tests(sorted(broken))} fail{'s' if len(broken) == 1 else ''} on the course's own solution "
+                      "on this machine too")
+    if mismatched:
+        causes.append(f"{_tests(mismatched)} stopped at the course's own check that the installed libraries do what "
+                      "it relies on (EnvironmentMismatch, above)")
+    judged = "this test cannot" if len(broken) + len(mismatched) == 1 else "these tests cannot"
+    lines = [f"⚠️ Not your code: {'; '.join(causes)}, so {judged} judge your {name} here."]
+    lines += [f"  The course's solution, in {test}: {_first_line(broken[test])}" for test in sorted(broken)
+              if broken[test] != failures.get(test)]
+    if broken:
+        lines.append(f"The environment differs from the one the course was tested in. {environment_report()}")
+    if not differences_from_lock():  # the libraries are the tested ones: this process may have been changed under them
+        lines.append("If code run earlier in this session patched a library or changed a global setting, restart the "
+                     "kernel and check again.")
+    if not every_failure:
+        lines.append(f"No likely mistake is named: a known wrong version of {name} is recognised by how it fails every "
+                     "test, and not every test can be judged here."
+                     + (" The other failures above pass on the course's solution here: those are your code's."
+                        if others_confirmed else ""))
+    return "\n".join(lines)
+
+
+def explain_unconfirmed(name: str, tests: list[str]) -> str:
+    """What check() says when the control could not finish in time."""
+    return (f"No likely mistake is named: there was no time left to run {_tests(tests)} on the course's own solution, "
+            f"which is how the checker makes sure that a failure is your code's and not this machine's "
+            f"(check({name}, timeout=...) gives it longer).")
