@@ -17,9 +17,12 @@ from __future__ import annotations
 import os
 import sys
 
-# GNU OpenMP spins this many times before a waiting thread sleeps (its default is 300,000; see
-# bench/side_by_side.py for how the choice was measured).
-WAIT_POLICY = {"GOMP_SPINCOUNT": "10000"}
+# GNU OpenMP spins this many times before a waiting thread sleeps (its default is 300,000). Measured on 2 cores with
+# bench/side_by_side.py (a worker's time side by side / its time alone; alone, against the default's): 300,000:
+# 6x; 10,000: 2.9x; 3,000: 2.1x; 1,000: 1.6-1.7x, alone 1.3x slower; 100: 1.5x, alone 1.4x slower; no spinning at
+# all (OMP_WAIT_POLICY=PASSIVE): 3.0x, since every wake-up then goes through the kernel. 1,000 is the largest count
+# that keeps two processes within their fair share (2x).
+WAIT_POLICY = {"GOMP_SPINCOUNT": "1000"}
 
 
 def apply_wait_policy() -> bool:
