@@ -154,23 +154,23 @@ def _bench_spec(name: str) -> str | None:
 
 def table(report: dict, with_trl: bool) -> str:
     """The canary's table, in Markdown, and the failures under it."""
-    from utils.upstream import COURSE_LIBRARIES, _normal, _same, locked_versions
+    from utils.upstream import COURSE_LIBRARIES, normal_name, same_version, locked_versions
 
     locked = locked_versions()
-    versions = {_normal(k): v for k, v in report["versions"].items()}
+    versions = {normal_name(k): v for k, v in report["versions"].items()}
     upstream = [t for t in report["tests"] if t["libraries"] is not None]
     rows = [("package", "locked", "installed here", "its upstream tests")]
     for name in COURSE_LIBRARIES:
         mine = [t for t in upstream if name in t["libraries"]]
-        have = versions.get(_normal(name))
-        lock = locked.get(_normal(name), "–")
+        have = versions.get(normal_name(name))
+        lock = locked.get(normal_name(name), "–")
         if name == "torch":
             have = f"{have} (held at the lock)"
         elif name == "trl":
             lock = f"– (requirements-bench.txt: {_bench_spec('trl') or 'not named'})"
             if have is None:
                 have = "not installed" + ("" if with_trl else " (--with-trl installs it)")
-        elif have is not None and lock != "–" and not _same(have, lock):
+        elif have is not None and lock != "–" and not same_version(have, lock):
             have = f"**{have}**"
         rows.append((name, lock, have or "not installed", _count(mine)))
     own = [t for t in upstream if not t["libraries"]]
@@ -189,8 +189,8 @@ def table(report: dict, with_trl: bool) -> str:
             blame = ", ".join(t["libraries"]) if t["libraries"] else "course" if t["libraries"] is None else "-"
             lines.append(f"- {t['name']} [{blame}]: {t['message']}")
     others = sorted(f"{name} {locked[name]} -> {version}" for name, version in versions.items()
-                    if name in locked and not _same(version, locked[name])
-                    and name not in {_normal(n) for n in COURSE_LIBRARIES})
+                    if name in locked and not same_version(version, locked[name])
+                    and name not in {normal_name(n) for n in COURSE_LIBRARIES})
     if others:
         lines.append("")
         lines.append(f"Other packages that differ from the lock: {', '.join(others)}")

@@ -32,7 +32,7 @@ class EnvironmentMismatch(RuntimeError):
     """The installed libraries do not do what the course relies on: the machine is at fault, not the code."""
 
 
-def _normal(name: str) -> str:
+def normal_name(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503: transformer_lens == transformer-lens
 
 
@@ -54,11 +54,11 @@ def locked_versions(lock: Path = LOCK) -> dict[str, str]:
     for line in lock.read_text().splitlines():
         match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)\s*(?:;\s*(.+))?$", line.strip())
         if match and (match[3] is None or Marker(match[3]).evaluate()):
-            pins[_normal(match[1])] = match[2]
+            pins[normal_name(match[1])] = match[2]
     return pins
 
 
-def _same(installed: str, locked: str) -> bool:
+def same_version(installed: str, locked: str) -> bool:
     return installed.split("+")[0] == locked.split("+")[0]  # torch 2.13.0+cpu is the lock's torch 2.13.0
 
 
@@ -68,8 +68,8 @@ def differences_from_lock(names=COURSE_LIBRARIES) -> list[str]:
     pins = locked_versions()
     found = []
     for name in names:
-        have, tested = installed_version(name), pins.get(_normal(name))
-        if have is not None and tested is not None and not _same(have, tested):
+        have, tested = installed_version(name), pins.get(normal_name(name))
+        if have is not None and tested is not None and not same_version(have, tested):
             found.append(f"{name} {have} (tested: {tested})")
         elif have is None and tested is not None:
             found.append(f"{name} not installed (tested: {tested})")
@@ -157,7 +157,7 @@ def colab_constraints(requirements: list[str], installed=installed_version, lock
         if text:
             requirement = Requirement(text)
             if requirement.marker is None or requirement.marker.evaluate():
-                ranges[_normal(requirement.name)] = requirement.specifier
+                ranges[normal_name(requirement.name)] = requirement.specifier
     pins = []
     for name, version in locked_versions(lock).items():
         have = installed(name)
