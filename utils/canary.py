@@ -31,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from utils.upstream import ROOT  # the repository root, once (upstream.py imports nothing heavy)
+
 TESTS = ("tests/test_upstream.py", "tests/test_part0_warmup.py")  # the second: a cheap signal from the course itself
 UPSTREAM_TESTS = TESTS[0]
 CANARY_COMMENT = re.compile(r"#\s*canary:\s*(\S.*?)\s*$")
