@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the course on the path
 
-from utils import harness, notebooks  # noqa: E402
+from utils import notebooks  # noqa: E402
+from utils.checker import layout  # noqa: E402
+from utils.checker.layout import ROOT  # noqa: E402
 
 
 def run_notebook(part: str, smoke: bool) -> float:
@@ -42,7 +43,7 @@ def run_notebook(part: str, smoke: bool) -> float:
         nb = notebooks.with_solutions(part)
         start = time.perf_counter()
         NotebookClient(nb, timeout=1800, kernel_name="python3",
-                       resources={"metadata": {"path": str(harness.CHAPTERS)}}).execute()
+                       resources={"metadata": {"path": str(layout.CHAPTERS)}}).execute()
         return time.perf_counter() - start
 
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tabulate import tabulate
     from tqdm.auto import tqdm
 
-    parts = args.parts or harness.parts()
+    parts = args.parts or layout.parts()
     modes = ["smoke"] + ([] if args.no_learner else ["learner"])
     figures: dict = {"cores": len(os.sched_getaffinity(0)), "threads_env": os.environ.get("RLHF_THREADS")}
     rows = []

@@ -29,7 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the course on the path
+
 CASES = ("lora_hooks", "none", "old_adapter", "precomputed", "lora_copy", "full_copy")
 
 
@@ -62,7 +63,6 @@ def run_case(case: str, size: str, device: str, batch: int, seq: int) -> dict:
     import torch
     from transformers import GPT2LMHeadModel
 
-    sys.path.insert(0, str(ROOT))
     from solutions.part1_ppo import PolicyWithValueHead
     from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
     from utils.models import bridge_from_hf, count_parameters, load_tiny_hf, set_cpu_threads, tiny_hf_config

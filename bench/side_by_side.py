@@ -24,7 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the course on the path
+
+from utils.checker.layout import ROOT  # noqa: E402
 
 WORKER = """
 import sys, time

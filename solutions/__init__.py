@@ -1,4 +1,4 @@
-"""The reference solutions, one module per part.
+"""The reference solutions, one module per part (a package for a part with several topics: part6_lab/).
 
 Their shape annotations (jaxtyping, e.g. `Float[Tensor, "batch gen"]`) are contracts checked at every call, in
 scripts and notebooks as in the tests: a tensor of the wrong shape is refused at the call with the name of the

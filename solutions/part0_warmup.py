@@ -14,8 +14,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from utils.contracts import (a_finite_value_per_row, a_number, at_least, at_most_size, contract, d_model_of, layer_of, optional, token_ids_of,
-                             within_context)
+from utils.contracts import (TEMPERATURE, TOP_K, a_finite_value_per_row, a_number, at_least, at_most_size, contract,
+                             d_model_of, layer_of, token_ids_of, within_context)
 from utils.data import addition_accuracy, addition_pairs
 from utils.logger import print_figures, samples_table
 from utils.models import load_model
@@ -31,10 +31,10 @@ def get_logprobs(
     tokens: Int[Tensor, "batch seq"],
     prefix_len: int = 1,
 ) -> Float[Tensor, "batch gen"]:
-    """Log-probability that the model gives each token of `tokens` from position `prefix_len` on.
+    """Log-probability of each token of `tokens` from position `prefix_len` on; logits[:, t] scores tokens[:, t+1].
 
-    `logits[:, t]` is the prediction made after reading `tokens[:, :t+1]`, so it scores `tokens[:, t+1]`.
-    Returns a [batch, seq - prefix_len] tensor whose column j is log P(tokens[:, prefix_len + j] | all before).
+    Returns: [batch, seq - prefix_len]; column j is log P(tokens[:, prefix_len + j] | the tokens before it).
+    Raises: ValueError unless 1 <= prefix_len < seq.
     """
     if not 1 <= prefix_len < tokens.shape[1]:
         raise ValueError(f"prefix_len must be in [1, seq), got {prefix_len} for seq = {tokens.shape[1]}")
@@ -45,17 +45,15 @@ def get_logprobs(
 # --- 2. Sampling one token: temperature and top-k ----------------------------------------------------------
 
 @contract(at_most_size("top_k", "logits", -1, "the vocabulary's tokens"), a_finite_value_per_row("logits"),
-          no_nan=("logits",),
-          temperature=at_least(0.0, "0 is greedy; below 0 the least likely tokens would win"),
-          top_k=optional(at_least(1, "None keeps the whole vocabulary")))
+          no_nan=("logits",), temperature=TEMPERATURE, top_k=TOP_K)
 def sample_next_token(
     logits: Float[Tensor, "batch vocab"],
     temperature: float = 1.0,
     top_k: int | None = None,
 ) -> Int[Tensor, "batch"]:
-    """Draw one token per row from softmax(logits / temperature), restricted to the top_k most likely tokens.
+    """One token per row, drawn from softmax(logits / temperature) over the top_k most likely tokens (None: all).
 
-    temperature == 0 means greedy: the most likely token. top_k=None keeps the whole vocabulary.
+    Returns: [batch] token ids; with temperature == 0, each row's most likely token (greedy).
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -69,9 +67,7 @@ def sample_next_token(
 # --- 3. A sampling loop, without a KV cache ----------------------------------------------------------------
 
 @torch.no_grad()
-@contract(within_context("tokens", "max_new_tokens"), max_new_tokens=at_least(0),
-          temperature=at_least(0.0, "0 is greedy; below 0 the least likely tokens would win"),
-          top_k=optional(at_least(1, "None keeps the whole vocabulary")))
+@contract(within_context("tokens", "max_new_tokens"), max_new_tokens=at_least(0), temperature=TEMPERATURE, top_k=TOP_K)
 def generate_no_cache(
     model,
     tokens: Int[Tensor, "batch pos"],
@@ -79,9 +75,9 @@ def generate_no_cache(
     temperature: float = 1.0,
     top_k: int | None = None,
 ) -> Int[Tensor, "batch total"]:
-    """Append `max_new_tokens` sampled tokens to each row, re-running the whole sequence at every step.
+    """Append `max_new_tokens` tokens to each row, one sample_next_token per step on the whole sequence's last logits.
 
-    Returns the [batch, pos + max_new_tokens] tokens (prompt included). No EOS handling: it keeps going.
+    Returns: [batch, pos + max_new_tokens], the prompt included. No EOS handling: it keeps going.
     """
     for _ in range(max_new_tokens):
         next_logits = model(tokens)[:, -1]  # only the last position predicts the next token
@@ -93,9 +89,9 @@ def generate_no_cache(
 # --- 4. Log-probs of sampled completions -------------------------------------------------------------------
 
 def completion_logprobs(model, samples: Samples) -> Float[Tensor, "batch gen"]:
-    """Log-prob of each completion token of `samples` under `model`, and 0 after each completion's first EOS.
+    """Log-prob under `model` of each completion token of `samples`, from one forward pass with samples.attention_mask.
 
-    Prompts are left-padded, so the forward pass needs the attention mask (it also fixes the positions).
+    Returns: [batch, gen], 0 where samples.completion_mask is False (after each completion's first EOS).
     """
     logits = model(samples.ids, attention_mask=samples.attention_mask)
     logprobs = get_logprobs(logits, samples.ids, prefix_len=samples.prompt_len)
@@ -106,7 +102,7 @@ def completion_logprobs(model, samples: Samples) -> Float[Tensor, "batch gen"]:
 
 @contract(finite=("direction",), scale=a_number())
 def make_steering_hook(direction: Float[Tensor, "d_model"], scale: float) -> Callable:
-    """A TransformerLens hook function that adds `scale * direction` to the residual stream at every position."""
+    """Returns: a TransformerLens hook function, hook(resid, hook) -> resid + scale * direction (at every position)."""
 
     def hook(resid: Float[Tensor, "batch pos d_model"], hook) -> Float[Tensor, "batch pos d_model"]:
         return resid + scale * direction
@@ -122,8 +118,11 @@ def steered_logprobs(
     direction: Float[Tensor, "d_model"],
     scale: float,
 ) -> Float[Tensor, "batch gen"]:
-    """Log-probs of `tokens` (as get_logprobs with prefix_len=1) while `scale * direction` is added to the
-    residual stream after block `layer`. The hook is active for this call only."""
+    """Log-probs of `tokens` with `scale * direction` added to the residual stream after block `layer`
+    (blocks.{layer}.hook_resid_post); the hook is active for this call only.
+
+    Returns: [batch, seq - 1], as get_logprobs with prefix_len=1.
+    """
     hook = make_steering_hook(direction, scale)
     logits = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.hook_resid_post", hook)])
     return get_logprobs(logits, tokens)
@@ -137,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", nargs="+", default=["This is", "The", "My friend", "12+34="])
     parser.add_argument("--samples-per-prompt", type=cli.at_least(1), default=3)
     parser.add_argument("--max-new-tokens", type=cli.at_least(1), default=20)
-    parser.add_argument("--temperature", type=cli.at_least(0.0, "0 is greedy"), default=1.0)
+    parser.add_argument("--temperature", type=cli.at_least(0.0, TEMPERATURE.why), default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
     args = parser.parse_args(argv)

@@ -29,7 +29,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from solutions.part0_warmup import get_logprobs
-from utils.contracts import above, at_least, between, check_fields, contract, needs, nonempty, one_of, optional
+from utils.contracts import (ENT_COEF, GAMMA, KL_WEIGHT, LAM, PHASES, PPO_CLIP_RANGE, TEMPERATURE, VF_COEF, above,
+                             at_least, between, check_fields, contract, needs_old_values, nonempty, one_of,
+                             value_clip)
 from utils.data import NEGATIVE, POSITIVE
 from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean, masked_var, masked_whiten
@@ -45,10 +47,8 @@ PROVIDED = ("load_sentiment_classifier", "ReplayMemory", "PPOConfig", "PPOTraine
 # --- 1. A value head on a hook -----------------------------------------------------------------------------
 
 class PolicyWithValueHead(nn.Module):
-    """The language model plus a value head: a small MLP that reads the final residual stream through a hook.
-
-    `self.model` is the TransformerLens model; `self.value_head` maps a [..., d_model] residual vector to
-    [..., 1]. Calling the module returns (logits, values) from one forward pass of the model.
+    """The language model (`self.model`) plus a value head (`self.value_head`: Linear(d_model, d_hidden), ReLU,
+    Linear(d_hidden, 1)) that reads the final residual stream, blocks.{n_layers - 1}.hook_resid_post, through a hook.
     """
 
     def __init__(self, model, d_hidden: int = 64):
@@ -62,10 +62,9 @@ class PolicyWithValueHead(nn.Module):
         tokens: Int[Tensor, "batch seq"],
         attention_mask: Int[Tensor, "batch seq"] | None = None,
     ) -> tuple[Float[Tensor, "batch seq vocab"], Float[Tensor, "batch seq"]]:
-        """(logits, values): values[:, t] is the value head's estimate of the return after reading tokens[:, :t+1].
+        """One forward pass of the model, with the hook active during this call only; gradients reach head and model.
 
-        One forward pass; the hook is active during this call only, and gradients reach both the head and the
-        model (they share the trunk).
+        Returns: (logits, values); values[:, t] is the value head's estimate after reading tokens[:, :t+1].
         """
         stored = {}
 
@@ -81,11 +80,10 @@ def completion_slice(
     x: Float[Tensor, "batch seq *rest"],
     prompt_len: int,
 ) -> Float[Tensor, "batch gen *rest"]:
-    """The entries of a per-position output (logits or values) at the positions that choose the completion tokens.
+    """A per-position output (logits or values) at the positions that choose the completion tokens.
 
-    Position t has read tokens[:, :t+1] and chooses token t+1, so the completion tokens tokens[:, prompt_len:]
-    are chosen at positions prompt_len - 1 .. seq - 2. Returns a [batch, seq - prompt_len, ...] tensor whose
-    column j belongs to completion token j. Raises ValueError unless 1 <= prompt_len < seq.
+    Returns: positions prompt_len - 1 to seq - 2, [batch, seq - prompt_len, ...]: column j chose completion token j.
+    Raises: ValueError unless 1 <= prompt_len < seq.
     """
     if not 1 <= prompt_len < x.shape[1]:
         raise ValueError(f"prompt_len must be in [1, seq), got {prompt_len} for seq = {x.shape[1]}")
@@ -96,14 +94,14 @@ def completion_slice(
 
 @contract(char=nonempty("an empty string would be counted between every two characters"))
 def reward_char_count(texts: list[str], char: str = ".") -> Float[Tensor, "batch"]:
-    """How many times `char` appears in each text, as a float tensor."""
+    """Returns: how many times `char` appears in each text, as a float tensor."""
     return torch.tensor([float(text.count(char)) for text in texts])
 
 
 def reward_sentiment_lexicon(texts: list[str]) -> Float[Tensor, "batch"]:
-    """(positive words) - (negative words) in each text, with the word lists of `utils.data`.
+    """Words are compared in lower case, punctuation stripped ("Happy." counts as "happy").
 
-    Words are compared in lower case, with punctuation stripped: "Happy." counts as "happy".
+    Returns: (positive words) - (negative words) in each text, as a float tensor (utils.data.POSITIVE, NEGATIVE).
     """
     positive, negative = set(POSITIVE), set(NEGATIVE)
     scores = []
@@ -120,9 +118,9 @@ def reward_classifier(
     tokenizer,
     positive_label: int = 1,
 ) -> Float[Tensor, "batch"]:
-    """The probability that a Hugging Face sequence classifier gives `positive_label` for each text.
+    """The texts go in as one padded batch, with its attention mask, on the classifier's device.
 
-    The texts are batched with padding, so the attention mask must go to the classifier.
+    Returns: the probability the classifier gives `positive_label` to each text, as a float tensor on the CPU.
     """
     device = next(classifier.parameters()).device
     inputs = tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(device)
@@ -149,11 +147,9 @@ def load_sentiment_classifier(name: str = "lvwerra/distilbert-imdb", device: tor
 
 @contract(eps=above(0.0, "it keeps the division by a standard deviation of 0 finite"))
 def normalize_rewards(rewards: Float[Tensor, "batch"], eps: float = 1e-5) -> Float[Tensor, "batch"]:
-    """Rewards shifted to mean 0 and scaled to standard deviation 1 over the batch: (rewards - mean) / (std + eps),
-    with the population standard deviation (unbiased=False).
-
-    A batch whose rewards are all equal carries no signal: it becomes all zeros (eps keeps it finite).
-    Raises ValueError if a reward is NaN or inf (a bug in the reward function).
+    """Returns: (rewards - mean) / (std + eps) over the batch, with the population std (unbiased=False): all zeros
+    when the rewards are all equal.
+    Raises: ValueError if a reward is NaN or inf.
     """
     if not torch.isfinite(rewards).all():
         raise ValueError(f"rewards contain NaN or inf: {rewards.tolist()}; check the reward function")
@@ -163,8 +159,7 @@ def normalize_rewards(rewards: Float[Tensor, "batch"], eps: float = 1e-5) -> Flo
 # --- 3. Advantages and returns ------------------------------------------------------------------------------
 
 @torch.no_grad()
-@contract(finite=("values", "rewards"), gamma=between(0.0, 1.0, "the discount"),
-          lam=between(0.0, 1.0, "GAE's lambda mixes 1-step (0) and Monte Carlo (1) estimates"))
+@contract(finite=("values", "rewards"), gamma=GAMMA, lam=LAM)
 def compute_advantages(
     values: Float[Tensor, "batch gen"],
     rewards: Float[Tensor, "batch"],
@@ -172,13 +167,11 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 0.95,
 ) -> tuple[Float[Tensor, "batch gen"], Float[Tensor, "batch gen"]]:
-    """GAE advantages and returns for each completion token (Schulman et al. 2016), 0 outside the mask.
+    """GAE (Schulman et al. 2016) per completion token. values[:, j] is the estimate before completion token j is
+    chosen; the sequence's reward arrives at its last valid token, after which the next value is 0.
 
-    values[:, j] estimates the return before completion token j is chosen. The only reward is the sequence's,
-    received after its last valid token (its first EOS, or the last token if it hit the length limit);
-    after that the episode is over, so the next value there is 0. Returns = advantages + values.
-    Both outputs are detached: they are targets, not things to differentiate. Raises ValueError if a row of
-    completion_mask has no True entry.
+    Returns: (advantages, returns = advantages + values), detached, 0 outside the mask.
+    Raises: ValueError if a row of completion_mask has no True entry.
     """
     mask = completion_mask.to(values.dtype)
     lengths = completion_mask.sum(dim=1)
@@ -206,8 +199,9 @@ def kl_exact(
     ref_logits: Float[Tensor, "batch gen vocab"],
     completion_mask: Bool[Tensor, "batch gen"],
 ) -> Float[Tensor, "batch gen"]:
-    """KL(policy || reference) of the next-token distributions at each completion position, summed over the
-    whole vocabulary; 0 outside the mask."""
+    """Returns: KL(policy || reference) of the next-token distributions at each completion position, summed over the
+    whole vocabulary; 0 outside the mask.
+    """
     logprobs, ref_logprobs = logits.log_softmax(dim=-1), ref_logits.log_softmax(dim=-1)
     kl = (logprobs.exp() * (logprobs - ref_logprobs)).sum(dim=-1)
     return kl * completion_mask
@@ -219,10 +213,7 @@ def kl_k1(
     ref_logprobs: Float[Tensor, "batch gen"],
     completion_mask: Bool[Tensor, "batch gen"],
 ) -> Float[Tensor, "batch gen"]:
-    """The k1 estimate of KL(policy || reference) from the sampled tokens: log p - log q; 0 outside the mask.
-
-    Unbiased (the tokens were sampled from the policy), but each term can be negative and its variance is high.
-    """
+    """Returns: the k1 estimate of KL(policy || reference) per token, logprobs - ref_logprobs; 0 outside the mask."""
     return (logprobs - ref_logprobs) * completion_mask
 
 
@@ -232,11 +223,8 @@ def kl_k3(
     ref_logprobs: Float[Tensor, "batch gen"],
     completion_mask: Bool[Tensor, "batch gen"],
 ) -> Float[Tensor, "batch gen"]:
-    """The k3 estimate (Schulman, "Approximating KL divergence", 2020): (r - 1) - log r with r = q / p.
-
-    Unbiased, never negative, and of lower variance than k1 when the two models are close. It is TRL's GRPO
-    per-token KL (which TRL 1.16 by default multiplies by the importance ratio: use_bias_correction_kl). 0 outside
-    the mask.
+    """Returns: the k3 estimate of KL(policy || reference) per sampled token (Schulman, "Approximating KL divergence",
+    2020), (r - 1) - log r with r = exp(ref_logprobs - logprobs); 0 outside the mask.
     """
     log_ratio = ref_logprobs - logprobs  # log r = log q - log p
     return (log_ratio.exp() - 1 - log_ratio) * completion_mask
@@ -249,13 +237,12 @@ def entropy(
     logits: Float[Tensor, "batch gen vocab"],
     completion_mask: Bool[Tensor, "batch gen"],
 ) -> Float[Tensor, "batch gen"]:
-    """Entropy of the next-token distribution at each completion position, in nats; 0 outside the mask."""
+    """Returns: the entropy of the next-token distribution at each completion position, in nats; 0 outside the mask."""
     logprobs = logits.log_softmax(dim=-1)
     return -(logprobs.exp() * logprobs).sum(dim=-1) * completion_mask
 
 
-@contract(needs("old_values", when="clip", why="the values stored at rollout time, to clip around"), tensors="loss",
-          clip=optional(at_least(0.0, "each value moves at most clip from its old value")))
+@contract(needs_old_values("clip"), tensors="loss", clip=value_clip("clip"))
 def value_loss(
     values: Float[Tensor, "batch gen"],
     returns: Float[Tensor, "batch gen"],
@@ -263,14 +250,11 @@ def value_loss(
     old_values: Float[Tensor, "batch gen"] | None = None,
     clip: float | None = None,
 ) -> Float[Tensor, ""]:
-    """0.5 * mean squared error between the values and the (fixed) returns, over the valid tokens.
+    """With `clip` not None, each token's squared error is the larger of (values - returns)^2 and
+    (v_clipped - returns)^2, where v_clipped = old_values + clamp(values - old_values, -clip, clip); with clip=None,
+    old_values is not used. returns and old_values are constants: no gradient flows into them.
 
-    With `clip` (not None), each token's error is the larger of (values - returns)^2 and (v_clipped - returns)^2,
-    where v_clipped = old_values + clamp(values - old_values, -clip, clip): CleanRL's `clip_vloss`, the
-    `cliprange_value` of TRL's PPO trainer (TRL 1.0 to 1.12). A value that has moved more than clip from its old
-    value towards the return then gets no gradient; one that moved away from it still does. The old values are
-    constants, like the returns. Without clip, old_values is not used; clip without old_values is refused
-    (ValueError).
+    Returns: 0.5 * the mean squared error over the valid tokens.
     """
     errors = (values - returns.detach()) ** 2
     if clip is not None:
@@ -280,7 +264,7 @@ def value_loss(
     return 0.5 * masked_mean(errors, completion_mask)
 
 
-@contract(tensors="loss", clip_eps=at_least(0.0, "the ratio is clipped to [1 - clip_eps, 1 + clip_eps]"))
+@contract(tensors="loss", clip_eps=PPO_CLIP_RANGE)
 def clipped_surrogate(
     logprobs: Float[Tensor, "batch gen"],
     old_logprobs: Float[Tensor, "batch gen"],
@@ -288,10 +272,10 @@ def clipped_surrogate(
     completion_mask: Bool[Tensor, "batch gen"],
     clip_eps: float = 0.2,
 ) -> Float[Tensor, ""]:
-    """PPO's clipped surrogate objective (to be *maximised*), averaged over the valid tokens.
+    """ratio = p_new / p_old per token; the advantages are constants: no gradient flows into them.
 
-    ratio = p_new / p_old per token; the objective is min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A).
-    The advantages are constants here: no gradient flows into them.
+    Returns: the mean over the valid tokens of min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A), the
+    objective to *maximise*.
     """
     advantages = advantages.detach()
     ratio = (logprobs - old_logprobs.detach()).exp()
@@ -300,11 +284,8 @@ def clipped_surrogate(
     return masked_mean(torch.minimum(unclipped, clipped), completion_mask)
 
 
-@contract(needs("old_values", when="clip_value", why="the values stored at rollout time, to clip around"),
-          tensors="loss", clip_eps=at_least(0.0, "the ratio is clipped to [1 - clip_eps, 1 + clip_eps]"),
-          vf_coef=at_least(0.0, "a weight of a term to minimise"), ent_coef=at_least(0.0, "a weight of a bonus"),
-          kl_coef=at_least(0.0, "a negative KL weight would push the policy away from the reference"),
-          clip_value=optional(at_least(0.0, "each value moves at most clip_value from its old value")))
+@contract(needs_old_values("clip_value"), tensors="loss", clip_eps=PPO_CLIP_RANGE, vf_coef=VF_COEF, ent_coef=ENT_COEF,
+          kl_coef=KL_WEIGHT, clip_value=value_clip("clip_value"))
 def ppo_loss(
     logits: Float[Tensor, "batch gen vocab"],
     values: Float[Tensor, "batch gen"],
@@ -321,12 +302,11 @@ def ppo_loss(
     old_values: Float[Tensor, "batch gen"] | None = None,
     clip_value: float | None = None,
 ) -> tuple[Float[Tensor, ""], dict[str, float]]:
-    """The loss to minimise on one minibatch, and its four terms (as floats, for logging).
+    """loss = -clipped_surrogate + vf_coef * value_loss - ent_coef * entropy + kl_coef * kl_exact, the entropy and the
+    KL averaged over the valid tokens (masked_mean). Inputs are at the completion positions; old_values and
+    clip_value go to value_loss (its old_values and clip).
 
-    loss = -clipped_surrogate + vf_coef * value_loss - ent_coef * entropy + kl_coef * KL, where the entropy and
-    the exact KL(policy || reference) are averaged over the valid tokens. Every input is at the completion
-    positions (logits and values through completion_slice). The value loss is clipped around old_values when
-    clip_value is not None (value_loss's `clip`). The terms: {"objective", "value_loss", "entropy", "kl"}.
+    Returns: (loss, terms), terms the four unweighted terms as floats: {"objective", "value_loss", "entropy", "kl"}.
     """
     objective = clipped_surrogate(logprobs, old_logprobs, advantages, completion_mask, clip_eps)
     v_loss = value_loss(values, returns, completion_mask, old_values, clip_value)
@@ -346,10 +326,10 @@ def get_minibatch_indices(
     minibatch_size: int,
     generator: torch.Generator | None = None,
 ) -> list[Int[Tensor, "minibatch"]]:
-    """A random split of range(n) into n // minibatch_size disjoint minibatches of indices.
+    """Every random number comes from `generator`.
 
-    Every index appears exactly once; n must be a multiple of minibatch_size (else ValueError). Every random
-    number comes from `generator`.
+    Returns: a random split of range(n) into n // minibatch_size disjoint minibatches (each index exactly once).
+    Raises: ValueError if n is not a multiple of minibatch_size.
     """
     if n % minibatch_size != 0:
         raise ValueError(f"batch of {n} is not a multiple of minibatch_size {minibatch_size}")
@@ -366,9 +346,10 @@ def make_optimizer(
     total_steps: int,
     final_lr_fraction: float = 0.1,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with two parameter groups (the model at lr_model, the value head at lr_head), and a schedule that
-    warms up linearly from ~0 to 1 over `warmup_steps` steps, then decays linearly to `final_lr_fraction` at
-    `total_steps`. Parameters with requires_grad=False are left out.
+    """The schedule's multiplier rises linearly from ~0 to 1 over `warmup_steps` steps, then decays linearly to
+    `final_lr_fraction` at `total_steps`. Parameters with requires_grad=False are left out.
+
+    Returns: (AdamW with two parameter groups, the model at lr_model and the value head at lr_head; its LambdaLR).
     """
     groups = [
         {"params": [p for p in policy.model.parameters() if p.requires_grad], "lr": lr_model},
@@ -453,15 +434,11 @@ class PPOConfig:
     # Each setting's contract, checked when a config is made or replaced (utils/contracts.py)
     RULES = {
         "reward": one_of("periods", "sentiment", "classifier"), "prompts": nonempty("every sample needs a prompt"),
-        "phases": at_least(0, "0 only measures the starting model"), "batch_size": at_least(1),
-        "minibatch_size": at_least(1), "epochs": at_least(1), "max_new_tokens": at_least(1),
-        "temperature": at_least(0.0, "0 is greedy"), "lr_model": at_least(0.0), "lr_head": at_least(0.0),
-        "warmup_steps": at_least(0), "final_lr_fraction": between(0.0, 1.0),
-        "clip_eps": at_least(0.0, "the ratio is clipped to [1 - clip_eps, 1 + clip_eps]"),
-        "clip_value": optional(at_least(0.0, "each value moves at most clip_value from its rollout value")),
-        "vf_coef": at_least(0.0), "ent_coef": at_least(0.0),
-        "kl_coef": at_least(0.0, "a negative KL weight would push the policy away from the reference"),
-        "gamma": between(0.0, 1.0), "lam": between(0.0, 1.0), "max_grad_norm": above(0.0),
+        "phases": PHASES, "batch_size": at_least(1), "minibatch_size": at_least(1), "epochs": at_least(1),
+        "max_new_tokens": at_least(1), "temperature": TEMPERATURE, "lr_model": at_least(0.0), "lr_head": at_least(0.0),
+        "warmup_steps": at_least(0), "final_lr_fraction": between(0.0, 1.0), "clip_eps": PPO_CLIP_RANGE,
+        "clip_value": value_clip("clip_value"), "vf_coef": VF_COEF, "ent_coef": ENT_COEF, "kl_coef": KL_WEIGHT,
+        "gamma": GAMMA, "lam": LAM, "max_grad_norm": above(0.0),
         "value_hidden": at_least(1), "table_every": at_least(1), "table_rows": at_least(0),
     }
 
@@ -489,15 +466,13 @@ def rollout(
     prompts: list[str],
     cfg: PPOConfig,
 ) -> ReplayMemory:
-    """The rollout phase: sample one completion per prompt, score it, and store everything the updates will need.
+    """Under torch.no_grad(), one completion per prompt: `sample` from policy.model (cfg.max_new_tokens,
+    cfg.temperature); one forward pass of the policy (logits, values) and one of `reference` on the samples; the
+    sampled tokens' log-probs under both (get_logprobs); logits and values cut with completion_slice; rewards =
+    reward_fn(texts), normalize_rewards'd if cfg.normalize_rewards; compute_advantages with cfg.gamma, cfg.lam;
+    kl_exact(policy, reference) per token. Per-token tensors are 0 outside the completion mask.
 
-    Under torch.no_grad() (the memory holds constants, no graph): sample from the policy's own model (`sample`, with
-    cfg.max_new_tokens and cfg.temperature); one forward pass of the policy (logits and values) and one of the
-    reference on the samples; the sampled tokens' log-probs under both, logits and values cut to the completion
-    positions with completion_slice, per-token tensors 0 outside the completion mask; rewards = reward_fn(texts),
-    normalised with normalize_rewards if cfg.normalize_rewards; GAE advantages and returns (cfg.gamma, cfg.lam);
-    kl_exact of the policy against the reference per token. Fills every field of ReplayMemory (`rewards`: the raw
-    scores, before normalisation).
+    Returns: a ReplayMemory with every field filled (`rewards`: the raw scores, before normalisation).
     """
     with torch.no_grad():
         samples = sample(policy.model, prompts, cfg.max_new_tokens, cfg.temperature)
@@ -524,20 +499,15 @@ def learn(
     cfg: PPOConfig,
     generator: torch.Generator | None = None,
 ) -> dict[str, float]:
-    """The learning phase: cfg.epochs passes over the memory, one optimiser step per minibatch.
+    """cfg.epochs passes; each draws memory.minibatches(cfg.minibatch_size, generator) and, per minibatch: a forward
+    pass of the policy and the sampled tokens' new log-probs; advantages masked_whiten'ed if
+    cfg.normalize_advantages; ppo_loss against the memory's log-probs, returns and ref_logits, cfg's coefficients,
+    and the memory's values as old_values with cfg.clip_value; zero_grad, backward, clip_grad_norm_ of all the
+    policy's parameters to cfg.max_grad_norm, optimizer.step(), scheduler.step(). The memory is not changed.
 
-    Each pass draws its minibatches with memory.minibatches(cfg.minibatch_size, generator). For each: one forward
-    pass of the policy; the log-probs of the sampled tokens now; the minibatch's advantages, whitened over its valid
-    tokens (masked_whiten) if cfg.normalize_advantages; ppo_loss against the memory's old log-probs, returns and
-    reference logits, with cfg's coefficients and, for the value clip (cfg.clip_value), the memory's values as the
-    old values; then zero the gradients, backpropagate, clip the norm of all the policy's gradients to
-    cfg.max_grad_norm, step the optimiser, step the scheduler. The memory is left unchanged.
-
-    Returns the mean over the steps of: the four terms of ppo_loss ("objective", "value_loss", "entropy", "kl");
-    "clip_fraction", the share of valid tokens whose ratio new/old lies outside [1 - clip_eps, 1 + clip_eps];
-    "approx_kl", the mean over valid tokens of kl_k3(old log-probs, new log-probs), an estimate of KL(old || new);
-    "grad_norm", the norm before clipping (what clip_grad_norm_ returns). The last three use the log-probs of the
-    forward pass, before that step's update.
+    Returns: the mean over the steps of ppo_loss's four terms and of, from each step's forward pass (before its
+    update): "clip_fraction", the share of valid tokens with |new / old - 1| > clip_eps; "approx_kl", the masked mean
+    of kl_k3(old log-probs, new log-probs); "grad_norm", the norm before clipping (clip_grad_norm_'s return).
     """
     stats: dict[str, list[float]] = {}
     for _ in range(cfg.epochs):
@@ -661,7 +631,7 @@ def main(argv: list[str] | None = None) -> dict:
                "that need training (reward_end, reward_ratio, kl_end, kl_max) are null.")
     parser.add_argument("--preset", choices=["tiny", "gpt2"], default="tiny")
     parser.add_argument("--reward", choices=["periods", "sentiment", "classifier"])
-    parser.add_argument("--phases", type=cli.at_least(0, "0 only measures the starting model"))
+    parser.add_argument("--phases", type=cli.at_least(0, PHASES.why))
     parser.add_argument("--kl-coef", type=cli.at_least(0.0))
     parser.add_argument("--seed", type=int)
     parser.add_argument("--wandb", action="store_true", help="also log to wandb (offline without an account)")

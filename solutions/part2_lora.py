@@ -34,7 +34,7 @@ from utils.models import count_parameters, load_model
 from utils.logger import print_figures
 from utils.plotting import plot_curves
 from utils import cli
-from utils.contracts import above, at_least, contract, nonempty, not_a_folder
+from utils.contracts import LORA_ALPHA, PHASES, at_least, contract, nonempty, not_a_folder
 from utils.files import why_unreadable
 from utils.sampling import Samples
 
@@ -56,13 +56,13 @@ TARGETS = {
 # --- 1. The LoRA module --------------------------------------------------------------------------------------
 
 class LoRA(nn.Module):
-    """A low-rank update of one linear map: x -> scale * x A^T B^T, with scale = alpha / rank.
+    """A low-rank update of one linear map. Attributes A: [rank, d_in], Kaiming-uniform (nn.Linear's init,
+    a=math.sqrt(5)); B: [d_out, rank], zeros; scale = alpha / rank.
 
-    A: [rank, d_in], Kaiming-uniform (as nn.Linear initialises its weight); B: [d_out, rank], zeros.
-    forward maps [..., d_in] to [..., d_out].
+    Returns (forward): scale * x A^T B^T, [..., d_in] -> [..., d_out].
     """
 
-    @contract(rank=at_least(1), alpha=above(0.0, "the update is scaled by alpha / rank: 0 would switch it off"))
+    @contract(rank=at_least(1), alpha=LORA_ALPHA)
     def __init__(self, d_in: int, d_out: int, rank: int = 8, alpha: float = 16.0):
         super().__init__()
         self.A = nn.Parameter(torch.empty(rank, d_in))
@@ -74,8 +74,7 @@ class LoRA(nn.Module):
         return (x @ self.A.T) @ self.B.T * self.scale
 
 
-@contract(rank=at_least(1), alpha=above(0.0, "the update is scaled by alpha / rank: 0 would switch it off"),
-          targets=nonempty("with no target there is nothing to train"))
+@contract(rank=at_least(1), alpha=LORA_ALPHA, targets=nonempty("with no target there is nothing to train"))
 def make_adapters(model, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] = ("q", "k", "v", "o"),
                   ) -> nn.ModuleDict:
     """One LoRA per block and target, keyed "L{layer}_{target}" (e.g. "L0_q"), on the model's device."""
@@ -94,11 +93,11 @@ def make_adapters(model, rank: int = 8, alpha: float = 16.0, targets: tuple[str,
 # --- 2. LoRA as forward hooks --------------------------------------------------------------------------------
 
 def lora_hooks(model, adapters: nn.ModuleDict) -> list[tuple[str, Callable]]:
-    """(hook_name, hook_fn) pairs that add each adapter's update to its projection's output.
+    """For adapter "L{layer}_{target}": a hook on blocks.{layer}.{TARGETS[target][0]} (the projection's input) keeps
+    the input, and one on blocks.{layer}.{TARGETS[target][1]} (its output) adds adapter(input); per-head inputs are
+    flattened to [..., n_heads * d_head] for the adapter, and its update is reshaped to the output's shape.
 
-    For adapter "L{layer}_{target}", one hook on the projection's input (TARGETS[target][0]) keeps the input,
-    and one on its output (TARGETS[target][1]) returns output + adapter(input), reshaped to the output's shape
-    (per-head inputs and outputs are flattened to [..., n_heads * d_head] for the adapter).
+    Returns: the (hook_name, hook_fn) pairs, two per adapter.
     """
     hooks = []
     for key, adapter in adapters.items():
@@ -180,9 +179,8 @@ def policy_and_reference_logprobs(
     lora_model: LoRAModel,
     samples: Samples,
 ) -> tuple[Float[Tensor, "batch gen"], Float[Tensor, "batch gen"]]:
-    """Completion log-probs (Part 0's completion_logprobs) under the adapted model and under the reference.
-
-    The reference is lora_model.base run with no hooks at all: the same weights, no second copy.
+    """Returns: (policy, reference) completion log-probs (completion_logprobs): under lora_model, and under
+    lora_model.base run with no hooks (the reference: the same weights, no second copy).
     """
     logprobs = completion_logprobs(lora_model, samples)
     ref_logprobs = completion_logprobs(lora_model.base, samples)
@@ -192,9 +190,9 @@ def policy_and_reference_logprobs(
 # --- 4. Freezing ------------------------------------------------------------------------------------------------
 
 def freeze_base(model, adapters: nn.ModuleDict) -> tuple[int, int]:
-    """Make every base-model parameter frozen and every adapter parameter trainable.
+    """Sets requires_grad=False on every base-model parameter and requires_grad=True on every adapter parameter.
 
-    Returns (trainable parameters, total parameters of the base model), as counted by utils.models.count_parameters.
+    Returns: (trainable parameters, total parameters of the base model), as utils.models.count_parameters counts.
     """
     model.requires_grad_(False)
     adapters.requires_grad_(True)
@@ -220,9 +218,12 @@ def base_weight(model, key: str) -> tuple[nn.Parameter, bool]:
 
 @torch.no_grad()
 def merge_lora(model, adapters: nn.ModuleDict, sign: float = 1.0) -> None:
-    """Fold each adapter into its base weight: W <- W + sign * scale * (B A), transposed for [d_in, d_out]
-    weights. After merging, the plain model computes what the hooked one did (so don't run both: the update
-    would count twice). sign=-1 takes the update out again."""
+    """Fold each adapter into its base weight (base_weight(model, key)), in place: W <- W + sign * scale * (B A),
+    transposed for a weight stored [d_in, d_out]. sign=-1 takes the update out again.
+
+    Returns: None.
+    Raises: ValueError (from base_weight) for an adapter key that names no weight of the model.
+    """
     for key, adapter in adapters.items():
         weight, in_out = base_weight(model, key)
         delta = adapter.scale * (adapter.B @ adapter.A)  # [d_out, d_in]
@@ -230,7 +231,7 @@ def merge_lora(model, adapters: nn.ModuleDict, sign: float = 1.0) -> None:
 
 
 def unmerge_lora(model, adapters: nn.ModuleDict) -> None:
-    """Take the adapters' updates out of the base weights again (to float rounding)."""
+    """Returns: None; takes the adapters' updates out of the base weights again (to float rounding)."""
     merge_lora(model, adapters, sign=-1.0)
 
 
@@ -238,9 +239,10 @@ def unmerge_lora(model, adapters: nn.ModuleDict) -> None:
 
 @contract(path=not_a_folder("save_adapter writes one file: name it inside the folder, e.g. folder/adapter.safetensors"))
 def save_adapter(adapters: nn.ModuleDict, path: str | Path) -> None:
-    """Write the adapters' A and B tensors to a safetensors file, with rank and alpha in its metadata.
+    """Writes the adapters' state_dict (A and B tensors) to a safetensors file, with "rank" and "alpha" (= scale *
+    rank, as strings) in its metadata, creating the missing folders of `path`.
 
-    The folders in `path` that do not exist yet are created.
+    Returns: None.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -251,13 +253,13 @@ def save_adapter(adapters: nn.ModuleDict, path: str | Path) -> None:
 
 
 def load_adapter(adapters: nn.ModuleDict, path: str | Path) -> nn.ModuleDict:
-    """Load a file written by save_adapter into `adapters` (same targets, rank and alpha); returns `adapters`.
+    """Load a file written by save_adapter into `adapters`; nothing is loaded if it raises. Open it with safe_open
+    inside a try, never with torch.load (which unpickles, so can run code).
 
-    Raises FileNotFoundError if nothing is at `path`, IsADirectoryError if it is a folder, and a ValueError that
-    names the file if it is not a safetensors file (empty, truncated, random bytes, written by torch.save): open it
-    with safe_open inside a try, never with torch.load, which unpickles and so can run code. Raises a ValueError that
-    names the mismatch if the file's tensors do not fit, or if its metadata's rank or alpha differ from the adapters'
-    (the same A and B with another alpha / rank would compute another model). Nothing is loaded if it raises.
+    Returns: `adapters`.
+    Raises: FileNotFoundError if nothing is at `path`; IsADirectoryError if it is a folder; a ValueError naming the
+    file if it is not a safetensors file (empty, truncated, random bytes, torch.save), if its metadata lacks rank or
+    alpha or they differ from the adapters', or if its tensors do not fit (missing, unexpected, wrong shapes).
     """
     path = Path(path)
     if not path.exists():
@@ -317,10 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", choices=["tiny", "gpt2"], default="tiny",
                         help="tiny: the embedded model on CPU; gpt2: GPT-2 small on a GPU (PPOConfig.gpt2())")
     parser.add_argument("--rank", type=cli.at_least(1), default=8)
-    parser.add_argument("--alpha", type=cli.above(0.0, "the adapter's output is scaled by alpha / rank"),
-                        default=16.0)
-    parser.add_argument("--phases", type=cli.at_least(0, "0 only measures the starting model"),
-                        help="default 60 (3 with RLHF_SMOKE=1)")
+    parser.add_argument("--alpha", type=cli.above(0.0, LORA_ALPHA.why), default=16.0)
+    parser.add_argument("--phases", type=cli.at_least(0, PHASES.why), help="default 60 (3 with RLHF_SMOKE=1)")
     parser.add_argument("--save", default="", help="save the trained adapter to this .safetensors file")
     parser.add_argument("--wandb", action="store_true")
     parser.add_argument("--plot", default="lora_ppo_curves.png", help="where to save the curves ('' for none)")

@@ -11,7 +11,7 @@ and uses each completion's reward relative to its group as the advantage of all 
 and `grpo_loss` follow the definitions of TRL's GRPOTrainer (trl 1.x, `_generate_and_score_completions` and
 `_compute_loss`), loss types and all, down to completions that no reward function judged (left out of their group's
 baseline, advantage 0), with one difference on purpose: a group whose rewards are all equal gets advantages of
-exactly 0, where TRL keeps the float rounding of its mean (see group_advantages). tests/test_part3_grpo.py checks
+exactly 0, where TRL keeps the float rounding of its mean (see group_advantages). tests/part3_grpo/ checks
 them against TRL's own code when it is installed. `grpo_step` is one training step made of these pieces; the
 trainer calls it.
 """
@@ -38,8 +38,9 @@ from solutions.part1_ppo import kl_k3, reward_char_count
 from solutions.part2_lora import LoRAModel, freeze_base, load_adapter, make_adapters
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
 from utils.concurrency import run_sync
-from utils.contracts import (a_number, above, at_least, at_most, check_fields, contract, covers_width, distinct_names,
-                             nonempty, one_of, optional, same_length)
+from utils.contracts import (CLIP_RANGE, DR_GRPO_LENGTH, GROUP_SIZE, KL_WEIGHT, LORA_ALPHA, ONE_PROMPT_PER_COMPLETION,
+                             STEPS, TEMPERATURE, a_number, above, at_least, at_most, check_fields, contract,
+                             distinct_names, nonempty, one_of, optional)
 from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean
 from utils.models import load_model
@@ -60,10 +61,11 @@ def sample_groups(
     max_new_tokens: int,
     temperature: float = 1.0,
 ) -> Samples:
-    """`group_size` completions of each prompt, the rows of one prompt adjacent: row i answers prompts[i // G].
+    """Samples from `model` (a LoRAModel samples with its hooks on: LoRAModel.generate enters them).
 
-    `model` may be a LoRAModel: sampling then runs with its hooks (LoRAModel.generate enters them). Raises a
-    ValueError when group_size < 2 (a group of one has nothing to be relative to).
+    Returns: `group_size` completions of each prompt, the rows of one prompt adjacent: row i answers
+    prompts[i // group_size].
+    Raises: ValueError if group_size < 2.
     """
     if group_size < 2:
         raise ValueError(f"group_size must be at least 2 to compare completions within a group, got {group_size}")
@@ -72,9 +74,9 @@ def sample_groups(
 
 
 def completion_loss_mask(samples: Samples, mask_truncated_completions: bool = False) -> Bool[Tensor, "batch gen"]:
-    """The tokens that count in the loss: the completion mask, and with `mask_truncated_completions`, no token at
-    all of a completion that hit the length limit without an EOS (DAPO's overlong filtering, TRL's option of the
-    same name)."""
+    """Returns: samples.completion_mask; with `mask_truncated_completions`, False on every token of a completion that
+    hit the length limit without an EOS (samples.truncated).
+    """
     mask = samples.completion_mask
     if mask_truncated_completions:
         mask = mask & ~samples.truncated[:, None]
@@ -83,10 +85,11 @@ def completion_loss_mask(samples: Samples, mask_truncated_completions: bool = Fa
 
 # --- 2. Rewards, composed --------------------------------------------------------------------------------------
 
-@contract(same_length("prompts", "completions", "one prompt per completion"))
+@contract(ONE_PROMPT_PER_COMPLETION)
 def reward_exact_answer(prompts: list[str], completions: list[str]) -> list[float | None]:
-    """1.0 if the completion is exactly the sum asked for in an "a+b=" prompt, else 0.0; None for a prompt that
-    is not an addition (this reward does not judge it)."""
+    """Returns: per completion, 1.0 if it is exactly the sum asked for in an "a+b=" prompt (parse_answer), else 0.0;
+    None for a prompt that is not an addition.
+    """
     out: list[float | None] = []
     for prompt, completion in zip(prompts, completions):
         a, sep, b = prompt.strip().rstrip("=").partition("+")
@@ -98,7 +101,7 @@ def reward_exact_answer(prompts: list[str], completions: list[str]) -> list[floa
 
 
 def reward_format(prompts: list[str], completions: list[str]) -> list[float | None]:
-    """1.0 if the completion is a bare number (digits only, as `parse_answer` accepts), else 0.0."""
+    """Returns: per completion, 1.0 if it is a bare number (parse_answer accepts it), else 0.0."""
     return [1.0 if parse_answer(c) is not None else 0.0 for c in completions]
 
 
@@ -117,21 +120,19 @@ class RewardFunction:
         check_fields(self)
 
 
-@contract(same_length("prompts", "completions", "one prompt per completion"),
-          distinct_names("reward_functions"),
+@contract(ONE_PROMPT_PER_COMPLETION, distinct_names("reward_functions"),
           reward_functions=nonempty("a completion no function judges has no reward"))
 def compose_rewards(
     reward_functions: list[RewardFunction],
     prompts: list[str],
     completions: list[str],
 ) -> tuple[Float[Tensor, "batch"], dict[str, Float[Tensor, "batch"]]]:
-    """(total, per_function): total = sum over functions of weight * reward, where a None counts as nothing, and
-    NaN for a completion that *no* function judged (every one returned None): it is unscorable, and
-    group_advantages leaves it out, as TRL does. per_function[name] holds each function's raw rewards, NaN where
-    it returned None.
+    """Async reward functions run concurrently (asyncio.gather), so that their waits overlap.
 
-    Async functions are run concurrently (asyncio.gather), so that their waits overlap; a function returning the
-    wrong number of rewards raises a ValueError that names it.
+    Returns: (total, per_function). total = the sum over functions of weight * reward, a None counting as nothing,
+    and NaN for a completion that no function judged (all returned None: unscorable). per_function[name] holds
+    each function's raw rewards, NaN where it returned None.
+    Raises: ValueError naming a function that returns the wrong number of rewards.
     """
     async def run_async(fns):
         return await asyncio.gather(*(f.fn(prompts, completions) for f in fns))
@@ -155,7 +156,7 @@ def compose_rewards(
 
 # --- 3. Group-relative advantages ------------------------------------------------------------------------------
 
-@contract(group_size=at_least(2, "an advantage is relative to the other completions of its group"),
+@contract(group_size=GROUP_SIZE,
           eps=at_least(0.0, "below 0 it could cancel a standard deviation; 0 is safe: a group without spread is 0"))
 def group_advantages(
     rewards: Float[Tensor, "batch"],
@@ -163,18 +164,14 @@ def group_advantages(
     scale: str = "group",
     eps: float = 1e-4,
 ) -> Float[Tensor, "batch"]:
-    """Each reward minus its group's mean, divided by a standard deviation (+ eps) chosen by `scale`:
-    "group" (the group's), "batch" (all rewards'), or "none" (no division). Standard deviations use Bessel's
-    correction, as TRL does. A group whose rewards are all equal gets advantages of exactly 0 (TRL leaves float
-    rounding there: eight rewards of 0.1 have a float32 mean a hair off 0.1, which its division by std + eps
-    blows up to about 1e-4; a group with no spread carries no signal, so we return 0 exactly).
+    """Each reward minus its group's mean, divided by (std + eps), the std chosen by `scale`: "group" (the group's),
+    "batch" (all rewards'), "none" (no division); Bessel-corrected, as in TRL. A NaN reward (unscorable) is left out
+    of every mean and standard deviation.
 
-    A NaN reward marks an unscorable completion (no reward function judged it; see compose_rewards). As in TRL's
-    GRPOTrainer (`_generate_and_score_completions`, trl 1.16: `unscorable_mask`, then nanmean / nanstd, then
-    nan_to_num), it is left out of every mean and standard deviation, and its advantage is 0.
-
-    Raises a ValueError when the rewards are not whole groups (1-D, a multiple of group_size long), when a reward is
-    infinite, or when `scale` is none of the three (and, through its contract, when group_size < 2 or eps < 0).
+    Returns: the advantages; exactly 0 for a NaN reward, and in a group whose scored rewards are all equal (or fewer
+    than two).
+    Raises: ValueError if the rewards are not whole groups (1-D, a multiple of group_size long), if a reward is
+    infinite, or if `scale` is none of the three.
     """
     if rewards.dim() != 1 or len(rewards) % group_size != 0:
         raise ValueError(f"rewards must be [n_prompts * group_size]; got shape {tuple(rewards.shape)} with "
@@ -206,8 +203,9 @@ def group_advantages(
 
 @torch.no_grad()
 def reference_logprobs(lora_model: LoRAModel, samples: Samples, beta: float) -> Float[Tensor, "batch gen"] | None:
-    """Completion log-probs under the reference (the base module with no hooks), or None when beta == 0: then
-    the KL term is off and no reference forward pass runs at all."""
+    """Returns: completion log-probs under the reference (lora_model.base, no hooks); None when beta == 0, with no
+    forward pass at all.
+    """
     if beta == 0:
         return None
     return completion_logprobs(lora_model.base, samples)
@@ -215,11 +213,7 @@ def reference_logprobs(lora_model: LoRAModel, samples: Samples, beta: float) -> 
 
 # --- 5. The GRPO loss ------------------------------------------------------------------------------------------
 
-@contract(covers_width("max_completion_length", "mask", "'dr_grpo' divides by batch * max_completion_length, "
-                       "which must count every completion position"),
-          tensors="loss", epsilon=at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"),
-          epsilon_high=optional(at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")),
-          beta=at_least(0.0, "a negative KL weight would push the policy away from the reference"),
+@contract(DR_GRPO_LENGTH, tensors="loss", epsilon=CLIP_RANGE, epsilon_high=optional(CLIP_RANGE), beta=KL_WEIGHT,
           max_completion_length=optional(at_least(1)))
 def grpo_loss(
     logprobs: Float[Tensor, "batch gen"],
@@ -235,19 +229,15 @@ def grpo_loss(
     max_completion_length: int | None = None,
     use_bias_correction_kl: bool = False,
 ) -> Float[Tensor, ""]:
-    """The GRPO loss to minimise, as TRL's GRPOTrainer defines it.
+    """Per token: -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * k3, with
+    ratio = exp(logprobs - old_logprobs), old_logprobs=None meaning logprobs.detach(); epsilon_high=None meaning
+    epsilon; k3 = exp(ref - logp) - (ref - logp) - 1 (kl_k3), times the ratio (not detached) with
+    use_bias_correction_kl. Aggregated over the tokens where `mask` is True, by loss_type: "grpo": mean over each
+    sequence's tokens (count clamped to 1), then over all sequences; "bnpo", "dapo": sum / number of tokens;
+    "dr_grpo": sum / (batch * max_completion_length), None meaning mask.shape[1].
 
-    Per token: -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * k3, with
-    ratio = exp(logprobs - old_logprobs) (old_logprobs=None: on-policy, old = logprobs.detach(), so the ratio is
-    1 and still carries the gradient), epsilon_high=None meaning epsilon (0.0 is a value: no room above 1), and
-    k3 = exp(ref - logp) - (ref - logp) - 1, times the ratio with use_bias_correction_kl; that ratio is not detached
-    (as in TRL's `_compute_loss`, trl 1.16), so the term's expected gradient is the per-token reverse KL's rather
-    than the forward KL's that plain k3 gives. Aggregated over the tokens where `mask` is True, by loss_type:
-    "grpo": mean over each sequence's tokens, then over all sequences (one with no such token counts, with a
-    loss of 0, as in TRL); "bnpo" and "dapo": sum / number of tokens; "dr_grpo": sum / (batch *
-    max_completion_length), max_completion_length defaulting to mask.shape[1]. No token at all gives 0, not NaN.
-
-    Raises a ValueError for an unknown loss_type, and when beta != 0 comes without ref_logprobs.
+    Returns: the loss to minimise, a scalar; 0 (not NaN) when no token counts.
+    Raises: ValueError for an unknown loss_type, or beta != 0 without ref_logprobs.
     """
     if loss_type not in ("grpo", "bnpo", "dapo", "dr_grpo"):
         raise ValueError(f"loss_type must be 'grpo', 'bnpo', 'dapo' or 'dr_grpo', got {loss_type!r}")
@@ -305,14 +295,11 @@ class GRPOConfig:
 
     # Each setting's contract, checked when a config is made or replaced (utils/contracts.py)
     RULES = {
-        "task": one_of("addition", "periods"), "steps": at_least(0, "0 only evaluates the starting model"),
+        "task": one_of("addition", "periods"), "steps": STEPS,
         "n_prompts": at_most(len(addition_pairs("train")), "prompts are drawn without replacement from the additions"),
-        "group_size": at_least(2, "an advantage is relative to the other completions of its group"),
-        "max_new_tokens": at_least(1), "temperature": at_least(0.0, "0 is greedy"), "lr": above(0.0),
-        "lora_rank": at_least(1), "lora_alpha": above(0.0, "the update is scaled by alpha / rank"),
-        "beta": at_least(0.0, "0 turns the KL term off"),
-        "epsilon": at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"),
-        "epsilon_high": optional(at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")),
+        "group_size": GROUP_SIZE, "max_new_tokens": at_least(1), "temperature": TEMPERATURE, "lr": above(0.0),
+        "lora_rank": at_least(1), "lora_alpha": LORA_ALPHA, "beta": at_least(0.0, "0 turns the KL term off"),
+        "epsilon": CLIP_RANGE, "epsilon_high": optional(CLIP_RANGE),
         "loss_type": one_of("grpo", "bnpo", "dapo", "dr_grpo"), "scale_rewards": one_of("group", "batch", "none"),
         "num_iterations": at_least(1), "format_weight": at_least(0.0), "max_grad_norm": above(0.0),
         "eval_every": at_least(0, "0: never"), "table_every": at_least(1),
@@ -352,20 +339,17 @@ def grpo_step(
     prompts: list[str],
     cfg: GRPOConfig,
 ) -> GRPOStepOutput:
-    """One GRPO step on `prompts`, updating `model`'s adapters with `optimizer`. In order:
+    """One GRPO step on `prompts`, updating `model`'s adapters with `optimizer`, in order:
 
-    1. cfg.group_size completions of each prompt, sampled from `model` itself (its LoRA hooks on) at
-       cfg.temperature, at most cfg.max_new_tokens tokens each;
-    2. their rewards, composed from `reward_functions`; the group advantages (cfg.scale_rewards); the loss mask
-       (cfg.mask_truncated_completions);
-    3. the reference log-probs `reference(samples)`, called once when cfg.beta != 0 and not at all when
-       cfg.beta == 0 (no reference forward pass);
-    4. when cfg.num_iterations > 1, the old log-probs: the policy's, as it sampled, computed once, without gradient;
-    5. cfg.num_iterations updates, each: the policy's log-probs (with gradient), grpo_loss with cfg's settings and
-       max_completion_length=cfg.max_new_tokens (the longest a completion can be), zero_grad, backward, the
-       adapters' gradient norm clipped to cfg.max_grad_norm, optimizer.step().
+    1. sample_groups from `model` itself: cfg.group_size, cfg.max_new_tokens, cfg.temperature;
+    2. compose_rewards; group_advantages (cfg.scale_rewards); completion_loss_mask (cfg.mask_truncated_completions);
+    3. ref_logprobs = reference(samples), called once if cfg.beta != 0, else not at all (None);
+    4. if cfg.num_iterations > 1, old_logprobs: the policy's completion log-probs, once, without gradient (else None);
+    5. cfg.num_iterations updates, each: the policy's log-probs (with gradient); grpo_loss with cfg's epsilon,
+       epsilon_high, beta, loss_type and max_completion_length=cfg.max_new_tokens; zero_grad; backward; the
+       adapters' gradient norm clipped to cfg.max_grad_norm; optimizer.step().
 
-    Returns a GRPOStepOutput: the last update's loss as a number, and what the trainer logs.
+    Returns: a GRPOStepOutput, its loss the last update's (a float), logprobs each update's (detached).
     """
     samples = sample_groups(model, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
     rewards, per_function = compose_rewards(reward_functions, samples.prompts, samples.texts)
@@ -400,14 +384,17 @@ class GRPOTrainer:
     The reference is the LoRA model's own base module run without hooks; with beta == 0 it never runs.
     `adapters` starts training from existing adapters (re-training them) instead of fresh ones (B = 0): an
     nn.ModuleDict made for this model (trained in place), or the path of a file written by Part 2's save_adapter,
-    loaded into adapters built from cfg's rank, alpha and targets.
+    loaded into adapters built from cfg's rank, alpha and targets. `grpo_step` is the step function that each step
+    calls: the notebook passes yours; by default, the grpo_step defined before this class.
     """
 
     TEXT_PROMPTS = ("This is", "The", "My friend", "We")
 
     def __init__(self, cfg: GRPOConfig, model=None, reward_functions: list[RewardFunction] | None = None,
-                 adapters: nn.ModuleDict | str | Path | None = None):
+                 adapters: nn.ModuleDict | str | Path | None = None,
+                 grpo_step: Callable[..., GRPOStepOutput] = grpo_step):
         self.cfg = cfg
+        self.grpo_step = grpo_step
         torch.manual_seed(cfg.seed)
         base = model if model is not None else load_model(cfg.model, cfg.device)
         if not isinstance(adapters, nn.ModuleDict):
@@ -463,10 +450,11 @@ class GRPOTrainer:
                 **{f"reward/{name}": torch.nanmean(r).item() for name, r in per_function.items()}}
 
     def step(self, step: int) -> dict:
-        """One grpo_step (looked up by its name when the step runs: in the notebook, the one you wrote), then its
-        metrics, the sample table every table_every steps, and the count of reference forward passes."""
+        """One self.grpo_step (in the notebook, the one you wrote), then its metrics, the sample table every
+        table_every steps, and the count of reference forward passes."""
         cfg = self.cfg
-        out = grpo_step(self.model, self.optimizer, self.reward_functions, self.reference, self.next_prompts(), cfg)
+        out = self.grpo_step(self.model, self.optimizer, self.reward_functions, self.reference, self.next_prompts(),
+                             cfg)
         self.reference_forward_passes += out.ref_logprobs is not None
         samples, rewards, advantages, mask = out.samples, out.rewards, out.advantages, out.mask
         with torch.no_grad():  # the ratio each update saw (before its step); 1 on-policy
@@ -510,9 +498,9 @@ def main(argv: list[str] | None = None) -> dict:
         epilog="--steps 0 trains nothing: it measures the starting model's held-out accuracy (addition task), and "
                "reward_start and reward_end, means over training batches, are null.")
     parser.add_argument("--preset", choices=["tiny", "gpt2"], default="tiny")
-    parser.add_argument("--steps", type=cli.at_least(0, "0 only evaluates the starting model"))
+    parser.add_argument("--steps", type=cli.at_least(0, STEPS.why))
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--beta", type=cli.at_least(0.0, "0 turns the KL term off"))
+    parser.add_argument("--beta", type=cli.at_least(0.0, GRPOConfig.RULES["beta"].why))
     parser.add_argument("--loss-type", choices=["grpo", "bnpo", "dapo", "dr_grpo"])
     parser.add_argument("--wandb", action="store_true", help="also log to wandb (offline without an account)")
     parser.add_argument("--plot", default="grpo_curves.png", help="where to save the curves ('' for none)")

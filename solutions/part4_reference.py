@@ -42,7 +42,7 @@ from solutions.part0_warmup import completion_logprobs
 from solutions.part1_ppo import completion_slice, kl_exact
 from solutions.part2_lora import LoRAModel, base_weight, load_adapter, lora_hooks, make_adapters, save_adapter
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer
-from utils.contracts import a_number, at_least, between, check_fields, contract
+from utils.contracts import SEEDS, STEPS, SYNC_ALPHA, a_number, at_least, check_fields, contract
 from utils.data import addition_accuracy
 from utils.logger import print_figures
 from utils.masks import masked_mean
@@ -83,17 +83,17 @@ class ReferenceSettings:
 
 
 def reference_kind(settings: ReferenceSettings) -> tuple[str, bool]:
-    """The one decision: (kind, precomputed). kind, one of KINDS, is which model the reference is; precomputed
-    says whether its log-probs are computed once, before training, over a fixed dataset, instead of at every step.
+    """The one decision: which model the reference is, and whether its log-probs are computed once, before training,
+    over a fixed dataset (precomputed) instead of at every step. kind is "none" when beta == 0 (whatever else is
+    set); else "old_adapter" when re-training an adapter, and for a LoRA run with sync_every > 0 and
+    lora_sync="reference_only" (its reference is base + a frozen copy of the adapter, which the syncs move); else
+    "hooks_removed" for LoRA and "frozen_copy" for full fine-tuning (whose syncs move the reference alone: lora_sync
+    does not apply). Precomputing changes when the reference runs, not which model it is.
 
-    kind is "none" when beta == 0 (whatever else is set, and then precomputed is False: there is nothing to
-    compute); else "old_adapter" when re-training an adapter, and also for a LoRA run synced with
-    lora_sync="reference_only" (sync_every > 0): its reference is the base + a frozen copy of the adapter, which
-    the syncs move; else "hooks_removed" for LoRA and "frozen_copy" for full fine-tuning (whose syncs always move
-    the reference alone, so lora_sync does not apply). Precomputing changes when the reference runs, not which
-    model it is. Raises ValueError for settings that contradict each other: syncing precomputed log-probs,
-    re-training an adapter without LoRA, a sync with alpha outside (0, 1], a negative beta, a lora_sync that is
-    not one of LORA_SYNCS.
+    Returns: (kind, precomputed): kind one of KINDS; precomputed = settings.precomputed, False for "none".
+    Raises: ValueError for a negative beta and, when beta > 0, for settings that contradict each other:
+    retraining_adapter without lora; a lora_sync not in LORA_SYNCS; sync_every > 0 with precomputed, or with
+    sync_alpha outside (0, 1].
     """
     s = settings
     if s.beta < 0:
@@ -117,7 +117,7 @@ def reference_kind(settings: ReferenceSettings) -> tuple[str, bool]:
 # --- 2. Re-training an adapter: the reference keeps the old adapter ----------------------------------------------
 
 def frozen_adapter_copy(adapters: nn.ModuleDict) -> nn.ModuleDict:
-    """A frozen copy of the adapters as they are now (the reference's), independent of the ones that train on."""
+    """Returns: a copy of the adapters as they are now, with requires_grad=False, sharing no tensor with `adapters`."""
     frozen = copy.deepcopy(adapters)
     frozen.requires_grad_(False)
     return frozen
@@ -126,7 +126,9 @@ def frozen_adapter_copy(adapters: nn.ModuleDict) -> nn.ModuleDict:
 @torch.no_grad()
 def old_adapter_logprobs(lora_model: LoRAModel, old_adapters: nn.ModuleDict, samples: Samples
                          ) -> Float[Tensor, "batch gen"]:
-    """Completion log-probs under the base model with the *old* adapter's hooks on (not the training ones)."""
+    """Returns: completion log-probs under lora_model.base with the hooks of `old_adapters` on (not the training
+    adapters').
+    """
     with lora_model.base.hooks(fwd_hooks=lora_hooks(lora_model.base, old_adapters)):
         return completion_logprobs(lora_model.base, samples)
 
@@ -135,14 +137,12 @@ def old_adapter_logprobs(lora_model: LoRAModel, old_adapters: nn.ModuleDict, sam
 
 @torch.no_grad()
 def precompute_reference_logprobs(model, kind: str, dataset: list[Samples]) -> list[Float[Tensor, "batch gen"]]:
-    """The log-probs of every batch of a fixed dataset under the reference of `kind` (one of KINDS but "none"),
-    computed once, before training and without gradients, so that no reference model is needed afterwards.
+    """Before the first update each reference is at hand without a copy: "hooks_removed" is model.base with no hooks;
+    "old_adapter" is the base with model.adapters as they are now (old_adapter_logprobs); "frozen_copy" is `model`
+    itself (a plain model, not fine-tuned yet).
 
-    Before the first update every form of the reference is at hand without a copy: "hooks_removed" is model.base
-    run with no hooks; "old_adapter" is the base with the adapters as they are now (until training starts they
-    *are* the old adapter: old_adapter_logprobs with model.adapters); "frozen_copy" is `model` itself, a plain
-    model that full fine-tuning has not changed yet. Raises ValueError for any other kind, "none" included (with
-    beta == 0 there is no reference to precompute).
+    Returns: the completion log-probs of each batch of `dataset` under the reference of `kind`, without gradients.
+    Raises: ValueError for a kind that is not one of KINDS but "none" ("none" included).
     """
     if kind == "hooks_removed":
         return [completion_logprobs(model.base, batch) for batch in dataset]
@@ -156,24 +156,25 @@ def precompute_reference_logprobs(model, kind: str, dataset: list[Samples]) -> l
 # --- 4. Syncing the reference -------------------------------------------------------------------------------------
 
 @torch.no_grad()
-@contract(alpha=between(0.0, 1.0, "the fraction of the way to the policy", low_open=True))
+@contract(alpha=SYNC_ALPHA)
 def sync_full(policy: nn.Module, reference: nn.Module, alpha: float) -> None:
     """Full fine-tuning: move every reference weight alpha of the way to the policy's, in place:
-    ref <- alpha * policy + (1 - alpha) * ref. The policy is not changed."""
+    ref <- alpha * policy + (1 - alpha) * ref. The policy is not changed.
+
+    Returns: None.
+    """
     for p_ref, p_pol in zip(reference.parameters(), policy.parameters()):
         p_ref.lerp_(p_pol, alpha)
 
 
 @torch.no_grad()
-@contract(alpha=between(0.0, 1.0, "the fraction of the way to the policy", low_open=True))
+@contract(alpha=SYNC_ALPHA)
 def sync_lora(lora_model: LoRAModel, alpha: float) -> None:
-    """Hook-LoRA: the reference is the base, so move the base alpha of the way to the policy, i.e. merge
-    alpha * scale * B A into the base weights, and shrink B to (1 - alpha) B so that the policy
-    (base + scale * B A) computes exactly what it did before.
+    """Hook-LoRA, in place: merge alpha * scale * B A into the base weights (base_weight), and shrink B to
+    (1 - alpha) B, so that the policy, base + scale * B A, computes exactly what it did before.
 
-    The policy's function is unchanged, but its LoRA is not: the merged part leaves the adapter for good (the
-    total update's rank grows past r, a saved adapter no longer holds the whole policy) and B shrinks (alpha = 1
-    sets it to 0, where A's gradient is 0), so training goes on from a restarted LoRA."""
+    Returns: None.
+    """
     for key, adapter in lora_model.adapters.items():
         weight, in_out = base_weight(lora_model.base, key)
         delta = alpha * adapter.scale * (adapter.B @ adapter.A)
@@ -182,7 +183,7 @@ def sync_lora(lora_model: LoRAModel, alpha: float) -> None:
 
 
 @torch.no_grad()
-@contract(alpha=between(0.0, 1.0, "the fraction of the way to the policy", low_open=True))
+@contract(alpha=SYNC_ALPHA)
 def sync_old_adapter(old_adapters: nn.ModuleDict, adapters: nn.ModuleDict, alpha: float) -> nn.ModuleDict:
     """Re-training an adapter: the reference is base + old adapter, so move the *old adapter* alpha of the way to
     the policy's adapters, exactly. Its update must become alpha * s B A + (1 - alpha) * s_old B_old A_old, and
@@ -420,10 +421,10 @@ def main(argv: list[str] | None = None) -> dict:
                     f"(tau = {tau}, alpha = {alpha:g}), over several seeds.",
         epilog="--steps 0 trains nothing: each run measures the starting model's held-out accuracy, and its "
                "kl_end and kl_original_end, means over training batches, are null.")
-    parser.add_argument("--steps", type=cli.at_least(0, "0 only evaluates the starting model"),
+    parser.add_argument("--steps", type=cli.at_least(0, STEPS.why),
                         help="default 100 (1 with RLHF_SMOKE=1)")
     parser.add_argument("--beta", type=cli.above(0.0, "with beta 0 there is no reference to sync"), default=0.1)
-    parser.add_argument("--seeds", type=cli.at_least(1, "one seed at least"),
+    parser.add_argument("--seeds", type=cli.at_least(1, SEEDS.why),
                         help="how many seeds (0, 1, ...): default 3 (2 with RLHF_SMOKE=1)")
     parser.add_argument("--plot", default="reference_sync_curves.png", help="where to save the curves ('' for none)")
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")

@@ -12,7 +12,7 @@ rejected one's. RLOO (Ahmadian et al. 2024, after Kool et al. 2019) is REINFORCE
 each completion is measured against the mean reward of the other completions of its prompt.
 
 `dpo_loss` follows TRL's DPOTrainer and `rloo_advantages`, `kl_penalized_rewards` and `rloo_loss` follow TRL's
-RLOOTrainer (trl 1.x); tests/test_part5_dpo_rloo.py checks them against TRL's own code when it is installed. Both
+RLOOTrainer (trl 1.x); tests/part5_dpo_rloo/ checks them against TRL's own code when it is installed. Both
 trainers take their reference from Part 4's one decision (`reference_kind`, and RLOO's `Reference`).
 """
 
@@ -33,7 +33,8 @@ from solutions.part0_warmup import completion_logprobs, get_logprobs
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer, completion_loss_mask, compose_rewards, sample_groups
 from solutions.part4_reference import ReferenceSettings, SyncedGRPOTrainer, reference_kind
-from utils.contracts import above, at_least, at_most, check_fields, contract, one_of, optional
+from utils.contracts import (CLIP_RANGE, DPO_BETA, LORA_ALPHA, STEPS, above, at_least, at_most, check_fields, contract,
+                             one_of, optional)
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
 from utils.logger import RunLogger, print_figures, samples_table
 from utils.masks import masked_mean
@@ -92,8 +93,9 @@ def sequence_logps(
     mask: Bool[Tensor, "batch gen"],
     average: bool = False,
 ) -> Float[Tensor, "batch"]:
-    """Each sequence's log-prob: the sum of its masked token log-probs, or with `average` their mean (the sum
-    divided by the number of masked tokens, at least 1), which is what TRL's "ipo" loss compares."""
+    """Returns: each sequence's log-prob, the sum of its masked token log-probs; with `average`, that sum divided by the
+    number of masked tokens (at least 1).
+    """
     mask = mask.to(logprobs.dtype)
     total = (logprobs * mask).sum(dim=1)
     return total / mask.sum(dim=1).clamp(min=1.0) if average else total
@@ -104,8 +106,7 @@ def sequence_logps(
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 
 
-@contract(tensors="loss", beta=above(0.0, "beta scales the margin: at 0 every pair's loss is the same constant, "
-                                          "and IPO's target margin 1 / (2 beta) is infinite"))
+@contract(tensors="loss", beta=DPO_BETA)
 def dpo_loss(
     policy_chosen_logps: Float[Tensor, "batch"],
     policy_rejected_logps: Float[Tensor, "batch"],
@@ -114,15 +115,12 @@ def dpo_loss(
     beta: float = 0.1,
     loss_type: str = "sigmoid",
 ) -> Float[Tensor, ""]:
-    """The DPO loss to minimise, averaged over the pairs, as TRL's DPOTrainer defines it.
+    """With the margin d = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected), per pair: "sigmoid":
+    -log sigmoid(beta * d); "hinge": relu(1 - beta * d); "ipo": (d - 1 / (2 * beta))^2 (on per-token mean log-probs).
 
-    With the margin d = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected), per pair:
-    "sigmoid": -log sigmoid(beta * d) (DPO); "hinge": relu(1 - beta * d) (SLiC);
-    "ipo": (d - 1 / (2 * beta))^2 (IPO), where the log-probs should be per-token means (sequence_logps with
-    average=True), as TRL normalises them for IPO.
-
-    Raises a ValueError unless the four log-probs are [batch] tensors of one shape (a [1] or [batch, 1] tensor
-    would broadcast into the wrong pairs), and for a loss_type that is not one of DPO_LOSS_TYPES.
+    Returns: the mean over the pairs, to minimise.
+    Raises: ValueError unless the four log-probs are [batch] tensors of one shape (a [1] or [batch, 1] would broadcast
+    into the wrong pairs), and for a loss_type not in DPO_LOSS_TYPES.
     """
     shapes = {tuple(t.shape) for t in (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
                                        ref_rejected_logps)}
@@ -149,9 +147,11 @@ def precompute_reference_logps(
     average: bool = False,
     batch_size: int = 256,
 ) -> tuple[Float[Tensor, "n"], Float[Tensor, "n"]]:
-    """(chosen, rejected) sequence log-probs of every pair under the reference: the base model with no hooks,
-    run without gradients over `batch_size` pairs at a time (preference_batch, completion_logprobs,
-    sequence_logps with `average`)."""
+    """The reference is lora_model.base with no hooks, run without gradients on `batch_size` pairs at a time
+    (preference_batch, completion_logprobs, then sequence_logps with `average`).
+
+    Returns: (chosen, rejected), the sequence log-probs of every pair, in order.
+    """
     chosen, rejected = [], []
     for start in range(0, len(triples), batch_size):
         batch = preference_batch(lora_model.tokenizer, triples[start:start + batch_size], lora_model.cfg.device)
@@ -189,13 +189,10 @@ class DPOConfig:
 
     # Each setting's contract, checked when a config is made or replaced (utils/contracts.py)
     RULES = {
-        "steps": at_least(0, "0 only evaluates the starting model"),
+        "steps": STEPS, "batch_pairs": at_least(1),
         "n_pairs": at_most(len(addition_pairs("train")), "pairs are drawn without replacement from the additions"),
-        "batch_pairs": at_least(1),
-        "rejected": one_of("own", "offset"), "lr": above(0.0), "lora_rank": at_least(1),
-        "lora_alpha": above(0.0, "the update is scaled by alpha / rank"),
-        "beta": above(0.0, "DPO's loss is a function of beta times the margin: at 0 it is a constant"),
-        "loss_type": one_of(*DPO_LOSS_TYPES), "reference": one_of("precomputed", "implicit"),
+        "rejected": one_of("own", "offset"), "lr": above(0.0), "lora_rank": at_least(1), "lora_alpha": LORA_ALPHA,
+        "beta": DPO_BETA, "loss_type": one_of(*DPO_LOSS_TYPES), "reference": one_of("precomputed", "implicit"),
         "sft_weight": at_least(0.0), "max_grad_norm": above(0.0),
         "eval_every": at_least(0, "0: at the start and end only"),
     }
@@ -211,19 +208,18 @@ def dpo_step(
     ref_logps: tuple[Float[Tensor, "pairs"], Float[Tensor, "pairs"]] | None,
     cfg: DPOConfig,
 ) -> dict[str, Tensor]:
-    """One DPO update of the LoRA on a batch of preference pairs (prompt, chosen, rejected); returns what is logged.
+    """One update of the LoRA on (prompt, chosen, rejected) pairs:
 
-    1. The policy: score the pairs with the LoRA on, with gradients (preference_batch, completion_logprobs), and
-       take each answer's sequence_logps: per-token means when cfg.loss_type is "ipo", sums otherwise.
-    2. The reference: `ref_logps` = (chosen, rejected), one per pair, when given (rows of the table computed
-       before training); None means the implicit reference, computed now by the base without hooks and without
-       gradients (precompute_reference_logps, with the same averaging).
-    3. loss = dpo_loss(..., cfg.beta, cfg.loss_type) + cfg.sft_weight * nll, where nll is the mean of -log-prob
-       over every token of the chosen answers (where the completion mask is True).
-    4. Zero the gradients, backward, clip the adapters' gradient norm to cfg.max_grad_norm, step the optimizer.
+    1. the policy: one preference_batch (n chosen rows, then n rejected) through lora_model, with gradients
+       (completion_logprobs), then sequence_logps (per-token means when cfg.loss_type is "ipo", else sums);
+    2. the reference: `ref_logps` = (chosen, rejected) when given; None: computed now, precompute_reference_logps with
+       the same averaging;
+    3. loss = dpo_loss(..., cfg.beta, cfg.loss_type) + cfg.sft_weight * nll, nll the mean of -log-prob over every
+       token of the chosen answers (where the completion mask is True);
+    4. zero_grad, backward, clip the adapters' gradient norm to cfg.max_grad_norm, optimizer.step().
 
-    Returns detached tensors: "loss" (the total) and "nll", scalars; "chosen", "rejected" (the policy's sequence
-    log-probs, as they were before the update), "ref_chosen", "ref_rejected", one per pair.
+    Returns: detached tensors: "loss" (the total), "nll"; "chosen", "rejected" (the policy's sequence log-probs,
+    before the update), "ref_chosen", "ref_rejected", one per pair.
     """
     batch = preference_batch(lora_model.tokenizer, triples, lora_model.cfg.device)  # rows [chosen; rejected]
     average = cfg.loss_type == "ipo"  # TRL's IPO compares per-token means
@@ -313,17 +309,13 @@ def rloo_advantages(
     group_size: int,
     normalize: bool = False,
 ) -> Float[Tensor, "batch"]:
-    """Each reward minus the mean of the other group_size - 1 rewards of its group (rows of a group adjacent).
+    """Each reward minus the mean of the other rewards of its group (rows of a group adjacent). A NaN reward
+    (unscorable) is left out of the others' means (nansum over the scored others / their count) and of the
+    normalisation. With `normalize`: then centred on the batch mean and divided by the batch std
+    (Bessel-corrected) + 1e-4.
 
-    With `normalize` (TRL's normalize_advantages), the advantages are then centred on their batch mean and
-    divided by their batch std (Bessel-corrected) + 1e-4.
-
-    A NaN reward marks an unscorable completion (no reward function judged it; Part 3's compose_rewards). As in
-    TRL's RLOOTrainer (`_generate_and_score_completions`, trl 1.16: `unscorable_mask`, nansum over the scored
-    siblings, then nan_to_num), it is left out of the others' means and of the normalisation, and its advantage is
-    0; so is the advantage of a completion that has no scored sibling to be compared with.
-
-    Raises a ValueError unless rewards is one [n_prompts * group_size] tensor with group_size >= 2, and for an inf
+    Returns: the advantages; 0 for a NaN reward and for a completion with no scored sibling.
+    Raises: ValueError unless rewards is one [n_prompts * group_size] tensor with group_size >= 2, and for an inf
     reward.
     """
     if group_size < 2 or rewards.dim() != 1 or len(rewards) % group_size != 0:
@@ -351,16 +343,16 @@ def kl_penalized_rewards(
     mask: Bool[Tensor, "batch gen"],
     beta: float,
 ) -> Float[Tensor, "batch"]:
-    """rewards - beta * KL per sequence, as TRL's RLOOTrainer does: the KL is the sum over the masked tokens of
-    logprobs - ref_logprobs (the k1 estimate, which can be negative), and the result carries no gradient."""
+    """Returns: rewards - beta * KL per sequence, KL the sum over the masked tokens of logprobs - ref_logprobs (k1, can
+    be negative); without gradient.
+    """
     kl = ((logprobs - ref_logprobs) * mask.to(logprobs.dtype)).sum(dim=1)
     return (rewards - beta * kl).detach()
 
 
 # --- 8. The RLOO loss ------------------------------------------------------------------------------------------
 
-@contract(tensors="loss", epsilon=at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"),
-          epsilon_high=optional(at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")))
+@contract(tensors="loss", epsilon=CLIP_RANGE, epsilon_high=optional(CLIP_RANGE))
 def rloo_loss(
     seq_logprobs: Float[Tensor, "batch"],
     old_seq_logprobs: Float[Tensor, "batch"] | None,
@@ -368,9 +360,11 @@ def rloo_loss(
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
 ) -> Float[Tensor, ""]:
-    """The RLOO loss to minimise, as TRL's RLOOTrainer defines it: per sequence, with the sequence-level ratio
-    = exp(seq_logprobs - old_seq_logprobs), -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A),
-    averaged over sequences. old_seq_logprobs=None means on-policy: old = seq_logprobs.detach()."""
+    """Per sequence, ratio = exp(seq_logprobs - old_seq_logprobs), old_seq_logprobs=None meaning seq_logprobs.detach();
+    epsilon_high=None meaning epsilon.
+
+    Returns: the mean over sequences of -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A), to minimise.
+    """
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     old_seq_logprobs = seq_logprobs.detach() if old_seq_logprobs is None else old_seq_logprobs
     ratio = torch.exp(seq_logprobs - old_seq_logprobs)
@@ -454,9 +448,9 @@ def main(argv: list[str] | None = None) -> dict:
         epilog="--steps 0 --rl-steps 0 trains nothing: every run measures the starting model's held-out accuracy "
                "(accuracy_start = accuracy_end).")
     parser.add_argument("--algo", choices=["dpo", "rloo", "all"], default="all")
-    parser.add_argument("--steps", type=cli.at_least(0, "0 only evaluates the starting model"),
+    parser.add_argument("--steps", type=cli.at_least(0, STEPS.why),
                         help="DPO steps (default 60; 3 with RLHF_SMOKE=1)")
-    parser.add_argument("--rl-steps", type=cli.at_least(0, "0 only evaluates the starting model"),
+    parser.add_argument("--rl-steps", type=cli.at_least(0, STEPS.why),
                         help="RLOO and GRPO steps each (default 60; 3 with RLHF_SMOKE=1)")
     parser.add_argument("--loss-type", choices=list(DPO_LOSS_TYPES))
     parser.add_argument("--seed", type=int, default=0)

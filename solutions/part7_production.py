@@ -42,6 +42,7 @@ from solutions.part2_lora import TARGETS, LoRA, base_weight  # noqa: E402
 from utils.contracts import above, nonempty  # noqa: E402
 from utils.files import why_unreadable  # noqa: E402
 from utils.models import TINY_DIR  # noqa: E402
+from utils.peft_config import pattern_value, read_peft_config, refuse, targeted  # noqa: E402
 
 PROVIDED += ("hf_model_of", "export_peft_adapter", "import_peft_adapter")
 
@@ -70,14 +71,14 @@ def hf_model_of(model):
 
 @contract(adapters=nonempty("give at least one of the q, k and v adapters"))
 def fuse_qkv(adapters: dict[str, LoRA]) -> tuple[Float[Tensor, "rank d_model"], Float[Tensor, "qkv rank"]]:
-    """One LoRA on GPT-2's fused c_attn that computes exactly what the separate q, k and v adapters of one block do.
+    """One LoRA on GPT-2's fused c_attn that computes exactly what one block's q, k and v adapters do. adapters: some of
+    "q", "k", "v" -> that block's LoRA (each d_model -> n_heads * d_head).
 
-    adapters: some of "q", "k", "v" -> that block's LoRA (each d_model -> n_heads * d_head), e.g. {"q": .., "v": ..}.
-    Returns (A, B), detached, to be used with scale 1 (peft's lora_alpha equal to the rank):
-    A [R, d_model] stacks the adapters' A (R = the sum of their ranks); B [3 * n_heads * d_head, R] is
-    block-structured: the rows of c_attn's q, k and v outputs (in that order) hold adapter t's B times its scale in
-    the columns of t's A, and 0 everywhere else (all 0 for a target with no adapter).
-    Raises a ValueError for a key other than "q", "k" and "v".
+    Returns: (A, B), detached, for scale 1 (peft's lora_alpha = rank). A [R, d_model] stacks the adapters' A in the
+    order q, k, v (R = the sum of their ranks); in B [3 * n_heads * d_head, R], the rows of c_attn's q, k, v output
+    (in that order) hold adapter t's B times its scale in the columns of t's A, 0 elsewhere (all 0 for a target
+    with no adapter).
+    Raises: ValueError for a key other than "q", "k" and "v".
     """
     unknown = sorted(set(adapters) - set(QKV))
     if unknown:
@@ -99,10 +100,9 @@ def fuse_qkv(adapters: dict[str, LoRA]) -> tuple[Float[Tensor, "rank d_model"], 
 def split_qkv(A: Float[Tensor, "rank d_model"], B: Float[Tensor, "qkv rank"], scale: float) -> dict[str, LoRA]:
     """The q, k and v adapters that together compute what one LoRA on c_attn computes, x -> scale * x A^T B^T.
 
-    Returns {"q": LoRA, "k": LoRA, "v": LoRA}, each of the same rank R as the c_attn LoRA, on A's device and dtype:
-    its own copy of A, the rows of B that write its third of c_attn's output (q first, then k, then v), and `scale`.
-    A trained c_attn LoRA shares one A among q, k and v, and its B is dense: no smaller rank is exact in general.
-    Raises a ValueError when B's number of rows is not a multiple of 3.
+    Returns: {"q": LoRA, "k": LoRA, "v": LoRA}, each of rank R, on A's device and dtype: its own copy of A, the rows
+    of B that write its third of c_attn's output (q first, then k, then v), and `scale` exactly.
+    Raises: ValueError if B's number of rows is not a multiple of 3.
     """
     rank, d_model = A.shape
     if B.shape[0] % 3:
@@ -120,11 +120,11 @@ def split_qkv(A: Float[Tensor, "rank d_model"], B: Float[Tensor, "qkv rank"], sc
 
 
 def peft_state_dict(adapters: nn.ModuleDict) -> dict[str, Tensor]:
-    """The tensors of peft's adapter_model.safetensors for `adapters` (keys "L{layer}_{target}"), detached, on the
-    CPU, to be used with peft's scaling 1: for each Hugging Face module that an adapter updates (HF_MODULES),
-    "base_model.model.transformer.h.{layer}.{module}.lora_A.weight" ([rank, d_in]) and "....lora_B.weight"
-    ([d_out, rank]). A block's q, k and v adapters become one LoRA on attn.c_attn (fuse_qkv); every other adapter
-    keeps its A, with its scale folded into its B.
+    """For each Hugging Face module that an adapter (keys "L{layer}_{target}") updates (HF_MODULES): a block's q, k and
+    v adapters become one LoRA on attn.c_attn (fuse_qkv); every other adapter keeps its A, its scale folded into B.
+
+    Returns: {"base_model.model.transformer.h.{layer}.{module}.lora_A.weight": [rank, d_in], "....lora_B.weight":
+    [d_out, rank]}, detached, on the CPU, for peft's scaling 1.
     """
     modules: dict[str, dict[str, LoRA]] = {}  # Hugging Face module name -> {target: adapter}
     for key, adapter in adapters.items():
@@ -179,121 +179,10 @@ def export_peft_adapter(model, adapters: nn.ModuleDict, path: str | Path) -> Pat
     return path
 
 
-# adapter_config.json fields that change what an adapter computes, with the values a course LoRA can hold
-_PLAIN_LORA = {
-    "use_dora": ((False, None), "DoRA rescales each output column by a trained magnitude; a course LoRA adds B A x "
-                                "only"),
-    "bias": (("none",), "it trained the base modules' biases too, and the course's adapters hold no bias"),
-    "lora_bias": ((False, None), "its B has a bias, which a course LoRA lacks"),
-    "modules_to_save": ((None, []), "it also trained whole modules (their full weights are in the file)"),
-    "trainable_token_indices": ((None, [], {}), "it trained rows of the embedding, which no hook adapts"),
-    "layer_replication": ((None, []), "it repeats layers, which changes the model's depth"),
-    "target_parameters": ((None, []), "it adapts raw parameters, not modules"),
-    "use_qalora": ((False, None), "QALoRA pools its input, for quantized models"),
-    "alora_invocation_tokens": ((None, []), "aLoRA switches itself on only after given tokens"),
-    "use_bdlora": ((None, False), "BD-LoRA is a variant with block-diagonal factors"),
-    "arrow_config": ((None,), "Arrow routes among several adapters"),
-    "kasa_config": ((None,), "KaSA changes the base weight and adds a diagonal between A and B"),
-    "velora_config": ((None,), "VeLoRA is a LoRA variant"),
-    "monteclora_config": ((None,), "MonteCLoRA samples its update"),
-    "megatron_config": ((None,), "it was made for Megatron's parallel layers"),
-    "loftq_config": ((None, {}), "LoftQ quantizes the base weights it was trained on"),
-    "corda_config": ((None,), "CorDA changes the base weights it was trained on"),
-    "lora_ga_config": ((None,), "LoRA-GA changes the base weights it was trained on"),
-}
-# init_lora_weights values under which the saved A and B are all there is (the others change the base weights, or
-# make a variant): True and False (B = 0, or random), "gaussian", "orthogonal", "eva" (data-driven A)
-_PLAIN_INITS = (True, False, "gaussian", "orthogonal", "eva")
-# Fields that do not change what the saved A and B compute, or that the reader below takes into account
-_HARMLESS = {"peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
-             "peft_version", "r", "lora_alpha", "target_modules", "exclude_modules", "lora_dropout",
-             "fan_in_fan_out", "use_rslora", "init_lora_weights", "layers_to_transform", "layers_pattern",
-             "rank_pattern", "alpha_pattern", "megatron_core", "qalora_group_size", "eva_config", "runtime_config",
-             "ensure_weight_tying"}
-
-
-def _refuse(path: Path, what: str, todo: str) -> ValueError:
-    return ValueError(f"peft adapter {path}: {what}. {todo}")
-
-
-def _read_peft_config(path: Path) -> dict:
-    """adapter_config.json, refused unless it describes a plain LoRA a course adapter can hold."""
-    if not path.exists():
-        raise FileNotFoundError(f"no peft adapter folder at {path}: check the path (relative paths start from "
-                                f"{Path.cwd()}), or write one with export_peft_adapter or peft's save_pretrained")
-    if not path.is_dir():
-        raise NotADirectoryError(f"{path} is a file; a peft adapter is a folder holding adapter_config.json and "
-                                 "adapter_model.safetensors: pass the folder")
-    file = path / "adapter_config.json"
-    if not file.exists():
-        raise FileNotFoundError(f"peft adapter {path} has no adapter_config.json: pass the folder that peft's "
-                                "save_pretrained (or export_peft_adapter) wrote")
-    try:
-        config = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise _refuse(path, f"adapter_config.json is not valid JSON ({error})", "Write it again") from None
-    if not isinstance(config, dict):
-        raise _refuse(path, "adapter_config.json is not a JSON object", "Write it again")
-    if config.get("peft_type") != "LORA":
-        raise _refuse(path, f"it is a {config.get('peft_type')!r} adapter, not a LoRA (peft_type 'LORA')",
-                      "Only a plain LoRA is the course's x -> scale * B A x")
-    for field, (plain, why) in _PLAIN_LORA.items():
-        if field in config and config[field] not in plain:
-            raise _refuse(path, f"it sets {field}={config[field]!r}: {why}", "A course adapter holds a plain LoRA "
-                          "only (use_dora false, bias 'none', no modules_to_save, no variant): train it with "
-                          "plain LoRA, or merge it into the model with peft's merge_and_unload()")
-    init = config.get("init_lora_weights", True)
-    if init not in _PLAIN_INITS:
-        raise _refuse(path, f"it sets init_lora_weights={init!r}, which changes the base weights it was trained "
-                      "on (or makes a variant)", "Load it with peft, or convert it to a plain LoRA first (peft's "
-                      "path_initial_model_for_weight_conversion when saving)")
-    unknown = {k: v for k, v in config.items() if k not in _HARMLESS | set(_PLAIN_LORA) and v not in (None, False,
-                                                                                                       [], {}, "")}
-    if unknown:
-        raise _refuse(path, f"it sets {unknown}, which this reader does not know (a newer peft?) and which may "
-                      "change what the adapter computes", "Save it without those settings")
-    for field in ("r", "lora_alpha"):
-        if not isinstance(config.get(field), (int, float)) or isinstance(config.get(field), bool):
-            raise _refuse(path, f"adapter_config.json has no number {field!r}", "Write it again")
-    return config
-
-
-def _targeted(config: dict, module: str) -> bool:
-    """Whether peft would put a LoRA on `module` (a Hugging Face module name) under `config`: peft's rules for a
-    list of names (exact or a dotted suffix), a regular expression (a full match), "all-linear" (every linear layer
-    but the output layer), exclude_modules, and layers_to_transform."""
-    def matches(patterns) -> bool:
-        if not patterns:
-            return False
-        if isinstance(patterns, str):
-            return re.fullmatch(patterns, module) is not None
-        return any(module == p or module.endswith(f".{p}") for p in patterns)
-
-    targets = config.get("target_modules")
-    if matches(config.get("exclude_modules")):
-        return False
-    if targets == "all-linear" or targets == ["all-linear"]:
-        return module != "lm_head" and re.fullmatch(r"transformer\.h\.\d+\.(attn|mlp)\.c_\w+", module) is not None
-    found = matches(targets)
-    layers = config.get("layers_to_transform")
-    if found and not isinstance(targets, str) and layers not in (None, []):
-        layer = re.match(r"transformer\.h\.(\d+)\.", module)
-        found = layer is not None and int(layer[1]) in ([layers] if isinstance(layers, int) else layers)
-    return found
-
-
-def _pattern_value(pattern: dict, module: str, default):
-    """rank_pattern / alpha_pattern: the value of the first key that matches the end of the module's name."""
-    for key, value in (pattern or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
 # Hugging Face GPT-2 module -> (course target, or None for q/k/v together)
-_COURSE_TARGET = {"attn.c_attn": None, "attn.c_proj": "o", "mlp.c_fc": "mlp_in", "mlp.c_proj": "mlp_out"}
-_NO_HOOK = {"transformer.wte": "the token embedding", "transformer.wpe": "the position embedding",
-            "lm_head": "the unembedding (lm_head)"}
+COURSE_TARGET = {"attn.c_attn": None, "attn.c_proj": "o", "mlp.c_fc": "mlp_in", "mlp.c_proj": "mlp_out"}
+NO_HOOK = {"transformer.wte": "the token embedding", "transformer.wpe": "the position embedding",
+           "lm_head": "the unembedding (lm_head)"}
 
 
 def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
@@ -308,7 +197,7 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
     the model; FileNotFoundError for a missing folder or file.
     """
     path = Path(path)
-    config = _read_peft_config(path)
+    config = read_peft_config(path)
     file = path / "adapter_model.safetensors"
     if not file.exists():
         pickled = (path / "adapter_model.bin").exists()
@@ -320,13 +209,13 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
         with safe_open(str(file), framework="pt", device=str(model.cfg.device)) as f:
             tensors = {key: f.get_tensor(key) for key in f.keys()}
     except Exception as error:  # safetensors' own messages name neither the file nor the cause
-        raise _refuse(path, f"adapter_model.safetensors cannot be read: {why_unreadable(file, error)}",
+        raise refuse(path, f"adapter_model.safetensors cannot be read: {why_unreadable(file, error)}",
                       "Write it again") from error
 
     for key in tensors:  # first, what no course hook can hold, whatever else the file has
-        module = next((m for m in _NO_HOOK if key.startswith(f"{PEFT_PREFIX}{m}.")), None)
+        module = next((m for m in NO_HOOK if key.startswith(f"{PEFT_PREFIX}{m}.")), None)
         if module is not None:
-            raise _refuse(path, f"it adapts {_NO_HOOK[module]}, which the course has no LoRA hook for (its hooks "
+            raise refuse(path, f"it adapts {NO_HOOK[module]}, which the course has no LoRA hook for (its hooks "
                           "adapt attn.c_attn as q, k, v, attn.c_proj as o, mlp.c_fc as mlp_in, mlp.c_proj as "
                           "mlp_out)", f"Train the adapter without {module.split('.')[-1]!r} in target_modules, or "
                           "use it with peft")
@@ -334,12 +223,12 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
     for key, tensor in tensors.items():
         found = re.fullmatch(rf"{re.escape(PEFT_PREFIX)}(.+)\.lora_(A|B|embedding_A|embedding_B)(?:\.weight)?", key)
         if found is None:
-            raise _refuse(path, f"its tensor {key!r} is not a LoRA factor (peft names them "
+            raise refuse(path, f"its tensor {key!r} is not a LoRA factor (peft names them "
                           f"'{PEFT_PREFIX}<module>.lora_A.weight' and '...lora_B.weight')", "A course adapter holds "
                           "only plain LoRA factors: save the adapter without extra trained tensors")
         module, factor = found[1], found[2][-1]
         if not re.fullmatch(r"transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)", module):
-            raise _refuse(path, f"it adapts {module!r}, which the course has no LoRA hook for (its hooks adapt "
+            raise refuse(path, f"it adapts {module!r}, which the course has no LoRA hook for (its hooks adapt "
                           "attn.c_attn as q, k, v, attn.c_proj as o, mlp.c_fc as mlp_in, mlp.c_proj as mlp_out)",
                           "Train the adapter without that module in target_modules, or use it with peft")
         pairs.setdefault(module, {})[factor] = tensor
@@ -349,10 +238,10 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
     shapes = {"attn.c_attn": (cfg.d_model, 3 * d_heads), "attn.c_proj": (d_heads, cfg.d_model),
               "mlp.c_fc": (cfg.d_model, cfg.d_mlp), "mlp.c_proj": (cfg.d_mlp, cfg.d_model)}
     every_module = [f"transformer.h.{layer}.{kind}" for layer in range(cfg.n_layers) for kind in shapes]
-    unkeyed = [m for m in every_module if _targeted(config, m) and m not in pairs]
-    untargeted = [m for m in pairs if not _targeted(config, m)]
+    unkeyed = [m for m in every_module if targeted(config, m) and m not in pairs]
+    untargeted = [m for m in pairs if not targeted(config, m)]
     if unkeyed or untargeted:
-        raise _refuse(path, f"its tensors do not match its config (target_modules {config.get('target_modules')!r}"
+        raise refuse(path, f"its tensors do not match its config (target_modules {config.get('target_modules')!r}"
                       f"): targeted but without tensors {unkeyed[:4]}, tensors but not targeted {untargeted[:4]}",
                       "Write the folder again with save_pretrained or export_peft_adapter")
 
@@ -360,20 +249,20 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
     for module, factors in pairs.items():
         layer, kind = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)", module).groups()
         if int(layer) >= cfg.n_layers:
-            raise _refuse(path, f"it adapts {module}, but this model has {cfg.n_layers} blocks", "Was it trained "
+            raise refuse(path, f"it adapts {module}, but this model has {cfg.n_layers} blocks", "Was it trained "
                           f"for another model ({config.get('base_model_name_or_path')})? Load it into that one")
-        rank = _pattern_value(config.get("rank_pattern"), module, config["r"])
-        alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
+        rank = pattern_value(config.get("rank_pattern"), module, config["r"])
+        alpha = pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
         d_in, d_out = shapes[kind]
         A, B = factors.get("A"), factors.get("B")
         if A is None or B is None or tuple(A.shape) != (rank, d_in) or tuple(B.shape) != (d_out, rank):
             shapes_found = {f: tuple(t.shape) for f, t in factors.items()}
-            raise _refuse(path, f"its factors of {module} are {shapes_found}; with rank {rank} this model needs "
+            raise refuse(path, f"its factors of {module} are {shapes_found}; with rank {rank} this model needs "
                           f"A {(rank, d_in)} and B {(d_out, rank)}", "Was it trained for another model "
                           f"({config.get('base_model_name_or_path')}), or is the file from another config? Write "
                           "the folder again")
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        if _COURSE_TARGET[kind] is None:
+        if COURSE_TARGET[kind] is None:
             for target, lora in split_qkv(A, B, scale).items():
                 adapters[f"L{layer}_{target}"] = lora
         else:
@@ -382,7 +271,7 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
                 lora.A.copy_(A)
                 lora.B.copy_(B)
             lora.scale = scale
-            adapters[f"L{layer}_{_COURSE_TARGET[kind]}"] = lora
+            adapters[f"L{layer}_{COURSE_TARGET[kind]}"] = lora
     order = {target: i for i, target in enumerate(TARGETS)}
     keys = sorted(adapters, key=lambda k: (int(k[1:].split("_", 1)[0]), order[k[1:].split("_", 1)[1]]))
     return nn.ModuleDict({key: adapters[key] for key in keys}).to(cfg.device)
@@ -402,21 +291,15 @@ PROVIDED += ("to_lora_config",)
 
 @contract(world_size=at_least(1, "the number of processes `accelerate launch` starts"))
 def to_trl_config(cfg: GRPOConfig, output_dir: str, world_size: int = 1) -> dict:
-    """The keyword arguments of `trl.GRPOConfig` for the run that `cfg` describes, on `world_size` processes.
+    """Each knob of `cfg` whose GRPO_TO_TRL row names a TRL field, under that name, its value translated: TRL counts
+    optimizer steps (max_steps = steps × num_iterations) and completions per process (per_device_train_batch_size =
+    n_prompts × group_size / world_size); reward_weights are [1.0, format_weight] on the addition task (exact
+    answer, format), [1.0] on "periods"; use_cpu is cfg.device == "cpu"; report_to is "wandb" or "none"; the rest
+    are copied. eval_every and table_every are left to the script (no eval_steps; logging_steps is 1). Then every
+    setting of TRL_SETTINGS, and output_dir.
 
-    Each knob of `cfg` whose GRPO_TO_TRL row names a TRL field, under that name, with its value translated: TRL
-    counts optimizer steps (max_steps = steps × num_iterations: each batch of rollouts serves num_iterations steps)
-    and completions per process (per_device_train_batch_size = n_prompts × group_size / world_size); reward_weights
-    are [1.0, format_weight] on the addition task (exact answer, format) and [1.0] on "periods"; use_cpu is True when
-    cfg.device is "cpu"; report_to is "wandb" or "none"; the rest are copied. Two rows are left to the script:
-    eval_every (no eval_steps: TRL's evaluation is not our held-out accuracy, which a callback measures) and
-    table_every (logging_steps is 1: the curves need every step). Then every setting of TRL_SETTINGS (what our
-    trainer does where TRL has a setting and we have no knob: a constant learning rate, float32, no activation
-    checkpointing, the prompts unshuffled, k3 not multiplied by the ratio, ...; some are TRL's defaults already), and
-    output_dir.
-
-    Raises a ValueError when the n_prompts × group_size completions of a step cannot be shared equally by world_size
-    processes.
+    Returns: the keyword arguments of `trl.GRPOConfig` for the run `cfg` describes, on `world_size` processes.
+    Raises: ValueError if world_size does not divide the n_prompts × group_size completions of a step.
     """
     completions = cfg.n_prompts * cfg.group_size
     if completions % world_size != 0:

@@ -5,7 +5,7 @@ They measure speed, so nothing here asserts a time: only that each script runs a
 
 import pytest
 
-from tests.helpers import run_script
+from tests.support import run_script
 
 
 @pytest.mark.slow

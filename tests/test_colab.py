@@ -20,14 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from utils import harness, notebooks, upstream
+from utils import notebooks, upstream
+from utils.checker import layout
+from utils.checker.layout import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 STAND_IN = 'import sys, types\nsys.modules["google.colab"] = types.ModuleType("google.colab")  # "on Colab"\n'
 
 
 def _cell(part: str, kind: str) -> str:
+    """A cell of the part's notebook as the builder makes it (the setup cell: the shared preamble, then the part's)."""
     (text,) = [text for k, _, text in notebooks.parse_source(notebooks.SOURCES / f"{part}.py") if k == kind]
+    if kind == "setup":
+        return notebooks.PREAMBLE + "\n" + text
     return text or notebooks.COLAB_CELL
 
 
@@ -45,15 +49,15 @@ def _run(python: str, script: str, tmp_path: Path, **env: str) -> subprocess.Com
 
 def test_readme_badges_open_the_published_notebooks():
     badges = re.findall(r"\]\((https://colab\.research\.google\.com/github/[^)]*)\)", (ROOT / "README.md").read_text())
-    expected = [notebooks.colab_url(part) for part in harness.parts()]
+    expected = [notebooks.colab_url(part) for part in layout.parts()]
     assert badges == expected, (
         "README.md's Colab badges do not open the notebooks at notebooks.REPOSITORY / BRANCH: write them as "
         f"{expected}")
 
 
-@pytest.mark.parametrize("part", harness.parts())
+@pytest.mark.parametrize("part", layout.parts())
 def test_notebook_opens_with_its_own_badge_and_the_colab_cell(part):
-    cells = json.loads((harness.CHAPTERS / f"{part}.ipynb").read_text())["cells"]
+    cells = json.loads((layout.CHAPTERS / f"{part}.ipynb").read_text())["cells"]
     assert notebooks.colab_badge(part) in "".join(cells[0]["source"]), f"{part}: the first cell has no Colab badge"
     assert any("".join(c["source"]) == notebooks.COLAB_CELL for c in cells), f"{part}: no Colab cell"
 
@@ -127,19 +131,20 @@ def test_colab_cell_clones_installs_retries_and_the_course_imports(tmp_path):
     assert run.returncode != 0 and "Installing the course's requirements failed" in run.stderr, run.stderr[-3000:]
     assert f"einops=={upstream.locked_versions()['einops']}" in run.stderr, (
         f"the out-of-range einops was not pinned to the lock's version:\n{run.stderr[-3000:]}")
-    assert (course / "utils" / "harness.py").exists(), "the clone did not happen"
+    assert (course / "utils" / "checker" / "layout.py").exists(), "the clone did not happen"
     assert not (course / ".git" / "course-installed").exists()
 
     # 2. once the runtime is fixed, run again: the clone is kept, the install retried; then the setup cell finds the
     #    course, and every requirement is already there at a version in range, so nothing had to be fetched
     shutil.rmtree(old)
     script = (notebooks.COLAB_CELL + "\n" + _cell("part0_warmup", "setup")
-              + "\nimport os, utils.harness\nprint('cwd', os.getcwd())\nprint('course', utils.harness.__file__)\n")
+              + "\nimport os, utils.checker.layout as layout\nprint('cwd', os.getcwd())\n"
+              + "print('course', layout.__file__)\n")
     run = _run(python, script, tmp_path, **where)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (course / ".git" / "course-installed").exists()
     assert f"cwd {course / 'chapters'}\n" in run.stdout
-    assert f"course {course / 'utils' / 'harness.py'}\n" in run.stdout, run.stdout
+    assert f"course {course / 'utils' / 'checker' / 'layout.py'}\n" in run.stdout, run.stdout
 
 
 # --- what the cell pins: upstream.colab_constraints -----------------------------------------------------------
@@ -198,12 +203,12 @@ def test_save_notebook_writes_what_colab_hands_over(tmp_path, monkeypatch, capsy
     """Only what utils.colab does with Colab's reply; the real `get_ipynb` request is untested without Colab."""
     from utils.colab import save_notebook
 
-    notebook = json.loads((harness.CHAPTERS / "part0_warmup.ipynb").read_text())
+    notebook = json.loads((layout.CHAPTERS / "part0_warmup.ipynb").read_text())
     colab = types.ModuleType("google.colab")
     colab._message = types.SimpleNamespace(blocking_request=lambda request, timeout_sec: {"ipynb": notebook})
     monkeypatch.setitem(sys.modules, "google.colab", colab)
     path = save_notebook(tmp_path / "part0_warmup_mine.ipynb")
-    assert harness.notebook_cells(path) == harness.notebook_cells(harness.CHAPTERS / "part0_warmup.ipynb")
+    assert layout.notebook_cells(path) == layout.notebook_cells(layout.CHAPTERS / "part0_warmup.ipynb")
     assert "--impl" in capsys.readouterr().out
     with pytest.raises(ValueError, match="name the file after its part"):
         save_notebook(tmp_path / "mine.ipynb")

@@ -15,10 +15,11 @@ import torch
 
 from solutions import (part0_warmup, part1_ppo, part2_lora, part3_grpo, part4_reference, part5_dpo_rloo,
                        part6_lab)
-from utils import harness
+from utils.checker import layout
+from utils import contracts
 from utils.contracts import Rule, above, at_least, between, check_fields, contract, one_of, optional
 
-MODULES = tuple(importlib.import_module(f"solutions.{part}") for part in harness.parts())  # every part, new ones too
+MODULES = tuple(importlib.import_module(f"solutions.{part}") for part in layout.parts())  # every part, new ones too
 
 
 # --- The rules themselves ----------------------------------------------------------------------------------------
@@ -73,6 +74,70 @@ def test_a_contract_keeps_the_signature_and_lets_a_wrong_call_fail_as_python_say
     assert loss(2.0) == 0.4 and loss(2.0, epsilon=0.5) == 1.0
     with pytest.raises(TypeError):
         loss(2.0, nope=1)
+
+
+# --- Named rules: shared settings, each reason written once -------------------------------------------------------
+
+NAMED_RULES = {name: rule for name in contracts.__all__ if isinstance(rule := getattr(contracts, name), Rule)}
+NAMED_BAD = {"TEMPERATURE": [-0.1, math.nan], "TOP_K": [0, 2.5], "STEPS": [-1, 1.5], "PHASES": [-1], "SEEDS": [0],
+             "LORA_ALPHA": [0.0, -8.0], "GROUP_SIZE": [1, 0, 2.0], "KL_WEIGHT": [-0.01], "PPO_CLIP_RANGE": [-0.2],
+             "CLIP_RANGE": [-0.2, math.nan], "SYNC_ALPHA": [0.0, 1.5], "DPO_BETA": [0.0, -0.1], "GAMMA": [1.1, -0.1],
+             "LAM": [1.5, math.nan], "VF_COEF": [-0.5], "ENT_COEF": [-0.01]}
+
+
+def test_each_named_rule_refuses_a_bad_value_and_gives_its_reason():
+    assert set(NAMED_BAD) == set(NAMED_RULES), "a named rule of utils/contracts.py has no bad value tried here"
+    for name, values in NAMED_BAD.items():
+        rule = NAMED_RULES[name]
+        assert rule.why, f"{name} gives no reason"
+        for value in values:
+            with pytest.raises(ValueError, match=re.escape(f"({rule.why}), got {value!r}")):
+                rule.check("x", value)
+
+
+def test_the_named_relations_and_factories_refuse_with_their_reasons():
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    assert "one prompt per completion" in contracts.ONE_PROMPT_PER_COMPLETION({"prompts": ["a"], "completions": []})
+    assert contracts.ONE_PROMPT_PER_COMPLETION({"prompts": ["a"], "completions": ["b"]}) is None
+    assert "completions' width" in contracts.DR_GRPO_LENGTH({"max_completion_length": 3, "mask": mask})
+    assert contracts.DR_GRPO_LENGTH({"max_completion_length": None, "mask": mask}) is None
+    with pytest.raises(ValueError, match=re.escape("clip must be None or a number >= 0 (each value moves at most clip "
+                                                   "from its old value), got -0.1")):
+        contracts.value_clip("clip").check("clip", -0.1)
+    assert contracts.needs_old_values("clip")({"clip": 0.2, "old_values": None}) == (
+        "clip=0.2 needs old_values: the values stored at rollout time, to clip around")
+
+
+# where each rule factory (and each of utils/cli.py's argparse types) takes its reason: the index of the argument
+REASON_AT = {"at_least": 1, "above": 1, "at_most": 1, "between": 2, "a_number": 0, "not_a_folder": 0, "nonempty": 0,
+             "same_length": 2, "covers_width": 2, "at_most_size": 3, "needs": 2}
+
+
+def _reasons() -> dict[str, list[str]]:
+    """Each reason written in solutions/ or utils/contracts.py -> where (file:line), one entry per time written."""
+    import ast
+
+    found: dict[str, list[str]] = {}
+    for path in sorted(layout.SOLUTIONS.rglob("*.py")) + [layout.ROOT / "utils" / "contracts.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            if name not in REASON_AT:
+                continue
+            args = node.args[REASON_AT[name]:REASON_AT[name] + 1] + [k.value for k in node.keywords if k.arg == "why"]
+            for arg in args:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value:
+                    found.setdefault(arg.value, []).append(f"{path.relative_to(layout.ROOT)}:{node.lineno}")
+    return found
+
+
+def test_no_reason_is_written_twice():
+    reasons = _reasons()
+    assert "0 only evaluates the starting model" in reasons  # the scan finds them
+    repeated = {text: where for text, where in reasons.items() if len(where) > 1}
+    assert not repeated, ("the same reason is written more than once: name the rule once in utils/contracts.py "
+                          f"(a script's flag takes its .why) and use the name: {repeated}")
 
 
 # --- Configs: each setting checked when the config is made (or replaced) ---------------------------------------
@@ -403,7 +468,7 @@ def test_shapes_are_checked_outside_the_tests_too():
     import subprocess
     import sys
 
-    from utils.harness import ROOT
+    from utils.checker.layout import ROOT
 
     code = ("import torch\nfrom solutions.part3_grpo import grpo_loss\n"
             "lp, mask = torch.zeros(4, 5), torch.ones(4, 5, dtype=torch.bool)\n"

@@ -17,14 +17,15 @@ import nbformat
 import pytest
 from pyflakes import checker, messages
 
-from utils import harness, notebooks
+from utils import notebooks
+from utils.checker import layout
 
-PARTS = harness.parts()  # a part without its source fails test_notebook_is_built_from_its_source
+PARTS = layout.parts()  # a part without its source fails test_notebook_is_built_from_its_source
 
 
 @pytest.mark.parametrize("part", PARTS)
 def test_notebook_is_built_from_its_source(part):
-    path = harness.CHAPTERS / f"{part}.ipynb"
+    path = layout.CHAPTERS / f"{part}.ipynb"
     assert (notebooks.SOURCES / f"{part}.py").exists(), f"chapters/source/{part}.py is missing"
     assert path.read_text() == notebooks.dumps(notebooks.build(part)), (
         f"chapters/{part}.ipynb is stale or was edited by hand: edit chapters/source/{part}.py, then run "
@@ -96,14 +97,14 @@ def undefined_names(cells: list[tuple[int, str]]) -> list[str]:
 
 
 def _run_by_impl(cell) -> bool:
-    """Whether `--impl notebook.ipynb` runs this cell (the rule of utils.harness._exec_notebook)."""
+    """Whether `--impl notebook.ipynb` runs this cell (the rule of utils.checker.implementations._exec_notebook)."""
     tags = set(cell.metadata.get("tags", []))
-    return bool(tags & {"setup", "provided", "exercise"}) or (not tags and harness.is_helper_cell(cell.source))
+    return bool(tags & {"setup", "provided", "exercise"}) or (not tags and layout.is_helper_cell(cell.source))
 
 
 def notebook_variants(part: str) -> dict[str, list[tuple[int, str]]]:
     """The (index, source) code cells of each form of the notebook that someone runs."""
-    shipped = nbformat.read(harness.CHAPTERS / f"{part}.ipynb", as_version=4)
+    shipped = nbformat.read(layout.CHAPTERS / f"{part}.ipynb", as_version=4)
     solved = notebooks.with_solutions(part)
     return {"as shipped": [(i, c.source) for i, c in enumerate(shipped.cells) if c.cell_type == "code"],
             "with the solutions filled in": [(i, c.source) for i, c in enumerate(solved.cells)
@@ -130,7 +131,7 @@ def test_the_names_check_fails_a_notebook_that_uses_an_import_only_solutions_has
         (tmp_path / folder).mkdir()
     monkeypatch.setattr(notebooks, "SOLUTIONS", tmp_path / "solutions")
     monkeypatch.setattr(notebooks, "SOURCES", tmp_path / "source")
-    monkeypatch.setattr(harness, "CHAPTERS", tmp_path / "chapters")
+    monkeypatch.setattr(layout, "CHAPTERS", tmp_path / "chapters")
     (tmp_path / "solutions" / "part9_demo.py").write_text(
         'import math\n\nfrom jaxtyping import Float\nfrom torch import Tensor\n\n\n'
         'def spread(x: Float[Tensor, "batch"]) -> float:\n'
@@ -142,7 +143,7 @@ def test_the_names_check_fails_a_notebook_that_uses_an_import_only_solutions_has
     def build(imports: str) -> None:
         (tmp_path / "source" / "part9_demo.py").write_text(
             "# %% [setup]\n!echo on Colab\nfrom jaxtyping import Float\nfrom torch import Tensor\n"
-            f"from utils.contracts import *\nfrom utils.harness import check\n{imports}\n"
+            f"from utils.contracts import *\nfrom utils.checker.notebook import check\n{imports}\n"
             "# %% [provided] spread\n\n# %% [exercise] finite_or_nan\n\n# %%\nspread, at_least\n")
         (tmp_path / "chapters" / "part9_demo.ipynb").write_text(notebooks.dumps(notebooks.build("part9_demo")))
 
@@ -171,7 +172,7 @@ def test_notebook_runs_top_to_bottom_with_solutions(part, tmp_path, monkeypatch)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = notebooks.with_solutions(part)
     NotebookClient(nb, timeout=900, kernel_name="python3",
-                   resources={"metadata": {"path": str(harness.CHAPTERS)}}).execute()
+                   resources={"metadata": {"path": str(layout.CHAPTERS)}}).execute()
     for cell in nb.cells:
         if "check" in cell.metadata.get("tags", []):
             text = "".join(o.get("text", "") for o in cell.outputs)

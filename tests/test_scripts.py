@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from tests.helpers import run_script
-from utils.harness import ROOT
+from tests.support import run_script
+from utils.checker.layout import ROOT
 
 # (script, flag, a value that means nothing): one of each kind, for every script
 MEANINGLESS = [

@@ -21,7 +21,7 @@ embedded model, in a few seconds:
 
 Each test carries `@upstream(library, ...)`, which marks it (`pytest.mark.upstream`) and makes any failure, an
 unexpected exception included, name those libraries with their versions. `.ci/canary` runs this file against the
-newest releases and reports, per library, which of its tests failed. tests/test_part7_production.py already checks
+newest releases and reports, per library, which of its tests failed. tests/part7_production/ already checks
 that the names in solutions/production/knobs.py are TRL and peft fields; the tests here check what the course says
 *about* them (defaults, semantics).
 """
@@ -561,8 +561,8 @@ def test_peft_config_names_and_defaults_the_course_relies_on(tiny_model, plain_g
     from peft.utils import constants
 
     from solutions.part2_lora import make_adapters
-    from solutions.part7_production import (_HARMLESS, _PLAIN_INITS, _PLAIN_LORA, _read_peft_config,
-                                            export_peft_adapter)
+    from solutions.part7_production import export_peft_adapter
+    from utils.peft_config import HARMLESS, PLAIN_INITS, PLAIN_LORA, read_peft_config
 
     fields = {f.name: f for f in dataclasses.fields(peft.LoraConfig)}
     defaults = {name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -579,12 +579,12 @@ def test_peft_config_names_and_defaults_the_course_relies_on(tiny_model, plain_g
            == {} and defaults["layers_to_transform"] is None, "LoraConfig's defaults for r, lora_alpha, use_rslora, "
            "fan_in_fan_out, rank_pattern, alpha_pattern, layers_to_transform are not 8, 8, False, False, {}, {}, None: "
            f"{[defaults[k] for k in ('r', 'lora_alpha', 'use_rslora', 'fan_in_fan_out', 'rank_pattern')]}")
-    not_plain = {name: defaults[name] for name, (plain, _) in _PLAIN_LORA.items()
+    not_plain = {name: defaults[name] for name, (plain, _) in PLAIN_LORA.items()
                  if name in defaults and defaults[name] not in plain}
     expect(not not_plain, f"peft's defaults {not_plain} are settings the course's reader refuses as not a plain LoRA")
-    expect(defaults["init_lora_weights"] in _PLAIN_INITS, f"peft's default init_lora_weights "
+    expect(defaults["init_lora_weights"] in PLAIN_INITS, f"peft's default init_lora_weights "
            f"{defaults['init_lora_weights']!r} is one the course's reader refuses")
-    unknown = {name: value for name, value in defaults.items() if name not in _HARMLESS | set(_PLAIN_LORA)
+    unknown = {name: value for name, value in defaults.items() if name not in HARMLESS | set(PLAIN_LORA)
                and value not in (None, False, [], {}, "")}
     expect(not unknown, f"LoraConfig has fields with non-empty defaults that import_peft_adapter does not know, and "
            f"would refuse in every folder peft writes: {unknown}")
@@ -592,7 +592,7 @@ def test_peft_config_names_and_defaults_the_course_relies_on(tiny_model, plain_g
     _peft_model(plain_gpt2[0], target_modules=["c_attn"], fan_in_fan_out=True).save_pretrained(str(saved))
     files = sorted(p.name for p in saved.iterdir())
     expect({"adapter_config.json", "adapter_model.safetensors"} <= set(files), f"save_pretrained wrote {files}")
-    config = _read_peft_config(saved)  # raises, naming the field, if the reader refuses peft's own defaults
+    config = read_peft_config(saved)  # raises, naming the field, if the reader refuses peft's own defaults
     expect(config.get("peft_type") == "LORA", f"adapter_config.json's peft_type is {config.get('peft_type')!r}")
 
 
@@ -604,7 +604,7 @@ def test_peft_computes_the_course_lora(plain_gpt2):
     base_model.model.<module>.lora_A.weight [r, d_in] and ...lora_B.weight [d_out, r]."""
     from peft import get_peft_model_state_dict
 
-    from solutions.part7_production import _pattern_value
+    from utils.peft_config import pattern_value
 
     hf_model = fused_copy(plain_gpt2[0])
     ids = torch.tensor([[plain_gpt2[1].bos_token_id] + plain_gpt2[1]("The cat is in the").input_ids])
@@ -616,8 +616,8 @@ def test_peft_computes_the_course_lora(plain_gpt2):
         layers = _lora_layers(peft_model)
         merged = copy.deepcopy(hf_model)
         for name, layer in layers.items():
-            r = _pattern_value(settings["rank_pattern"], name, settings["r"])
-            alpha = _pattern_value(settings["alpha_pattern"], name, settings["lora_alpha"])
+            r = pattern_value(settings["rank_pattern"], name, settings["r"])
+            alpha = pattern_value(settings["alpha_pattern"], name, settings["lora_alpha"])
             scale = alpha / (math.sqrt(r) if rslora else r)
             expect(layer.r["default"] == r and math.isclose(layer.scaling["default"], scale),
                    f"{name} (use_rslora={rslora}): peft's rank {layer.r['default']} and scaling "
@@ -646,9 +646,9 @@ def test_peft_computes_the_course_lora(plain_gpt2):
 @upstream("peft")
 def test_peft_targets_the_modules_the_course_reader_expects(plain_gpt2):
     """import_peft_adapter decides which modules a config targets by peft's rules (utils in solutions/part7:
-    `_targeted`): names matched exactly or as a dotted suffix, a string as a full-match regular expression,
+    `targeted`): names matched exactly or as a dotted suffix, a string as a full-match regular expression,
     "all-linear" (every linear layer but the output layer), exclude_modules, layers_to_transform."""
-    from solutions.part7_production import _targeted
+    from utils.peft_config import targeted
 
     hf_model = plain_gpt2[0]
     every = [f"transformer.h.{layer}.{kind}" for layer in range(hf_model.config.n_layer)
@@ -661,7 +661,7 @@ def test_peft_targets_the_modules_the_course_reader_expects(plain_gpt2):
                dict(target_modules=["c_proj"], layers_to_transform=[1, 3], layers_pattern="h")]
     for settings in configs:
         adapted = sorted(_lora_layers(_peft_model(hf_model, fan_in_fan_out=True, r=2, **settings)))
-        predicted = sorted(m for m in every if _targeted(settings, m))
+        predicted = sorted(m for m in every if targeted(settings, m))
         expect(adapted == predicted, f"LoraConfig({settings}): peft adapts {adapted}, the course's reader "
                f"expects {predicted}")
 
@@ -761,7 +761,7 @@ def test_trl_default_kl_term_follows_the_reverse_kl(tmp_path):
     expected gradient of TRL's own _compute_loss is that of the reverse KL(pi || ref); with
     use_bias_correction_kl=False (k3 alone) it is that of the forward KL(ref || pi)."""
     trl = _trl()
-    from tests.test_part3_grpo import trl_loss
+    from tests.against_trl import trl_loss
 
     default = _defaults(trl.GRPOConfig, tmp_path).use_bias_correction_kl
     generator = torch.Generator().manual_seed(0)
@@ -807,7 +807,7 @@ def test_trl_dpo_and_rloo_defaults_the_course_quotes(tmp_path):
 @upstream("trl")
 def test_trl_names_the_course_quotes():
     """Names in the chapters, solutions and knobs.py prose (the knob table's own names are checked by
-    tests/test_part7_production.py): config fields, GRPOTrainer's arguments, the methods the course's comparison
+    tests/part7_production/): config fields, GRPOTrainer's arguments, the methods the course's comparison
     tests call, and the clip metrics Part 3 logs under TRL's names."""
     import inspect
 

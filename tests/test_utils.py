@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import run_script
+from tests.support import lora_model_with_random_B, run_script
 from utils import data
 from utils.logger import RunLogger, samples_table
 from utils.models import ModelUnavailableError, load_model, load_tiny_hf
@@ -133,14 +133,9 @@ PADDED_PROMPTS = ["12+34=", "This is a much longer prompt", "12+34=", "The", "71
 
 def adapted_model(model, seed: int = 0):
     """A LoRA model (Part 2's reference) with adapters on every projection and random B, so that it differs."""
-    from solutions.part2_lora import TARGETS, LoRAModel, make_adapters
+    from solutions.part2_lora import TARGETS
 
-    torch.manual_seed(seed)
-    adapters = make_adapters(model, rank=4, alpha=8.0, targets=tuple(TARGETS))
-    with torch.no_grad():
-        for adapter in adapters.values():
-            adapter.B.normal_(0, 0.05)
-    return LoRAModel(model, adapters)
+    return lora_model_with_random_B(model, seed, targets=tuple(TARGETS), std=0.05, reseed=True)
 
 
 @pytest.mark.parametrize("adapted", [False, True], ids=["base", "lora"])
@@ -353,7 +348,7 @@ def test_a_device_this_machine_lacks_is_refused_before_loading():
 
 
 def test_sample_refuses_meaningless_lengths_and_top_k():
-    from utils.harness import shared_tiny_model
+    from utils.checker.pool import tiny_model as shared_tiny_model
     from utils.sampling import sample
 
     model = shared_tiny_model()
@@ -366,7 +361,7 @@ def test_sample_refuses_meaningless_lengths_and_top_k():
 def test_unknown_words_are_reported_once():
     import warnings
 
-    from utils.harness import shared_tiny_model
+    from utils.checker.pool import tiny_model as shared_tiny_model
     from utils.sampling import sample
 
     model = shared_tiny_model()

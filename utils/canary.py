@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from utils.upstream import ROOT  # the repository root, once (upstream.py imports nothing heavy)
+from utils.checker.layout import ROOT  # the repository root, once (the standard library only)
 
 TESTS = ("tests/test_upstream.py", "tests/test_part0_warmup.py")  # the second: a cheap signal from the course itself
 UPSTREAM_TESTS = TESTS[0]

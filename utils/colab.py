@@ -1,4 +1,4 @@
-"""Colab only: save the running notebook to a file, so that the harness can test all of it (`pytest --impl`).
+"""Colab only: save the running notebook to a file, so that the checker can test all of it (`pytest --impl`).
 
 On Colab the notebook lives in the browser (and in Drive), not on the runtime's disk where pytest runs, so there is
 no file to pass to `--impl`. `save_notebook` asks the browser for the notebook, through Colab's own (private,
@@ -18,16 +18,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from utils.harness import part_of
+from utils.checker.layout import part_of
 
 
 def save_notebook(path: str | Path) -> Path:
     """Write the Colab notebook this runs in to `path` (a name containing its part, e.g. part0_warmup_mine.ipynb,
-    so that the harness knows which part's tests it is for). Returns the path written."""
+    so that the checker knows which part's tests it is for). Returns the path written."""
     path = Path(path)
     if part_of(str(path)) is None or path.suffix != ".ipynb":
         raise ValueError(f"{path.name!r}: name the file after its part and end it in .ipynb (e.g. "
-                         "'part0_warmup_mine.ipynb'): the harness reads which part's tests to run from the name.")
+                         "'part0_warmup_mine.ipynb'): the checker reads which part's tests to run from the name.")
     try:
         from google.colab import _message
     except ImportError:
@@ -41,9 +41,9 @@ def save_notebook(path: str | Path) -> Path:
     tags = {tag for cell in notebook.get("cells", []) for tag in cell.get("metadata", {}).get("tags", [])}
     if "setup" not in tags:
         print("Warning: no cell of this notebook is tagged 'setup' (a copy that lost its cells' tags?), so the "
-              "harness will run only the cells that merely import or define things. If the tests cannot find your "
+              "checker will run only the cells that merely import or define things. If the tests cannot find your "
               "functions, start again from the course's notebook (the badge in README.md).")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
-    print(f"saved {path}; test it with: python -m pytest tests/test_{part_of(str(path))}.py --impl {path}")
+    print(f"saved {path}; test it with: python -m pytest tests/{part_of(str(path))} --impl {path}")
     return path

@@ -13,6 +13,9 @@ it got. For example:
 
     @contract(epsilon=at_least(0, "the clip range is [1 - epsilon, 1 + epsilon_high]"), tensors="loss")
     def grpo_loss(logprobs, ..., epsilon=0.2): ...
+
+A rule that several functions or configs share is named once, at the end of this module, with its reason (e.g.
+`CLIP_RANGE`, `GROUP_SIZE`), so that a contract fits on one line and no reason is written twice.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ from __future__ import annotations
 __all__ = ["a_finite_value_per_row", "a_number", "above", "at_least", "at_most", "at_most_size", "between",
            "check_fields", "contract", "covers_width", "d_model_of", "distinct_names", "layer_of", "needs",
            "nonempty", "not_a_folder", "one_of", "optional", "relation", "Rule", "same_length", "token_ids_of",
-           "within_context"]
+           "within_context",
+           # named rules (the end of this module)
+           "CLIP_RANGE", "DPO_BETA", "DR_GRPO_LENGTH", "ENT_COEF", "GAMMA", "GROUP_SIZE", "KL_WEIGHT", "LAM",
+           "LORA_ALPHA", "ONE_PROMPT_PER_COMPLETION", "PHASES", "PPO_CLIP_RANGE", "SEEDS", "STEPS", "SYNC_ALPHA",
+           "TEMPERATURE", "TOP_K", "VF_COEF", "needs_old_values", "value_clip"]
 
 import dataclasses
 import functools
@@ -315,3 +322,40 @@ def a_finite_value_per_row(name: str) -> Callable[[dict], str | None]:
             return f"{name} has no finite value in row {row} (every token masked out): there is nothing to sample"
         return None
     return check
+
+
+# --- Named rules: settings that several functions, configs or scripts share, each reason written once -------------
+# A script's flag gives the same reason: `type=cli.at_least(0, STEPS.why)`.
+
+TEMPERATURE = at_least(0.0, "0 is greedy; below 0 the least likely tokens would win")
+TOP_K = optional(at_least(1, "None keeps the whole vocabulary"))
+STEPS = at_least(0, "0 only evaluates the starting model")
+PHASES = at_least(0, "0 only measures the starting model")
+SEEDS = at_least(1, "one seed at least")
+LORA_ALPHA = above(0.0, "the update is scaled by alpha / rank: 0 would switch it off")
+GROUP_SIZE = at_least(2, "an advantage is relative to the other completions of its group")
+KL_WEIGHT = at_least(0.0, "a negative KL weight would push the policy away from the reference")
+GAMMA = between(0.0, 1.0, "the discount")
+LAM = between(0.0, 1.0, "GAE's lambda mixes 1-step (0) and Monte Carlo (1) estimates")
+VF_COEF = at_least(0.0, "a weight of a term to minimise")
+ENT_COEF = at_least(0.0, "a weight of a bonus")
+PPO_CLIP_RANGE = at_least(0.0, "the ratio is clipped to [1 - clip_eps, 1 + clip_eps]")
+CLIP_RANGE = at_least(0.0, "the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")  # epsilon_high: optional(it)
+SYNC_ALPHA = between(0.0, 1.0, "the fraction of the way to the policy", low_open=True)
+DPO_BETA = above(0.0, "beta scales the margin: at 0 every pair's loss is the same constant, and IPO's target margin "
+                      "1 / (2 beta) is infinite")
+
+# relations
+ONE_PROMPT_PER_COMPLETION = same_length("prompts", "completions", "one prompt per completion")
+DR_GRPO_LENGTH = covers_width("max_completion_length", "mask", "'dr_grpo' divides by batch * max_completion_length, "
+                              "which must count every completion position")
+
+
+def value_clip(name: str) -> Rule:
+    """The rule of a value-clipping setting called `name`: None (no clipping) or a distance >= 0."""
+    return optional(at_least(0.0, f"each value moves at most {name} from its old value"))
+
+
+def needs_old_values(clip: str) -> Callable[[dict], str | None]:
+    """A relation: the value-clipping setting `clip`, when given, needs the argument old_values."""
+    return needs("old_values", when=clip, why="the values stored at rollout time, to clip around")

@@ -7,8 +7,12 @@ A source file (`chapters/source/partN_<topic>.py`) is a list of cells, each open
 
     # %% [markdown]          prose; each line starts with "# " (or is "#"); {colab_badge} becomes the Colab badge
     # %% [colab]             the Colab install cell (COLAB_CELL, the same in every notebook, when left empty)
-    # %% [setup]             imports the exercises need (the harness runs these when testing a notebook)
-    # %% [exercise] name     the stub of `name`, made from solutions/partN_<topic>.py, then a `check(name)` cell
+    # %% [preamble]          the setup every notebook shares (PREAMBLE: finds the course, imports it before torch,
+                             then torch, the shape annotations, the contracts, check and SMOKE); left empty
+    # %% [setup]             the part's own imports the exercises need (the harness runs these, and the preamble,
+                             when testing a notebook)
+    # %% [exercise] name     the stub of `name`, made from the part's reference (solutions/partN_<topic>.py, or any
+                             module of the package solutions/partN_<topic>/), then a `check(name)` cell
     # %% [provided] name     the full source of `name` from solutions/ (code the learner reads and runs)
     # %%                     an ordinary code cell (demos, training)
 
@@ -25,8 +29,9 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS, SOURCES, SOLUTIONS = ROOT / "chapters", ROOT / "chapters" / "source", ROOT / "solutions"
+from utils.checker.layout import CHAPTERS, ROOT, SOLUTIONS, defined_names
+
+SOURCES = CHAPTERS / "source"
 # Where the course is published: the Colab badges (README.md and each notebook's first cell) and the Colab cell's
 # `git clone` are all made from these two names. A fork or a new home changes them here, then runs
 # `python -m utils.notebooks` (tests/test_colab.py checks that README.md's badges agree).
@@ -86,17 +91,73 @@ if "google.colab" in sys.modules:
                                "Fix what pip says (or restart the runtime), then run this cell again: it retries.")
         open(installed, "w").close()
     os.chdir(os.path.join(COURSE_DIR, "chapters"))""".replace("CLONE_URL", CLONE_URL)
+
+# The setup every notebook runs first (after the Colab cell): the course on the path, imported before torch, and what
+# every chapter uses. A source asks for it with an empty `# %% [preamble]` cell; its [setup] cells add the part's own.
+PREAMBLE = """\
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
+if not (ROOT / "utils" / "checker" / "layout.py").exists():
+    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
+                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
+                       "jupyter lab chapters/")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
+from utils.checker.notebook import check
+
+SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps training runs and experiments short"""
+
 MARKER = re.compile(r"^# %%(?: \[(?P<kind>\w+)\](?: (?P<arg>\w+))?)?\s*$")
 
 
-def _definitions(part: str) -> tuple[list[str], dict[str, ast.AST]]:
-    source = (SOLUTIONS / f"{part}.py").read_text()
-    tree = ast.parse(source)
-    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    for n in tree.body:  # module-level constants (e.g. TARGETS) can be [provided] too
-        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
-            defs.setdefault(n.targets[0].id, n)
-    return source.splitlines(), defs
+def solution_files(part: str) -> list[Path]:
+    """Where a part's reference lives: solutions/<part>.py, or every module of the package solutions/<part>/."""
+    module, package = SOLUTIONS / f"{part}.py", SOLUTIONS / part
+    if module.exists():
+        return [module]
+    if (package / "__init__.py").exists():
+        return sorted(package.rglob("*.py"))
+    raise FileNotFoundError(f"{part} has no reference: neither solutions/{part}.py nor a package solutions/{part}/")
+
+
+def _definitions(part: str) -> dict[str, list[tuple[list[str], ast.AST, Path]]]:
+    """Every top-level function, class and constant of the part's reference: name -> [(the lines of its file, its
+    node, the file)], one entry per module that defines it."""
+    found: dict[str, list[tuple[list[str], ast.AST, Path]]] = {}
+    for path in solution_files(part):
+        source = path.read_text()
+        tree, lines = ast.parse(source), source.splitlines()
+        defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        for n in tree.body:  # module-level constants (e.g. TARGETS) can be [provided] too
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+                defs.setdefault(n.targets[0].id, n)
+        for name, node in defs.items():
+            found.setdefault(name, []).append((lines, node, path))
+    return found
+
+
+def _definition(part: str, name: str) -> tuple[list[str], ast.AST]:
+    """(the lines of its file, its node) of `name` in the part's reference, which must define it exactly once."""
+    found = _definitions(part).get(name, [])
+    if not found:
+        raise KeyError(f"solutions/{part} defines no function or class {name!r}")
+    if len(found) > 1:
+        where = ", ".join(str(path.relative_to(SOLUTIONS.parent)) for _, _, path in found)
+        raise ValueError(f"solutions/{part}: {name!r} is defined in several modules ({where}); a notebook cell "
+                         "takes its code from one: rename the others")
+    lines, node, _ = found[0]
+    return lines, node
 
 
 def _first_line(node) -> int:
@@ -104,11 +165,8 @@ def _first_line(node) -> int:
 
 
 def solution_source(part: str, name: str) -> str:
-    """The source of `name` in solutions/<part>.py, decorators included."""
-    lines, defs = _definitions(part)
-    if name not in defs:
-        raise KeyError(f"solutions/{part}.py defines no function or class {name!r}")
-    node = defs[name]
+    """The source of `name` in the part's reference (whichever of its modules defines it), decorators included."""
+    lines, node = _definition(part, name)
     return "\n".join(lines[_first_line(node) - 1:node.end_lineno])
 
 
@@ -132,14 +190,13 @@ def _stub_lines(lines: list[str], node, message: str) -> list[str]:
 
 def stub_source(part: str, name: str) -> str:
     """The learner's starting point for exercise `name`: signature and docstring, no body."""
-    lines, defs = _definitions(part)
-    if name not in defs:
-        raise KeyError(f"solutions/{part}.py defines no function or class {name!r}")
-    return "\n".join(_stub_lines(lines, defs[name], f"write {name}"))
+    lines, node = _definition(part, name)
+    return "\n".join(_stub_lines(lines, node, f"write {name}"))
 
 
 def parse_source(path: Path) -> list[tuple[str, str | None, str]]:
-    """(kind, argument, text) of each cell of a source file; kind is markdown/colab/setup/exercise/code."""
+    """(kind, argument, text) of each cell of a source file; kind is markdown/colab/preamble/setup/exercise/provided/
+    code."""
     cells: list[tuple[str, str | None, list[str]]] = []
     for line in path.read_text().splitlines():
         match = MARKER.match(line)
@@ -184,6 +241,11 @@ def build(part: str) -> dict:
             cells.append(("provided", solution_source(part, arg), ["provided"]))
         elif kind == "colab":
             cells.append((kind, text or COLAB_CELL, [kind]))
+        elif kind == "preamble":
+            if text:
+                raise ValueError(f"{part}: the [preamble] cell is the builder's (PREAMBLE, the same in every "
+                                 "notebook); put the part's own imports in a [setup] cell")
+            cells.append(("setup", PREAMBLE, ["setup"]))
         elif kind == "setup":
             cells.append((kind, text, [kind]))
         elif kind == "markdown":
@@ -202,8 +264,6 @@ def with_solutions(part: str):
     """The notebook of `part` as an nbformat object, each exercise cell holding its reference solution: what the
     notebook-run test and the CPU-budget benchmark execute."""
     import nbformat
-
-    from utils.harness import defined_names
 
     nb = nbformat.reads(dumps(build(part)), as_version=4)
     for cell in nb.cells:

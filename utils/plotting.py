@@ -1,8 +1,24 @@
-"""Training curves, one small panel per metric."""
+"""Plots: the backend every figure of the course is drawn with, and training curves, one small panel per metric."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+# Backends under which a figure can be saved as it is: Agg (no display), and a notebook's inline backend
+SAVES_AS_IS = ("agg", "module://matplotlib_inline.backend_inline")
+
+
+def pyplot_for(path: str | Path | None = None):
+    """matplotlib.pyplot, ready for a figure that will be saved to `path` (None: shown, in a notebook). A script that
+    saves its figures needs no display, and on a machine without one a GUI backend fails: so when `path` is given,
+    Agg is chosen, unless Agg or a notebook's inline backend already is."""
+    import matplotlib
+
+    if path is not None and matplotlib.get_backend().lower() not in SAVES_AS_IS:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_curves(history: list[dict], keys: list[str], title: str | None = None, path: str | Path | None = None,
@@ -13,12 +29,7 @@ def plot_curves(history: list[dict], keys: list[str], title: str | None = None, 
 
     Returns the matplotlib Figure (a notebook shows it; a script can save or close it).
     """
-    import matplotlib
-
-    if path is not None and matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot_for(path)
     missing = [k for k in keys if not any(k in h for h in history)]
     if missing:
         raise KeyError(f"no logged values for {missing}; logged keys are "

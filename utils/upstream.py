@@ -21,7 +21,8 @@ import importlib.metadata
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from utils.checker.layout import ROOT  # the standard library only, as this module must stay (the Colab cell)
+
 LOCK = ROOT / "constraints.txt"
 INSTALL_TESTED = "pip install -r requirements.txt -c constraints.txt"
 # The libraries whose behaviour the course's numbers depend on (trl only where it is installed).
@@ -99,7 +100,7 @@ def cached_generate_mismatch(steps: int = 4) -> str | None:
     import torch
 
     from utils.models import bridge_from_hf, load_tiny_hf
-    from utils.sampling import tokenize_prompts
+    from utils.tokens import tokenize_prompts
 
     hf_model, tokenizer = load_tiny_hf()
     model = bridge_from_hf(hf_model, tokenizer, "cpu")
@@ -121,7 +122,10 @@ def cached_generate_mismatch(steps: int = 4) -> str | None:
 
 @functools.cache
 def _cached_generate_verdict(installed: str) -> str | None:
-    return cached_generate_mismatch()
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # loading a model draws random numbers: the caller's stay untouched
+        return cached_generate_mismatch()
 
 
 def require_cached_generate() -> None:

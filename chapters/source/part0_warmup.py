@@ -19,32 +19,19 @@
 # seconds and, if something is off, tells you what the test expected and (usually) which mistake it looks like.
 # Some stubs carry a `@contract(...)` line above them (from `utils/contracts.py`): it checks the *values* of the
 # arguments before your body runs (a negative temperature, a token id past the vocabulary, a NaN), so that a bad
-# call gets an error that names it. Keep it; your body only has to handle the inputs it lets through.
+# call gets an error that names it. Keep it; your body only has to handle the inputs it lets through. A name in
+# capitals there, such as `TEMPERATURE`, is a rule that several functions share, written once in that file. A
+# stub's docstring says what to return (**Returns:**) and which errors your body raises itself (**Raises:**).
 
 # %% [colab]
 
+# %% [preamble]
+
 # %% [setup]
-import sys
-from pathlib import Path
 from typing import Callable
 
-ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
-if not (ROOT / "utils" / "harness.py").exists():
-    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
-                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
-                       "jupyter lab chapters/")
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
-
-import torch
-from jaxtyping import Float, Int
-from torch import Tensor
-
-from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
-from utils.harness import check
 from utils.sampling import Samples, sample
+
 
 # %%
 from utils.logger import samples_table
@@ -230,7 +217,7 @@ print(samples_table([{"prompt": p, "plain": a, "steered": b}
 # To test every exercise of this notebook at once, save it and run, from the repository's root:
 #
 # ```bash
-# pytest tests/test_part0_warmup.py --impl chapters/part0_warmup.ipynb
+# pytest tests/part0_warmup --impl chapters/part0_warmup.ipynb
 # ```
 #
-# (The harness executes this notebook's cells tagged `setup` and `exercise`; keep your code in those cells.)
+# (The checker executes this notebook's cells tagged `setup` and `exercise`; keep your code in those cells.)

@@ -28,43 +28,26 @@
 
 # %% [colab]
 
+# %% [preamble]
+
 # %% [setup]
 import math
-import os
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Callable
 
-ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
-if not (ROOT / "utils" / "harness.py").exists():
-    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
-                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
-                       "jupyter lab chapters/")
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
-
-import torch
 import torch.nn as nn
-from jaxtyping import Bool, Float, Int
-from torch import Tensor
 from tqdm.auto import tqdm
 
 from solutions.part0_warmup import get_logprobs, make_steering_hook  # Part 0, solved
 from utils.data import NEGATIVE, POSITIVE
-from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
-from utils.harness import check
 from utils.logger import RunLogger, samples_table
 from utils.masks import masked_mean, masked_var, masked_whiten
 from utils.models import load_model, require_hub_model
 from utils.plotting import plot_curves
 from utils.sampling import sample
 
-SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the training cells short
 
 # %%
 torch.manual_seed(0)
@@ -514,7 +497,7 @@ plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explai
 # Save the notebook, then from the repository's root:
 #
 # ```bash
-# pytest tests/test_part1_ppo.py --impl chapters/part1_ppo.ipynb
+# pytest tests/part1_ppo --impl chapters/part1_ppo.ipynb
 # ```
 #
 # Part 2 replaces full fine-tuning with a LoRA written as hooks, so that the reference model costs nothing.

@@ -17,41 +17,24 @@
 
 # %% [colab]
 
+# %% [preamble]
+
 # %% [setup]
 import math
-import os
-import sys
-from pathlib import Path
 from typing import Callable
 
-ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
-if not (ROOT / "utils" / "harness.py").exists():
-    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
-                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
-                       "jupyter lab chapters/")
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
-
-import torch
 import torch.nn as nn
-from jaxtyping import Float
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch import Tensor
 
 from solutions.part0_warmup import completion_logprobs  # Part 0, solved
 from solutions.part1_ppo import PPOConfig, PPOTrainer    # Part 1, solved
 from utils.files import why_unreadable  # says why a file is not a safetensors file
-from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
-from utils.harness import check
 from utils.logger import samples_table
 from utils.models import count_parameters, load_model
 from utils.plotting import plot_curves
 from utils.sampling import Samples, sample
 
-SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the training cells short
 
 # %% [markdown]
 # ## 1. The LoRA module
@@ -246,5 +229,5 @@ print(f"adapter saved: {path.stat().st_size / 1024:.0f} KiB for {count_parameter
 # Save the notebook, then from the repository's root:
 #
 # ```bash
-# pytest tests/test_part2_lora.py --impl chapters/part2_lora.ipynb
+# pytest tests/part2_lora --impl chapters/part2_lora.ipynb
 # ```

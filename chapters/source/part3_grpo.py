@@ -23,38 +23,22 @@
 
 # %% [colab]
 
+# %% [preamble]
+
 # %% [setup]
 import asyncio
 import inspect
-import os
 import random
-import sys
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Callable
 
-ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
-if not (ROOT / "utils" / "harness.py").exists():
-    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
-                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
-                       "jupyter lab chapters/")
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
-
-import torch
 import torch.nn as nn
-from jaxtyping import Bool, Float
-from torch import Tensor
 from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs, get_logprobs           # Part 0, solved
 from solutions.part1_ppo import kl_exact, kl_k3, reward_char_count             # Part 1, solved
 from solutions.part2_lora import LoRAModel, freeze_base, load_adapter, make_adapters  # Part 2, solved
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
-from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
-from utils.harness import check
 from utils.concurrency import run_sync
 from utils.logger import RunLogger, samples_table
 from utils.masks import masked_mean
@@ -62,7 +46,6 @@ from utils.models import load_model
 from utils.plotting import plot_curves
 from utils.sampling import Samples, sample
 
-SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the training cells short
 
 # %% [markdown]
 # ## 1. Sampling groups
@@ -263,7 +246,7 @@ for label, g in (("beta * k3", expected_gradient()),
 # %% [exercise] grpo_step
 
 # %% [markdown]
-# `GRPOTrainer` calls **your** `grpo_step` (by its name, when a step runs) and keeps the bookkeeping: it logs the
+# `GRPOTrainer` runs the step function you give it (`grpo_step=`: **yours**) and keeps the bookkeeping: it logs the
 # reward per function, the clip ratios under TRL's names (`clip_ratio/low_mean`: the share of tokens whose ratio fell
 # below $1-\epsilon$ *where the advantage is negative*, `high_mean` above $1+\epsilon_\text{high}$ where it is
 # positive — the tokens whose gradient the clip took away — and `region_mean`, either; this is TRL's sign-aware
@@ -281,7 +264,7 @@ for label, g in (("beta * k3", expected_gradient()),
 
 # %%
 cfg = GRPOConfig(steps=3 if SMOKE else 150, eval_every=3 if SMOKE else 10)
-trainer = GRPOTrainer(cfg)
+trainer = GRPOTrainer(cfg, grpo_step=grpo_step)  # your grpo_step
 logger = trainer.train()
 print(f"held-out accuracy: {logger.curve('accuracy')[1][0]:.1%} -> {logger.curve('accuracy')[1][-1]:.1%}; "
       f"reference forward passes: {trainer.reference_forward_passes}")
@@ -350,5 +333,5 @@ print(f"per token: exact KL {masked_mean(exact, mask):.4f}, k3 estimate {masked_
 # Save the notebook, then from the repository's root:
 #
 # ```bash
-# pytest tests/test_part3_grpo.py --impl chapters/part3_grpo.ipynb
+# pytest tests/part3_grpo --impl chapters/part3_grpo.ipynb
 # ```

@@ -19,44 +19,27 @@
 
 # %% [colab]
 
+# %% [preamble]
+
 # %% [setup]
 import copy
-import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
-if not (ROOT / "utils" / "harness.py").exists():
-    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
-                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
-                       "jupyter lab chapters/")
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
-
-import torch
 import torch.nn as nn
-from jaxtyping import Float
-from torch import Tensor
 
 from solutions.part0_warmup import completion_logprobs                              # Part 0, solved
 from solutions.part1_ppo import completion_slice, kl_exact                          # Part 1, solved
 from solutions.part2_lora import (LoRAModel, base_weight, load_adapter, lora_hooks, make_adapters,  # Part 2, solved
                                   save_adapter)
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer                           # Part 3, solved
-from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
 from utils.data import addition_accuracy
-from utils.harness import check
 from utils.logger import samples_table
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.sampling import Samples, sample
 
-SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the training cells short
 
 # %% [markdown]
 # ## 1. One function decides
@@ -293,5 +276,5 @@ print(samples_table([{"run": name, **{key: f[key]["seeds"] for key in f}} for na
 # Save the notebook, then from the repository's root:
 #
 # ```bash
-# pytest tests/test_part4_reference.py --impl chapters/part4_reference.ipynb
+# pytest tests/part4_reference --impl chapters/part4_reference.ipynb
 # ```

@@ -25,27 +25,13 @@
 
 # %% [colab]
 
+# %% [preamble]
+
 # %% [setup]
-import os
 import random
-import sys
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
-ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
-if not (ROOT / "utils" / "harness.py").exists():
-    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
-                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
-                       "jupyter lab chapters/")
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
-
-import torch
 import torch.nn.functional as F
-from jaxtyping import Bool, Float
-from torch import Tensor
 from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs, get_logprobs           # Part 0, solved
@@ -55,15 +41,12 @@ from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, completion_loss_mask,
 from solutions.part4_reference import ReferenceSettings, SyncedGRPOTrainer, reference_kind       # Part 4
 from solutions.part5_dpo_rloo import DPO_LOSS_TYPES
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
-from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
-from utils.harness import check
 from utils.logger import RunLogger, samples_table
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.plotting import plot_curves
 from utils.sampling import Samples, completion_mask_from_ids, sample, tokenize_prompts
 
-SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the training cells short
 
 # %% [markdown]
 # ## 1. Preference pairs
@@ -334,5 +317,5 @@ plot_curves(history, ["rloo", "grpo", "rloo reward", "grpo reward"], title="RLOO
 # Save the notebook, then from the repository's root:
 #
 # ```bash
-# pytest tests/test_part5_dpo_rloo.py --impl chapters/part5_dpo_rloo.ipynb
+# pytest tests/part5_dpo_rloo --impl chapters/part5_dpo_rloo.ipynb
 # ```

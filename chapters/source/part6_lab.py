@@ -20,32 +20,15 @@
 
 # %% [colab]
 
+# %% [preamble]
+
 # %% [setup]
-import os
-import sys
-from pathlib import Path
-
-ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
-if not (ROOT / "utils" / "harness.py").exists():
-    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
-                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
-                       "jupyter lab chapters/")
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
-
-import torch
 import torch.nn.functional as F
-from jaxtyping import Bool, Float, Int
-from torch import Tensor
 
-from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
-from utils.harness import check
 from utils.models import load_model
 
-SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the experiments to seconds
 SEEDS = [0, 1] if SMOKE else [0, 1, 2]
+
 
 # %% [markdown]
 # ## 1. KL gradients, exactly
@@ -146,8 +129,8 @@ from solutions.part6_lab import (FIRST_TOKENS_IN_RANGE, FIRST_TOKENS_IN_VOCABULA
 # %% [provided] exact_sequence_kls
 
 # %% [markdown]
-# The experiment (`solutions/lab/kl_gradients.py`), with your `two_token_logprobs` and `estimator_surrogate`, for each
-# seed in `SEEDS` (each seed draws another LoRA and another prompt):
+# The experiment (`solutions/part6_lab/kl_gradients.py`), with your `two_token_logprobs` and `estimator_surrogate`,
+# for each seed in `SEEDS` (each seed draws another LoRA and another prompt):
 #
 # 1. `B` is scaled until KL(π‖ref) = 2 nats per sequence (bisection on the scale), far enough from the reference for
 #    the gradients to differ: near it they all agree to first order, and every cosine would be 1;
@@ -157,7 +140,7 @@ from solutions.part6_lab import (FIRST_TOKENS_IN_RANGE, FIRST_TOKENS_IN_VOCABULA
 #    repeats each: only the first tokens drawn are run through the model.
 
 # %%
-from solutions.lab import kl_gradients
+from solutions.part6_lab import kl_gradients
 
 kl_result = kl_gradients.run(SEEDS, SMOKE, two_token_logprobs=two_token_logprobs,
                              estimator_surrogate=estimator_surrogate)
@@ -264,7 +247,7 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 # %% [provided] reward_every_number_right
 
 # %% [markdown]
-# The experiment (`solutions/lab/hacking.py`), with your functions, for each seed in `SEEDS` (the seed draws the
+# The experiment (`solutions/part6_lab/hacking.py`), with your functions, for each seed in `SEEDS` (the seed draws the
 # pairs, trains the reward model and runs RL):
 #
 # - pairs from 300 training additions (about 230 pairs), a held-out set of pairs from 100 held-out additions; the
@@ -277,7 +260,7 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 #   completion (its expectation is the sequence-level KL).
 
 # %%
-from solutions.lab import hacking
+from solutions.part6_lab import hacking
 
 hacking_result = hacking.run(SEEDS, SMOKE, bradley_terry_loss=bradley_terry_loss,
                              reward_model_scores=reward_model_scores)
@@ -384,7 +367,7 @@ for loss_type in ("grpo", "dapo", "dr_grpo"):
 # %% [exercise] mean_length_by_outcome
 
 # %% [markdown]
-# The experiment (`solutions/lab/length_bias.py`) with your two functions. For each of four configurations,
+# The experiment (`solutions/part6_lab/length_bias.py`) with your two functions. For each of four configurations,
 # `"grpo"`, `"dr_grpo"` and `"dapo"` with `scale_rewards="group"`, and `"grpo"` with `scale_rewards="none"`, and each
 # seed in `SEEDS`: a fresh rank-4 LoRA on q and v, trained by Part 3's `grpo_step` (4 prompts × 8 completions a step,
 # up to 24 tokens, `lr` 1e-2, `beta` 0), with your `mean_length_by_outcome` on every batch. Same seed, same prompts
@@ -396,7 +379,7 @@ for loss_type in ("grpo", "dapo", "dr_grpo"):
 # `"dr_grpo"` and `"dapo"` do neither.
 
 # %%
-from solutions.lab import length_bias
+from solutions.part6_lab import length_bias
 
 length_bias_result = length_bias.run(SEEDS, SMOKE, loss_token_weights=loss_token_weights,
                                      mean_length_by_outcome=mean_length_by_outcome)
@@ -500,7 +483,7 @@ from utils.sampling import Samples, sample
 # %% [exercise] answer_attention
 
 # %% [markdown]
-# The experiment (`solutions/lab/policy_shift.py`), with your three functions, for each seed in `SEEDS`:
+# The experiment (`solutions/part6_lab/policy_shift.py`), with your three functions, for each seed in `SEEDS`:
 #
 # - train the policy (GRPO, 60 steps);
 # - **per token:** sample 4 completions of 3 held-out prompts from it, score them with Part 3's
@@ -514,7 +497,7 @@ from utils.sampling import Samples, sample
 #   the answer written so far; before RL (the base model, no hooks) and after (the policy).
 
 # %%
-from solutions.lab import policy_shift
+from solutions.part6_lab import policy_shift
 
 policy_shift_result = policy_shift.run(SEEDS, SMOKE, token_log_ratios=token_log_ratios,
                                        lora_on_blocks=lora_on_blocks, answer_attention=answer_attention)
@@ -595,8 +578,8 @@ policy_shift.plot(policy_shift_result);
 # %% [exercise] tis_grpo_loss
 
 # %% [markdown]
-# The experiment (`solutions/lab/off_policy.py`), with your three functions, on Part 3's additions (8 prompts × 8
-# completions a step, a rank-4 LoRA on q and v, `lr` 3e-3), each setting over the seeds in `SEEDS`:
+# The experiment (`solutions/part6_lab/off_policy.py`), with your three functions, on Part 3's additions (8 prompts ×
+# 8 completions a step, a rank-4 LoRA on q and v, `lr` 3e-3), each setting over the seeds in `SEEDS`:
 #
 # - **the clip:** GRPO (Part 3's `grpo_step`) with `num_iterations` 1, 2 and 4; every update's ratio goes through
 #   your `clip_fraction`;
@@ -608,7 +591,7 @@ policy_shift.plot(policy_shift_result);
 #   weights ($C = 2$), against an on-policy control. Same seeds, prompts and starting LoRA in all three.
 
 # %%
-from solutions.lab import off_policy
+from solutions.part6_lab import off_policy
 
 off_policy_result = off_policy.run(SEEDS, SMOKE, clip_fraction=clip_fraction,
                                    truncated_importance_weights=truncated_importance_weights,

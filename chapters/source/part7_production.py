@@ -11,30 +11,11 @@
 
 # %% [colab]
 
+# %% [preamble]
+
 # %% [setup]
-import os
-import sys
-from pathlib import Path
-
-ROOT = Path.cwd().parent if Path.cwd().name == "chapters" else Path.cwd()
-if not (ROOT / "utils" / "harness.py").exists():
-    raise RuntimeError(f"The course's code (utils/, solutions/) is not in {ROOT}. On Colab, run the first cell: it "
-                       "fetches the course, or says why it could not. Elsewhere, start Jupyter in the repository: "
-                       "jupyter lab chapters/")
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import utils  # before torch: how its CPU threads wait, read once when torch loads (utils/cpu_policy.py)
-
-import torch
-from jaxtyping import Float
-from torch import Tensor
-
-from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
-from utils.harness import check
 from utils.models import load_model
 
-SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps the runs to seconds
 
 # %% [markdown]
 # ## 1. Your adapter in peft's format
@@ -79,9 +60,10 @@ from safetensors.torch import save_file
 
 from solutions.part2_lora import TARGETS, LoRA, LoRAModel, base_weight, make_adapters   # Part 2, solved
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer                              # Part 3, solved
-# where each target lives in GPT-2, and the checks that import_peft_adapter makes (solutions/part7_production.py)
-from solutions.part7_production import HF_MODULES, PEFT_PREFIX, QKV
-from solutions.part7_production import _COURSE_TARGET, _NO_HOOK, _pattern_value, _read_peft_config, _refuse, _targeted
+# where each target lives in GPT-2 (solutions/part7_production.py), and how import_peft_adapter reads a peft folder's
+# adapter_config.json: refused unless it is a plain LoRA, and peft's rules for what it adapts (utils/peft_config.py)
+from solutions.part7_production import COURSE_TARGET, HF_MODULES, NO_HOOK, PEFT_PREFIX, QKV
+from utils.peft_config import pattern_value, read_peft_config, refuse, targeted
 from utils.data import addition_accuracy, addition_pairs, addition_prompt
 from utils.files import why_unreadable
 from utils.models import TINY_DIR

@@ -1,6 +1,6 @@
 """Every knob of our GRPOConfig (solutions/part3_grpo.py), and where it lives in TRL and peft.
 
-Plain data: importing this module needs neither TRL nor peft. tests/test_part7_production.py checks that every field
+Plain data: importing this module needs neither TRL nor peft. tests/part7_production/ checks that every field
 of our GRPOConfig has a row, and that every TRL and peft name below is a real field of the installed trl.GRPOConfig
 and peft.LoraConfig (written against trl 1.16 and peft 0.21), so that the table cannot rot.
 """

@@ -48,6 +48,7 @@ from utils.data import addition_accuracy, addition_pairs, addition_prompt
 from utils import cli
 from utils.logger import RunLogger, print_figures
 from utils.models import bridge_from_hf, count_parameters, load_tiny_hf, set_cpu_threads
+from utils.plotting import pyplot_for
 
 MISSING = "TRL is not installed: pip install -r requirements-bench.txt (trl, peft, accelerate)"
 
@@ -211,12 +212,7 @@ def figures_of(name: str, run: dict) -> dict:
 
 def plot_runs(runs: dict[str, dict], path: str | Path | None = None, title: str | None = None):
     """Held-out accuracy and mean reward against the step, one line per run. Returns the matplotlib Figure."""
-    import matplotlib
-
-    if path and matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg")  # a script saving to a file needs no window
-    import matplotlib.pyplot as plt
-
+    plt = pyplot_for(path or None)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
     for ax, key, label in zip(axes, ("accuracy", "reward"), ("held-out accuracy (greedy)", "mean reward")):
         for name, run in runs.items():

@@ -1,13 +1,20 @@
-"""The checker: what turns a failed exercise test into a lesson.
+"""The checker: what runs an exercise's tests and turns a failed one into a lesson. Imports run down this list:
 
-    compare.py      the diagnosing comparison: when a value differs from the reference's, say *how*
-    observe.py      the log of what a test looked at, which is what a mistake's fingerprint is made of
-    properties.py   checks beyond values: gradients, inputs left alone, hooks cleaned up, seeds, refusals
-    mistakes.py     the pytest plugin that re-runs a failed test with each registered wrong version ("mutant")
-                    of the exercise and names the one whose fingerprint the learner's run matches
-    environment.py  never a false blame: a failed test counts only if the course's own solution passes it here
-    stopping.py     how check() stops early, at its time limit or the learner's interrupt, wherever it lands
-    runner.py       `check()` for notebooks: one exercise's tests, in-process, with a time limit
+    layout.py           where things are: the root, the parts, notebooks' cells and exercises (standard library only)
+    observe.py          the log of what a test looked at, which is what a mistake's fingerprint is made of
+    compare.py          the diagnosing comparison: when a value differs from the reference's, say *how*
+    properties.py       checks beyond values: gradients, inputs left alone, hooks cleaned up, seeds, refusals
+    registry.py         the known wrong versions of each exercise, the kinds of mistake, the @mistake mark
+    fingerprint.py      what one run of a test did, and when two runs are indistinguishable (no pytest in it)
+    pool.py             the shared tiny model, loaded once per process and restored around every test
+    implementations.py  what `--impl` names: the solutions, the notebook's stubs, a learner's notebook or module
+    diagnosis.py        the plugin that replays a failed test with each wrong version and names the one that matches
+    plugin.py           the pytest plugin: --impl, --exercise, the fixtures (conftest.py loads it)
+    environment.py      never a false blame: a failure counts only if the course's own solution passes here
+    stopping.py         how a check stops early, at its time limit or the learner's interrupt, wherever it lands
+    runner.py           one exercise's tests, in-process, against one object (check() and the meta-test)
+    notebook.py         `check()`, the line under each exercise in a notebook, and what it prints
+    usage.py            what the meta-test records of how the tests call a reference solution
 
-Tests import what they need from `tests/helpers.py`, which re-exports the assertions defined here.
+Tests import the assertions through `tests/support.py`. This file imports nothing, so that `layout` stays light.
 """

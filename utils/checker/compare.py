@@ -410,14 +410,14 @@ def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close) -> 
 
 def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | None = None,
                  group_size: int | None = None, factors: dict[str, float] | None = None,
-                 mistakes: dict[str, object] | None = None, hint: str | None = None,
+                 resembles: dict[str, object] | None = None, hint: str | None = None,
                  atol: float = 1e-5, rtol: float = 1e-4, check_grad: bool = True) -> None:
     """Assert that `actual` equals `expected` (to tolerance), or fail saying how they differ.
 
     what: what the value is, in the learner's terms ("grpo_loss(loss_type='grpo')"); it also labels the observation
         that the mistakes plugin fingerprints.
-    mistakes: {what a specific wrong version computes: its value on these inputs}, for differences that belong to
-        this one test (registered wrong versions in MUTANTS are recognised without it).
+    resembles: {how a plausible wrong computation is described: its value on these inputs}: a difference that equals
+        one of them is described by it (this describes a value; naming a mistake is the registry's job).
     hint: a sentence added to every failure of this check (e.g. what the quantity means).
     check_grad: also fail when `expected` carries a gradient and `actual` does not, or the reverse.
     """
@@ -434,7 +434,7 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
                        "be a constant for the optimiser (detach it, or compute it under torch.no_grad())")
     if problem is None:
         return
-    for description, wrong in (mistakes or {}).items():
+    for description, wrong in (resembles or {}).items():
         if describe_difference(actual, wrong, atol=atol, rtol=rtol) is None:
             problem += f". It equals what you get when {description}"
             break

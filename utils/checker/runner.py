@@ -1,6 +1,6 @@
-"""Running one exercise's tests in-process, and `check()`, the line under each exercise in a notebook.
+"""Running one exercise's tests in-process, against one object: the path that check() and the meta-test take.
 
-check() must survive the learner's code and the machine it runs on:
+It must survive the learner's code and the machine it runs on:
 
 - a function that never returns is stopped after a time limit and reported as such, and the notebook's interrupt
   button stops check() at once, wherever it lands (stopping.py);
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from utils import harness
-from utils.checker import environment, mistakes
+from utils.checker import environment, pool
+from utils.checker.diagnosis import MistakeFinder
+from utils.checker.implementations import solutions_module
+from utils.checker.layout import test_modules_of, tests_of
+from utils.checker.plugin import UnderTest
 from utils.checker.stopping import Stop, StopAtBoundaries
-
-DEFAULT_TIMEOUT_S = 60.0
-DIAGNOSIS_BUDGET_S = 30.0  # of check()'s time, at most this much goes to naming the mistake
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Outcome:
     mismatched: list[str] = field(default_factory=list)         # failed tests that raised EnvironmentMismatch
     unconfirmed: list[str] = field(default_factory=list)        # failed tests the course's solution had no time to run
     seconds: float = 0.0
+    diagnosis: MistakeFinder | None = None                      # what the mistake finder recorded of the run
 
     @property
     def ok(self) -> bool:
@@ -149,41 +150,41 @@ class _ProcessState:
         self.torch.restore()
 
 
-def _session(part: str, name: str, impl: str, plugins: list, *options: str) -> None:
-    """One pytest session over the tests of exercise `name`, against `--impl impl`, reporting only to `plugins`."""
+def _session(part: str, name: str, plugins: list, *options: str) -> None:
+    """One pytest session over the tests of exercise `name`, reporting only to `plugins` (which say what runs)."""
     # pytest's report goes to a buffer, not the notebook: the Collector keeps what the learner needs. (Turning the
     # terminal plugin off instead would break pytest's explanation of a failed `assert a == b`.)
     sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
     # The exercise tests need no plugin from other packages, and those can cost seconds (hypothesis's imports all of
     # hypothesis at the end of the first session, a time when an interrupt must stop it at once).
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    pytest.main([str(harness.TESTS / f"test_{part}.py"), "--impl", impl, "--exercise", name, "-q",
+    modules = test_modules_of(part, name) or [tests_of(part)]  # only the modules with tests of this exercise
+    pytest.main([*map(str, modules), "--exercise", name, "-q",
                  "-p", "no:cacheprovider", "-p", "no:unraisableexception",
                  "-W", "ignore::pytest.PytestAssertRewriteWarning", *options],
                 plugins=plugins)
 
 
 def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None = None,
-                       diagnosis_budget: float | None = None) -> Outcome:
+                       diagnosis_budget: float | None = None, replays: bool = True) -> Outcome:
     """Run the tests of exercise `name` of `part` against `obj`, in this process, and return what happened.
+    replays=False records each test's run without replaying the wrong versions (diagnosis.py): the meta-test's way.
 
     Raises KeyboardInterrupt, once everything is put back, if the run was interrupted.
     """
     outcome = Outcome(name)
     collector = _Collector(outcome)
+    finder = outcome.diagnosis = MistakeFinder(budget_s=diagnosis_budget, replays=replays)
     saved = _ProcessState()
-    previous_budget, mistakes.budget_s = mistakes.budget_s, diagnosis_budget
     start = time.perf_counter()
     stop = Stop(timeout)
     learner_done = False
     try:
         stop.arm()
-        harness.OVERRIDES[part] = {name: obj}
-        _session(part, name, "memory", [collector, StopAtBoundaries(stop)])
-        harness.OVERRIDES.pop(part, None)
+        _session(part, name, [collector, finder, UnderTest(part, name, obj), StopAtBoundaries(stop)])
         learner_done = not stop.stopped
         if learner_done:
-            outcome.likely = mistakes.likely(name)
+            outcome.likely = finder.likely(name)
             saved.torch.restore()  # the control must not inherit what the learner's code changed
             _judge_failures(part, name, obj, outcome, stop)
     except KeyboardInterrupt:
@@ -195,10 +196,8 @@ def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None 
         # happened is the stop, which is reported below
     finally:
         stop.disarm()  # from here on, a stop is recorded, not raised: the cleanup below always runs
-        harness.OVERRIDES.pop(part, None)
-        mistakes.budget_s = previous_budget
         try:
-            harness.restore_shared_model()
+            pool.restore()
         finally:  # whatever the learner's code did to the model, the notebook gets its streams and its handler back
             saved.restore()
             stop.close()
@@ -214,7 +213,7 @@ def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None 
 def _judge_failures(part: str, name: str, obj: object, outcome: Outcome, stop: Stop) -> None:
     """Never a false blame: find which failed tests fail on the course's own solution here too (environment.py).
     A failure that cannot be judged here, or could not be confirmed in time, withdraws every named mistake."""
-    reference = getattr(harness.solutions_module(part), name, None)
+    reference = getattr(solutions_module(part), name, None)
     if environment.is_the_reference(obj, reference):
         environment.remember(part, name, outcome.passed, outcome.failed)  # this run was the control
     suspects = [test for test, message in outcome.failed
@@ -222,7 +221,7 @@ def _judge_failures(part: str, name: str, obj: object, outcome: Outcome, stop: S
     to_run = environment.not_yet_run(part, name, suspects)
     if to_run:
         control = Outcome(name)
-        _session(part, name, "solutions", [_Collector(control), StopAtBoundaries(stop),
+        _session(part, name, [_Collector(control), StopAtBoundaries(stop),
                                            _Only(None if "collection" in to_run else to_run)],
                  "-p", "no:mistake-finder")  # the reference's failures are not the learner's to diagnose
         if not stop.stopped:  # a run cut short proves nothing about the tests it did not finish
@@ -237,60 +236,3 @@ def _judge_failures(part: str, name: str, obj: object, outcome: Outcome, stop: S
     outcome.unconfirmed = environment.not_yet_run(part, name, suspects)
     if outcome.environment or outcome.mismatched or outcome.unconfirmed:
         outcome.likely = []
-
-
-def check(obj: object, part: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """Test one exercise you just wrote against the reference, and print what is wrong if anything is.
-
-    Usage, in a notebook cell after an exercise: `check(get_logprobs)`. The tests stop after `timeout` seconds
-    (check(fn, timeout=None) waits as long as they take).
-    """
-    name = getattr(obj, "__name__", None)
-    if name is None:
-        raise TypeError("check() takes the function or class you wrote, e.g. check(get_logprobs)")
-    part = part or harness.part_defining(name)
-    outcome = run_exercise_tests(part, name, obj, timeout=timeout, diagnosis_budget=DIAGNOSIS_BUDGET_S)
-    print(report(outcome, part, timeout))
-
-
-def report(outcome: Outcome, part: str, timeout: float | None = None) -> str:
-    """What check() prints for an outcome."""
-    name = outcome.exercise
-    total = len(outcome.passed) + len(outcome.failed)
-    if outcome.timed_out:
-        return (f"⏱️ {name}: stopped after {timeout:g} s, in the test {outcome.timed_out} ({len(outcome.passed)} "
-                f"passed before it). Does it loop forever, or wait for something that never comes? If it is only "
-                f"slow, check({name}, timeout=...) gives it longer.")
-    if outcome.ok:
-        return f"✅ {name}: all {total} test{'s' if total != 1 else ''} passed."
-    if not outcome.passed and not outcome.failed:
-        return f"⚠️ {name}: no test ran; is it an exercise of {part}?"
-    if outcome.not_written:
-        return f"✏️ {name}: not written yet (it still raises NotImplementedError). Write its body, then check again."
-    not_judged = outcome.not_judged
-    if len(not_judged) == len(outcome.failed):
-        lines = [f"⚠️ {name}: {len(outcome.failed)} of {total} tests failed, and not because of your code: this "
-                 "machine's environment is at fault (see below)."]
-    else:
-        lines = [f"❌ {name}: {len(outcome.failed)} of {total} tests failed."]
-    for test, message in outcome.failed:
-        aside = " (not your code: see below)" if test in not_judged else ""
-        lines.append(f"\n  {test}:{aside}\n    " + message.replace("\n", "\n    "))
-    if not_judged:
-        lines.append("\n" + environment.explain(
-            name, outcome.environment, outcome.mismatched, every_failure=len(not_judged) == len(outcome.failed),
-            failures=dict(outcome.failed), others_confirmed=not outcome.unconfirmed))
-    if outcome.unconfirmed:
-        lines.append("\n" + environment.explain_unconfirmed(name, outcome.unconfirmed))
-    if not_judged or outcome.unconfirmed:
-        return "\n".join(lines)
-    named = outcome.likely
-    if named:
-        if len(named) == 1:
-            lines.append(f"\n👉 Likely mistake (a known wrong version of {name} fails these tests in exactly the same "
-                         f"way, and passes the ones you pass): {mistakes.explanation(named[0])}")
-        else:
-            lines.append(f"\n👉 Known wrong versions of {name} fail these tests in exactly the same way; one of them is "
-                         "likely your mistake:")
-            lines += [f"  - {mistakes.explanation(m)}" for m in named]
-    return "\n".join(lines)

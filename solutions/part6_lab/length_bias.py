@@ -1,0 +1,376 @@
+"""Part 6, experiment 3: length bias, measured: what grpo_loss's aggregation (`loss_type`) does to the length of
+right and wrong answers. The exercises (loss_token_weights, mean_length_by_outcome; reward_positive_answer is
+provided), then the experiment that runs on them.
+
+The claim under test (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+arXiv:2503.20783, section 3 and figure 1): GRPO's per-sequence mean gives each token of a sequence of L tokens the
+weight 1/L, so a long wrong answer is penalised less per token than a short one, and a short right answer rewarded
+more than a long one; on expectation the policy gradient is then that of the reward A/L, not A, and it favours short
+right answers and long wrong ones. "dr_grpo" (a constant divisor) and "dapo" (the batch's token count, the same for
+every sequence of a batch) give every token of a batch one weight and have no such preference.
+
+The task must let lengths vary. The additions of Part 3 barely do: the tiny model ends its answer with EOS after its
+2 or 3 digits in about 98% of samples (lengths 3 or 4 tokens, max_new_tokens=16). Part 1's sentences do: after "I
+feel" the tiny model writes a sentiment word, a full stop, and then zero to three more sentences of its toy grammar
+before EOS, 3 to 24+ tokens. The exact verifier (`reward_positive_answer`) judges the first word only (positive:
+right), so that a right or a wrong answer can have any length, and the length is the policy's free choice.
+
+Each configuration (loss_type, scale_rewards) trains a fresh LoRA with Part 3's grpo_step for the same steps on the
+same prompts, for each seed; the lengths and the outcomes of every sampled completion are kept.
+
+    run(seeds, smoke=False, *, loss_token_weights=..., mean_length_by_outcome=..., cfg=None) -> result
+    summarize(result) -> JSON-ready dict;  plot(result, path=None) -> Figure
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from solutions.part0_warmup import completion_logprobs
+from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
+from solutions.part3_grpo import GRPOConfig, RewardFunction, group_advantages, grpo_step, sample_groups
+from utils.contracts import DR_GRPO_LENGTH, at_least, contract, optional
+from utils.data import NEGATIVE, POSITIVE
+from utils.models import load_model
+from utils.plotting import pyplot_for
+from utils.sampling import tokenize_prompts
+
+
+# --- the exercises ------------------------------------------------------------------------------------------------
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # the aggregations of Part 3's grpo_loss
+
+
+def reward_positive_answer(prompts: list[str], completions: list[str]) -> list[float | None]:
+    """The task's exact verifier: 1.0 when the completion's first word is a positive word of the tiny model's
+    grammar ("I feel" -> " happy. ..."), 0.0 when it is any other word (or there is none). Whatever follows the first
+    word is not judged: a completion can be right or wrong at any length."""
+    words = [re.findall(r"[A-Za-z]+", completion) for completion in completions]
+    return [1.0 if found and found[0].lower() in POSITIVE else 0.0 for found in words]
+
+
+@contract(DR_GRPO_LENGTH, max_completion_length=optional(at_least(1)))
+def loss_token_weights(
+    mask: Bool[Tensor, "batch gen"],
+    loss_type: str,
+    max_completion_length: int | None = None,
+) -> Float[Tensor, "batch gen"]:
+    """With B = mask.shape[0] and L_i = row i's number of True: "grpo": 1 / (B * L_i); "bnpo" and "dapo": 1 / (the
+    number of True in the mask); "dr_grpo": 1 / (B * max_completion_length), None meaning mask.shape[1].
+
+    Returns: w with loss = sum over i, t of w[i, t] * per_token[i, t] in Part 3's grpo_loss; 0 where `mask` is
+    False, and for a row (or a batch) with no True.
+    Raises: ValueError for a loss_type not in LOSS_TYPES.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    weights = mask.float()
+    if loss_type == "grpo":
+        return weights / (mask.shape[0] * weights.sum(dim=1, keepdim=True).clamp(min=1.0))  # [batch, 1] counts
+    if loss_type in ("bnpo", "dapo"):
+        return weights / weights.sum().clamp(min=1.0)
+    return weights / (mask.shape[0] * (max_completion_length or mask.shape[1]))
+
+
+def mean_length_by_outcome(
+    mask: Bool[Tensor, "batch gen"],
+    correct: Bool[Tensor, "batch"],
+) -> Float[Tensor, "2"]:
+    """A completion's length is its number of True in `mask` (its EOS included); the right answers are the rows where
+    `correct` is True.
+
+    Returns: [mean length of the right answers, mean length of the wrong ones]; NaN for an outcome with no row.
+    """
+    lengths = mask.sum(dim=1).float()
+    right = lengths[correct].mean() if correct.any() else torch.tensor(float("nan"))
+    wrong = lengths[~correct].mean() if (~correct).any() else torch.tensor(float("nan"))
+    return torch.stack([right, wrong])
+
+
+# --- the experiment -----------------------------------------------------------------------------------------------
+
+# The prompts of the grammar's "{pronoun} {feel} {sentiment}." sentences (utils/data.py): the next word is a
+# sentiment word, positive or negative about equally often before training
+PROMPTS = ("I feel", "I am", "We feel", "We are", "They feel", "They are", "You feel", "You are")
+
+# name -> (loss_type, scale_rewards)
+CONFIGURATIONS = {"grpo": ("grpo", "group"), "dr_grpo": ("dr_grpo", "group"), "dapo": ("dapo", "group"),
+                  "grpo_scale_none": ("grpo", "none")}
+
+
+@dataclass
+class LengthBiasConfig:
+    """Defaults sized for about 150 s on an idle 2-core CPU (4 configurations x 3 seeds)."""
+
+    steps: int = 45
+    n_prompts: int = 4               # prompts per step (drawn from PROMPTS without replacement)
+    group_size: int = 8
+    max_new_tokens: int = 24         # room for three sentences or so; the brief asks for at least 16
+    lr: float = 1e-2                 # high enough for lengths to move within the budget
+    lora_rank: int = 4
+    lora_alpha: float = 8.0
+    window: int = 10                 # "start" and "end": the completions of the first and the last `window` steps
+    push_group_size: int = 32        # the one-update measurement: completions of each of the 8 prompts
+    configurations: tuple[str, ...] = tuple(CONFIGURATIONS)
+
+    @classmethod
+    def smoke(cls) -> "LengthBiasConfig":
+        return cls(steps=2, n_prompts=2, group_size=4, max_new_tokens=16, window=1, push_group_size=4)
+
+
+def _fresh_policy(model, cfg: LengthBiasConfig, seed: int):
+    torch.manual_seed(seed)
+    adapters = make_adapters(model, cfg.lora_rank, cfg.lora_alpha, ("q", "v"))
+    freeze_base(model, adapters)
+    return LoRAModel(model, adapters), adapters
+
+
+def _stopped_after_answer(texts: list[str], truncated: torch.Tensor) -> torch.Tensor:
+    """True for a completion that ended (EOS) right after its first sentence: " happy." and nothing more."""
+    return torch.tensor([t.strip().endswith(".") and t.count(".") == 1 for t in texts]) & ~truncated
+
+
+def _train(model, cfg: LengthBiasConfig, loss_type: str, scale_rewards: str, seed: int, mean_length_by_outcome):
+    """One GRPO run: a fresh LoRA, cfg.steps grpo_steps; per step the completions' lengths and outcomes."""
+    policy, adapters = _fresh_policy(model, cfg, seed)
+    optimizer = torch.optim.AdamW(adapters.parameters(), lr=cfg.lr, weight_decay=0.0)
+    grpo = GRPOConfig(loss_type=loss_type, scale_rewards=scale_rewards, group_size=cfg.group_size,
+                      n_prompts=cfg.n_prompts, max_new_tokens=cfg.max_new_tokens, lr=cfg.lr, beta=0.0, seed=seed)
+    rewards = [RewardFunction("positive_answer", reward_positive_answer)]
+    rng = random.Random(seed)
+    lengths, correct, stopped, curve = [], [], [], []
+    for _ in range(cfg.steps):
+        prompts = rng.sample(PROMPTS, cfg.n_prompts)
+        out = grpo_step(policy, optimizer, rewards, lambda samples: None, prompts, grpo)
+        mask = out.samples.completion_mask
+        right = out.rewards > 0.5
+        curve.append(mean_length_by_outcome(mask, right).tolist())  # [right, wrong], NaN for an outcome absent
+        lengths.append(mask.sum(1))
+        correct.append(right)
+        stopped.append(_stopped_after_answer(out.samples.texts, out.samples.truncated))
+    return {"lengths": torch.stack(lengths), "correct": torch.stack(correct), "stopped": torch.stack(stopped),
+            "curve": curve}  # [steps, batch] each
+
+
+def _stop_push(model, cfg: LengthBiasConfig, seed: int, loss_token_weights) -> dict[str, list[float]]:
+    """Which way one update of each configuration pushes the decision to stop after the answer, measured on a large
+    batch rather than read off noisy training curves.
+
+    From the starting policy (a fresh LoRA, B = 0), cfg.push_group_size completions of each prompt, judged; each
+    configuration's loss on that same batch (on-policy, so grpo_loss is sum of w[i, t] * -A_i * log pi(token), with
+    w from `loss_token_weights`) and its gradient g on the LoRA. The probe: log P(EOS) right after a right first
+    sentence ("I feel happy.", every prompt and positive word) and after a wrong one (every negative word). Returns,
+    per configuration, [right, wrong]: the first-order change of the probe's mean log P(EOS) for an update of norm 1
+    along -g (for scale: a first Adam step at lr 1e-2 moves each of the 4096 numbers of the LoRA's B matrices by about
+    0.01, a norm of about 0.64; A gets no gradient while B = 0).
+    """
+    policy, adapters = _fresh_policy(model, cfg, seed)
+    params = [p for p in adapters.parameters() if p.requires_grad]
+    samples = sample_groups(policy, list(PROMPTS), cfg.push_group_size, cfg.max_new_tokens)
+    rewards = torch.tensor(reward_positive_answer(samples.prompts, samples.texts))
+    logprobs = completion_logprobs(policy, samples)  # [batch, gen], with gradient into the LoRA
+
+    eos = model.tokenizer.eos_token_id
+    probes = []
+    for words in (POSITIVE, NEGATIVE):
+        ids, attention = tokenize_prompts(model.tokenizer, [f"{p} {w}." for p in PROMPTS for w in words],
+                                          model.cfg.device)
+        stop = policy(ids, attention_mask=attention)[:, -1].log_softmax(-1)[:, eos].mean()
+        probes.append(torch.autograd.grad(stop, params, allow_unused=True))
+
+    push = {}
+    for name in cfg.configurations:
+        loss_type, scale_rewards = CONFIGURATIONS[name]
+        advantages = group_advantages(rewards, cfg.push_group_size, scale_rewards)
+        weights = loss_token_weights(samples.completion_mask, loss_type, cfg.max_new_tokens)
+        loss = (weights * -advantages[:, None] * logprobs).sum()
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads if g is not None))
+        push[name] = [(-sum((p * g).sum() for p, g in zip(probe, grads) if p is not None and g is not None)
+                       / norm.clamp(min=1e-12)).item() for probe in probes]
+    return push
+
+
+def _window_means(run: dict, steps: slice, mean_length_by_outcome) -> list[float]:
+    """[right, wrong] mean length over all the completions of the steps `steps` (pooled, not a mean of means)."""
+    lengths, correct = run["lengths"][steps].flatten(), run["correct"][steps].flatten()
+    mask = torch.arange(int(lengths.max()) if len(lengths) else 1)[None] < lengths[:, None]
+    return mean_length_by_outcome(mask, correct).tolist()
+
+
+def run(seeds: list[int], smoke: bool = False, *, loss_token_weights=loss_token_weights,
+        mean_length_by_outcome=mean_length_by_outcome, cfg: LengthBiasConfig | None = None) -> dict:
+    """Every configuration of cfg.configurations, for each seed. Returns the runs and what the figure needs. The
+    exercises are the ones above unless passed (the notebook passes the learner's)."""
+    cfg = cfg or (LengthBiasConfig.smoke() if smoke else LengthBiasConfig())
+    model = load_model("tiny")
+    runs: dict[str, list[dict]] = {}
+    bar = tqdm(total=len(cfg.configurations) * len(seeds), desc="length bias: runs")
+    for name in cfg.configurations:
+        loss_type, scale_rewards = CONFIGURATIONS[name]
+        runs[name] = []
+        for seed in seeds:
+            bar.set_postfix_str(f"{name}, seed {seed}")
+            result = _train(model, cfg, loss_type, scale_rewards, seed, mean_length_by_outcome)
+            window = min(cfg.window, cfg.steps)
+            result["start"] = _window_means(result, slice(0, window), mean_length_by_outcome)
+            result["end"] = _window_means(result, slice(cfg.steps - window, cfg.steps), mean_length_by_outcome)
+            result["accuracy_start"] = result["correct"][:window].float().mean().item()
+            result["accuracy_end"] = result["correct"][cfg.steps - window:].float().mean().item()
+            for when, steps in (("start", slice(0, window)), ("end", slice(cfg.steps - window, cfg.steps))):
+                right, stopped = result["correct"][steps], result["stopped"][steps]
+                result[f"stop_rate_{when}"] = [stopped[right].float().mean().item(),
+                                               stopped[~right].float().mean().item()]  # NaN where none
+            runs[name].append(result)
+            bar.update()
+    bar.close()
+    push = [_stop_push(model, cfg, seed, loss_token_weights) for seed in tqdm(seeds, desc="length bias: one update")]
+
+    # Each token's weight in the loss against its completion's length, for every loss type, on one real batch: the
+    # first step's lengths of the first run (the same batch for each loss type)
+    lengths = runs[cfg.configurations[0]][0]["lengths"][0]
+    mask = torch.arange(cfg.max_new_tokens)[None] < lengths[:, None]
+    weights = {loss_type: loss_token_weights(mask, loss_type, cfg.max_new_tokens).max(dim=1).values.tolist()
+               for loss_type in ("grpo", "dapo", "dr_grpo")}
+    return {"cfg": cfg, "seeds": list(seeds), "runs": runs, "weights": weights, "weight_lengths": lengths.tolist(),
+            "push": {name: [p[name] for p in push] for name in cfg.configurations}}  # name -> per seed [right, wrong]
+
+
+def _number(x: float, digits: int = 2) -> float | None:
+    return None if x is None or math.isnan(x) else round(x, digits)
+
+
+def _mean(values: list[float], digits: int = 2) -> float | None:
+    """The mean of the values that are not NaN (None when there is none), rounded."""
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    return round(sum(kept) / len(kept), digits) if kept else None
+
+
+def summarize(result: dict) -> dict:
+    """Per configuration: the mean length of wrong and of right answers at the start and at the end of training (the
+    first and last `window` steps, each seed's completions pooled; the mean over seeds, and each seed's value under
+    "seeds"); the accuracy and the share of right and of wrong answers that stop right after their first sentence
+    over the same windows; and `push_right_minus_wrong`, how much more one update favours stopping after a right
+    answer than after a wrong one (see _stop_push; > 0 is the direction of the length bias)."""
+    figures: dict = {}
+    for name, runs in result["runs"].items():
+        push = result["push"][name]
+        per_seed = {"wrong_start": [r["start"][1] for r in runs], "wrong_end": [r["end"][1] for r in runs],
+                    "right_start": [r["start"][0] for r in runs], "right_end": [r["end"][0] for r in runs],
+                    "accuracy_start": [r["accuracy_start"] for r in runs],
+                    "accuracy_end": [r["accuracy_end"] for r in runs],
+                    "stop_rate_right_start": [r["stop_rate_start"][0] for r in runs],
+                    "stop_rate_wrong_start": [r["stop_rate_start"][1] for r in runs],
+                    "stop_rate_right_end": [r["stop_rate_end"][0] for r in runs],
+                    "stop_rate_wrong_end": [r["stop_rate_end"][1] for r in runs],
+                    "push_right_minus_wrong": [right - wrong for right, wrong in push]}
+        figures[name] = {key: _mean(values, 4 if key.startswith("push") else 2) for key, values in per_seed.items()}
+        figures[name]["seeds"] = {key: [_number(v, 4 if key.startswith("push") else 2) for v in values]
+                                  for key, values in per_seed.items()}
+    cfg = result["cfg"]
+    figures["settings"] = {"steps": cfg.steps, "completions_per_step": cfg.n_prompts * cfg.group_size,
+                           "max_new_tokens": cfg.max_new_tokens, "window": cfg.window, "lr": cfg.lr,
+                           "push_completions": len(PROMPTS) * cfg.push_group_size, "seeds": result["seeds"]}
+    return figures
+
+
+def _smooth(values: list[float], width: int) -> list[float]:
+    """A trailing moving average that skips NaN (a step with no answer of that outcome)."""
+    out = []
+    for i in range(len(values)):
+        kept = [v for v in values[max(0, i - width + 1):i + 1] if not math.isnan(v)]
+        out.append(sum(kept) / len(kept) if kept else math.nan)
+    return out
+
+
+def plot(result: dict, path=None):
+    """Top row, one panel per configuration: the mean length of right (green) and wrong (red) answers over training,
+    each seed's curve smoothed over `window` steps (thin) and their mean (thick). Bottom row: each token's weight in
+    the loss against its completion's length, per loss type; the one-update push towards stopping after a right
+    rather than a wrong answer; the accuracy; the share of answers that stop after their first sentence, at the end."""
+    plt = pyplot_for(path)
+    cfg, runs = result["cfg"], result["runs"]
+    names = list(runs)
+    fig, axes = plt.subplots(2, max(4, len(names)), figsize=(4.2 * max(4, len(names)), 7.5), squeeze=False)
+    width = max(1, min(cfg.window, cfg.steps))
+    top = 0.0
+    for ax, name in zip(axes[0], names):
+        for column, (label, colour) in enumerate((("right", "tab:green"), ("wrong", "tab:red"))):
+            curves = [_smooth([step[column] for step in r["curve"]], width) for r in runs[name]]
+            for curve in curves:
+                ax.plot(curve, color=colour, alpha=0.3, linewidth=0.8)
+            mean = [_mean([c[i] for c in curves]) for i in range(len(curves[0]))]
+            ax.plot([math.nan if m is None else m for m in mean], color=colour, linewidth=2, label=f"{label} answers")
+            top = max([top] + [v for c in curves for v in c if not math.isnan(v)])
+        loss_type, scale = CONFIGURATIONS[name]
+        ax.set_title(f"{name}: loss_type={loss_type!r}, scale_rewards={scale!r}", fontsize=8)
+        ax.set_xlabel("step")
+        ax.set_ylabel("mean completion length (tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[0][:len(names)]:
+        ax.set_ylim(0, top + 1)
+    for ax in axes[0][len(names):]:
+        ax.axis("off")
+
+    ax = axes[1][0]
+    for loss_type, weights in result["weights"].items():
+        ax.scatter(result["weight_lengths"], weights, label=loss_type, s=14)
+    ax.set_xlabel("completion length L (tokens)")
+    ax.set_ylabel("weight of each of its tokens in the loss")
+    ax.set_title("loss_token_weights, on one batch", fontsize=9)
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+    ax = axes[1][1]
+    for i, name in enumerate(names):
+        values = [right - wrong for right, wrong in result["push"][name]]
+        ax.bar(i, sum(values) / len(values), color=f"C{i}", alpha=0.6)
+        ax.scatter([i] * len(values), values, color="black", s=12, zorder=3)
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(names)), names, fontsize=8, rotation=15)
+    ax.set_ylabel("change in log P(stop | right) - log P(stop | wrong)")
+    ax.set_title(f"one update of norm 1 ({len(PROMPTS) * cfg.push_group_size} completions; dots: seeds)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+
+    ax = axes[1][2]
+    for i, name in enumerate(names):
+        accuracy = [_smooth(r["correct"].float().mean(1).tolist(), width) for r in runs[name]]
+        ax.plot([sum(a[s] for a in accuracy) / len(accuracy) for s in range(cfg.steps)], label=name, color=f"C{i}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of right answers")
+    ax.set_title("accuracy (mean over seeds)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+    ax = axes[1][3]
+    for i, name in enumerate(names):
+        for offset, column, colour in ((-0.2, 0, "tab:green"), (0.2, 1, "tab:red")):
+            values = [r["stop_rate_end"][column] for r in runs[name]]
+            kept = [v for v in values if not math.isnan(v)]
+            ax.bar(i + offset, sum(kept) / len(kept) if kept else 0, width=0.4, color=colour, alpha=0.6,
+                   label=("right" if column == 0 else "wrong") + " answers" if i == 0 else None)
+            ax.scatter([i + offset] * len(kept), kept, color="black", s=10, zorder=3)
+    ax.set_xticks(range(len(names)), names, fontsize=8, rotation=15)
+    ax.set_ylabel("share that stops after the first sentence")
+    ax.set_title(f"stopping right after the answer, last {width} steps", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    for ax in axes[1][4:]:
+        ax.axis("off")
+
+    fig.suptitle(f"Length of right and wrong answers under each loss aggregation ({len(result['seeds'])} seeds, "
+                 f"{cfg.n_prompts * cfg.group_size} completions per step, up to {cfg.max_new_tokens} tokens)")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig

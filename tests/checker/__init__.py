@@ -1,0 +1,1 @@
+"""The checker's own tests (utils/checker/)."""

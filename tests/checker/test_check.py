@@ -1,0 +1,78 @@
+"""check(), the line under each exercise in a notebook (utils/checker/notebook.py): it says when all is well, names a
+known mistake, keeps pytest's explanation of a failed comparison, and leaves the learner's environment alone."""
+
+import pytest
+
+from solutions import part0_warmup as ref
+from utils.checker.layout import ROOT, built_parts, exercise_names, parts
+from utils.checker.notebook import check
+from utils.checker.registry import registry_of
+
+
+def test_there_are_parts_and_exercises():
+    assert parts(), "no solutions/partN_<topic> found"
+    for part in parts():
+        assert part in built_parts(), f"chapters/{part}.ipynb is missing: write chapters/source/{part}.py, then " \
+                                      "run python -m utils.notebooks"
+        assert exercise_names(part), f"chapters/{part}.ipynb has no cell tagged 'exercise'"
+
+
+def test_every_part_has_a_test_package_with_its_meta_test():
+    for part in parts():
+        assert (ROOT / "tests" / part / "test_meta.py").exists(), f"tests/{part}/test_meta.py is missing"
+        registry_of(part)
+
+
+def test_check_prints_pass_and_names_the_mistake(capsys):
+    check(ref.get_logprobs)
+    assert "✅ get_logprobs" in capsys.readouterr().out
+
+    wrong = registry_of("part0_warmup")["get_logprobs"].wrong[0]
+    name, wrong.__name__ = wrong.__name__, "get_logprobs"  # what a learner's function is called
+    try:
+        check(wrong)
+    finally:
+        wrong.__name__ = name
+    out = capsys.readouterr().out
+    assert "❌ get_logprobs" in out and "is the prediction *for* token t + 1" in out, out
+
+
+CHECK_IN_A_FRESH_PROCESS = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+os.environ.pop("HF_HUB_OFFLINE", None)
+os.environ.pop("WANDB_MODE", None)
+from utils.checker.notebook import check
+from solutions.part0_warmup import sample_next_token as good
+
+def sample_next_token(logits, temperature=1.0, top_k=None):  # a learner's version that ignores temperature 0
+    return good(logits, 1.0 if temperature == 0 else temperature, top_k)
+
+check(sample_next_token)
+print("environment after check:", os.environ.get("HF_HUB_OFFLINE"), os.environ.get("WANDB_MODE"))
+"""
+
+
+def test_check_in_a_fresh_process_explains_a_failed_comparison_and_leaves_the_environment_alone():
+    """As in a notebook: the test module is first imported by check() itself, so pytest rewrites its asserts; a
+    failed `assert a == b` must come out with its explanation, not as a bare AssertionError. And the variables that
+    the course's pytest plugin sets for test runs (offline Hub, wandb off) must not leak into the learner's session."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", CHECK_IN_A_FRESH_PROCESS], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "❌ sample_next_token" in out, out
+    failure = out.split("❌ sample_next_token", 1)[1].split("environment after check", 1)[0]
+    assert failure.strip().splitlines()[-1].strip() != "AssertionError", f"the reason was lost:\n{out}"
+    assert "environment after check: None None" in out, out
+
+
+def test_check_rejects_an_unknown_name():
+    def not_an_exercise():
+        pass
+
+    with pytest.raises(ValueError, match="not an exercise"):
+        check(not_an_exercise)

@@ -1,0 +1,108 @@
+"""The diagnosing comparison (utils/checker/compare.py): each kind of difference is named, and none is invented."""
+
+import math
+
+import pytest
+import torch
+
+from tests.support import CheckFailure, assert_close, assert_equal, assert_raises, describe_difference
+
+torch.manual_seed(0)
+E = torch.randn(6, 5)
+MASK = torch.arange(5)[None] < torch.tensor([5, 1, 3, 5, 2, 4])[:, None]
+
+
+# --- the diagnosing comparison: each kind of difference, named --------------------------------------------------
+
+CASES = [
+    ("sign", -E, {}, "opposite sign"),
+    ("half", 0.5 * E, {}, "factor of 1/2"),
+    ("Bessel", E * 8 / 7, {"group_size": 8}, "G/(G-1) with G = 8"),
+    ("temperature", E / 0.7, {"factors": {"1/T with T = 0.7": 1 / 0.7}}, "1/T with T = 0.7"),
+    ("tokens", E * MASK.sum().item() / MASK.numel(), {"mask": MASK}, "real tokens / all positions"),
+    ("offset", E + 0.3, {}, "off by a constant"),
+    ("row offsets", E + torch.arange(1.0, 7.0)[:, None], {}, "each row is off by its own constant"),
+    ("row factors", E * torch.arange(2.0, 8.0)[:, None], {}, "each row is off by its own factor"),
+    ("shift", torch.cat([E[:, 1:], E[:, :1]], 1), {}, "shifted by one position along dimension 1"),
+    ("padding", torch.where(MASK, E, 5.0), {"mask": MASK}, "right on the real tokens"),
+    ("real tokens", torch.where(MASK, E + 1, E), {"mask": MASK}, "right on padding"),
+    ("rows", torch.cat([E[:2], E[2:4] * 3, E[4:]]), {"group_size": 2}, "rows [2, 3] are wrong"),
+    ("columns", torch.cat([E[:, :1] + 1, E[:, 1:]], 1), {}, "only positions [0] of the last dimension"),
+    ("order", E.flip(0), {}, "another order"),
+    ("zeros", torch.zeros_like(E), {}, "every value is 0"),
+    ("NaN on padding", torch.where(MASK, E, float("nan")), {"mask": MASK}, "all of them on padding"),
+    ("inf", torch.where(MASK, E, float("inf")).T.contiguous().T, {}, "inf at"),
+    ("transposed", E.T, {}, "transposed"),
+    ("broadcast", E[None].expand(6, 6, 5), {}, "broadcasting"),
+    ("one too many", torch.randn(6, 6), {}, "one position too many along dimension 1"),
+    ("size-1 dimension", E[:, :, None], {}, "a dimension of size 1"),
+    ("not reduced", E, {"expected": torch.tensor(0.5)}, "a single number"),
+    ("dtype", (E > 0), {"expected": (E > 0).float()}, "dtype torch.bool"),
+    ("None", None, {}, "returned nothing"),
+    ("list", E.tolist(), {}, "got a list"),
+]
+
+
+@pytest.mark.parametrize("label, actual, options, phrase", CASES, ids=[c[0] for c in CASES])
+def test_each_kind_of_difference_is_named(label, actual, options, phrase):
+    options = dict(options)
+    expected = options.pop("expected", E)
+    text = describe_difference(actual, expected, **options)
+    assert text is not None and phrase in text, f"{label}: {text!r} does not say {phrase!r}"
+
+
+def test_equal_values_have_no_difference():
+    assert describe_difference(E.clone(), E) is None
+    assert describe_difference(E + 1e-7, E) is None
+    nan = torch.tensor([1.0, float("nan")])
+    assert describe_difference(nan.clone(), nan) is None
+
+
+SPECIFIC = ("sign", "factor", "constant", "shifted", "transposed", "padding", "real tokens", "order", "every value",
+            "own", "NaN", "inf")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_random_difference_gets_no_invented_cause(seed):
+    g = torch.Generator().manual_seed(seed)
+    expected = torch.randn(6, 5, generator=g)
+    actual = torch.randn(6, 5, generator=g)
+    text = describe_difference(actual, expected, mask=MASK, group_size=2)
+    assert not any(word in text for word in SPECIFIC), text
+    assert "values differ" in text
+    scalar = describe_difference(torch.tensor(0.37 + seed), torch.tensor(-1.91), group_size=8)
+    assert scalar.startswith("got ") and "factor" not in scalar, scalar
+
+
+def test_a_few_random_errors_are_located_not_explained():
+    actual = E.clone()
+    actual[3, 2] += 0.5
+    text = describe_difference(actual, E, mask=MASK)
+    assert "rows [3]" in text and not any(w in text for w in ("sign", "factor", "shifted", "constant")), text
+
+
+def test_gradients_are_compared():
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(CheckFailure, match="no gradient flows back"):
+        assert_close((x * 2).detach(), x * 2, "y")
+    with pytest.raises(CheckFailure, match="carry a gradient that the reference's do not"):
+        assert_close(x * 2, (x * 2).detach(), "y")
+    with pytest.raises(CheckFailure, match=r"\.item\(\)"):
+        assert_close((x.sum() * 2).item(), x.sum() * 2, "loss")
+
+
+def test_failure_message_shows_expected_and_got():
+    with pytest.raises(CheckFailure) as raised:
+        assert_close(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]), "f(x)", hint="f doubles its input")
+    text = str(raised.value)
+    assert text.startswith("f(x): ") and "expected: [2] [1, 3]" in text and "got:      [2] [1, 2]" in text
+    assert text.rstrip().endswith("f doubles its input")
+
+
+def test_assert_equal_and_assert_raises_say_what_happened():
+    with pytest.raises(CheckFailure, match="expected 3 items, got 2"):
+        assert_equal([1.0, 0.0], [1.0, 0.0, None], "rewards")
+    with pytest.raises(CheckFailure, match="should raise a ValueError .*returned 4"):
+        assert_raises(ValueError, lambda: 4, what="f()", why="a reason")
+    with pytest.raises(CheckFailure, match="raised TypeError"):
+        assert_raises(ValueError, lambda: math.floor("x"), what="f()", why="a reason")

@@ -1,0 +1,161 @@
+"""The tests of the tests, made once for every part (each part's `test_meta.py` asks for its own):
+
+- consistency: the notebook, the reference and the tests name the same exercises with the same signatures, and
+  the reference defines nothing the notebook neither asks for nor shows;
+- the meta-test: for each exercise, the reference passes its tests (and every argument, refusal and gradient of it
+  is exercised), the stub fails them, and every registered wrong version fails them and is named by its fingerprint;
+  every kind of mistake that applies to the exercise has a registered wrong version.
+
+They run each exercise's tests in-process through `run_exercise_tests`, the same path `check()` takes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+from utils.checker import implementations
+from utils.checker.layout import exercise_names, marked_in_source, provided_names, tests_of
+from utils.checker.registry import KINDS, kind_of, registry_of
+from utils.checker.runner import run_exercise_tests
+from utils.checker.usage import usage_of
+
+
+def marks_by_module(part: str) -> dict[str, set[str]]:
+    """{test module: the exercises its tests are marked for}, as pytest sees the marks (a module that skips itself
+    when imported, as the comparisons with TRL do without TRL, is read instead)."""
+    found = {}
+    for info in pkgutil.iter_modules([str(tests_of(part))]):
+        if not info.name.startswith("test_"):
+            continue
+        path = tests_of(part) / f"{info.name}.py"
+        try:
+            module = importlib.import_module(f"tests.{part}.{info.name}")
+        except pytest.skip.Exception:
+            found[path.name] = marked_in_source(path)
+            continue
+        found[path.name] = {mark.args[0] for obj in vars(module).values()
+                            for mark in getattr(obj, "pytestmark", []) if mark.name == "exercise"}
+    return found
+
+
+def marked_exercises(part: str) -> set[str]:
+    """The exercises that some test of the part's package is marked for (@exercise)."""
+    return set().union(*marks_by_module(part).values())
+
+
+def _signature(obj) -> list[tuple]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(obj).parameters.values()]
+
+
+def _own_definitions(module) -> set[str]:
+    """The public functions and classes that a solutions module (or package, with its modules) defines itself."""
+    prefix = module.__name__
+    return {name for name, obj in vars(module).items()
+            if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+            and (getattr(obj, "__module__", None) or "").split(".")[:len(prefix.split("."))] == prefix.split(".")}
+
+
+CONSISTENCY = ("every exercise has a solution with the stub's signature",
+               "every solution is an exercise or provided",
+               "the provided code is shown in the notebook",
+               "every exercise has tests, and only exercises do",
+               "a check collects every module with tests of its exercise")
+
+
+def only_on_the_solutions(request) -> None:
+    """These test the course's tests, not the code under test: a learner's `--impl` run skips them."""
+    if request.config.getoption("--impl") != "solutions":
+        pytest.skip("the tests of the tests run with --impl solutions only")
+
+
+def consistency_tests(part: str):
+    @pytest.mark.parametrize("claim", CONSISTENCY)
+    def test_notebook_solutions_and_tests_agree(claim, request):
+        only_on_the_solutions(request)
+        solutions = implementations.solutions_module(part)
+        exercises = exercise_names(part)
+        if claim == CONSISTENCY[0]:
+            stubs = implementations.resolve("stubs", part)
+            for name in exercises:
+                assert hasattr(solutions, name), f"{name} has a stub in chapters/{part}.ipynb but no solution"
+                assert _signature(getattr(stubs, name)) == _signature(getattr(solutions, name)), \
+                    f"{part}.{name}: stub {inspect.signature(getattr(stubs, name))} differs from solution " \
+                    f"{inspect.signature(getattr(solutions, name))}"
+        elif claim == CONSISTENCY[1]:
+            provided = set(getattr(solutions, "PROVIDED", ()))
+            stray = _own_definitions(solutions) - set(exercises) - provided - {"main"}
+            assert not stray, (f"solutions/{part} defines {sorted(stray)}, which are neither exercises in "
+                               f"chapters/{part}.ipynb nor listed in its PROVIDED tuple")
+        elif claim == CONSISTENCY[2]:
+            provided = getattr(solutions, "PROVIDED", ())
+            shown = provided_names(part)
+            assert sorted(provided) == sorted(shown), (f"solutions/{part} PROVIDED {sorted(provided)} but the "
+                                                       f"notebook shows {sorted(shown)}")
+        elif claim == CONSISTENCY[4]:
+            # runner.py collects only the modules whose source marks the exercise: that must be every module
+            # whose tests pytest sees marked for it (a mark written another way would drop tests silently)
+            for module, marked in marks_by_module(part).items():
+                in_source = marked_in_source(tests_of(part) / module)
+                assert marked == in_source, (f"tests/{part}/{module}: pytest sees marks for {sorted(marked)}, its "
+                                             f"source names {sorted(in_source)} in @exercise(\"...\") decorators: "
+                                             "write each mark as @exercise(\"name\") on the test")
+        else:
+            marked = marked_exercises(part)
+            assert set(exercises) - marked == set(), f"exercises with no @exercise test in tests/{part}/: " \
+                                                     f"{sorted(set(exercises) - marked)}"
+            assert marked - set(exercises) == set(), \
+                f"tests marked for exercises the notebook lacks: {sorted(marked - set(exercises))}"
+            registry_of(part)  # every exercise has an entry, and every entry an exercise (checked when it is made)
+
+    return test_notebook_solutions_and_tests_agree
+
+
+def meta_test(part: str):
+    names = exercise_names(part)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("name", names, ids=names)
+    def test_exercise_tests_pass_on_solution_and_fail_on_stub_and_wrong_versions(name, request):
+        """The reference passes (and every argument, refusal and gradient of it is exercised); the stub fails; every
+        registered wrong version fails and is named by its fingerprint; every kind of mistake that applies has one."""
+        only_on_the_solutions(request)
+        entry = registry_of(part)[name]
+        solution = getattr(implementations.solutions_module(part), name)
+        usage = usage_of(solution)
+        outcome = run_exercise_tests(part, name, usage.wrapped)
+        assert outcome.ok, f"{part}.{name}: the reference fails its own tests: {outcome.failed}"
+
+        untouched = sorted(set(usage.defaults) - usage.varied - set(entry.always_default))
+        assert not untouched, (f"{part}.{name}: no test passes a non-default value for {untouched}; test each "
+                               "argument away from its default (or list it in always_default with the reason)")
+        unraised = sorted(set(usage.raise_lines) - usage.raised)
+        assert not unraised, (f"{part}.{name}: no test reaches the `raise` at lines {unraised} of its solution: "
+                              "test every documented refusal")
+
+        registered = {kind_of(m) for m in entry.wrong}
+        missing = sorted(usage.kinds(entry) - registered - set(entry.not_applicable))
+        assert not missing, (f"{part}.{name}: no registered wrong version of kind {missing} "
+                             f"({'; '.join(KINDS[k] for k in missing)}); register one with @mistake(kind), or list "
+                             "the kind in not_applicable with the reason")
+
+        stub = getattr(implementations.resolve("stubs", part), name)
+        outcome = run_exercise_tests(part, name, stub)
+        assert not outcome.passed, f"{part}.{name}: these tests pass on the stub: {outcome.passed}"
+        assert outcome.failed, f"{part}.{name}: no test ran against the stub"
+
+        # Each wrong version's own runs are the fingerprints: all of them run first, then each is named from them
+        # by the rule check() applies (diagnosis.py), with no replay of one wrong version in another's session.
+        outcomes = [(wrong, run_exercise_tests(part, name, wrong, replays=False)) for wrong in entry.wrong]
+        for wrong, outcome in outcomes:
+            assert outcome.failed, (f"{part}.{name}: the wrong version {wrong.__name__} ({inspect.getdoc(wrong)}) "
+                                    "passes every test")
+            assert any(m is wrong for m in outcome.diagnosis.named_from_runs(name)), (
+                f"{part}.{name}: the wrong version {wrong.__name__} fails {[t for t, _ in outcome.failed]} but no "
+                "failure names it: make the failing check record what it saw (assert_close, assert_equal, expect, "
+                f"... rather than a bare assert). Messages: {outcome.failed}")
+
+    return test_exercise_tests_pass_on_solution_and_fail_on_stub_and_wrong_versions

@@ -1,0 +1,112 @@
+"""learn: the update the reference makes (value head and model, optimiser and scheduler steps), the mean
+statistics it returns, minibatches drawn from the generator, and the memory left alone."""
+
+import torch
+
+from solutions import part1_ppo as ref
+from tests.part1_ppo.common import LOOP_PROMPTS, length_reward, loop_config, loop_models
+from tests.support import (assert_close, assert_equal, assert_inputs_unchanged, assert_reproducible, calling,
+                           exercise, expect)
+
+
+def learning_setup(tiny_model, **overrides):
+    """A policy on the bare model, its starting state, and a memory from the reference rollout (the reference a
+    different model, so that the KL term is not 0)."""
+    cfg = loop_config(**overrides)
+    policy, reference = loop_models(tiny_model, "full")
+    torch.manual_seed(11)
+    memory = ref.rollout(policy, reference, length_reward, list(LOOP_PROMPTS), cfg)
+    state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    return cfg, policy, memory, state
+
+
+def run_learn(fn, policy, state, memory, cfg, seed=0):
+    """Put the policy back to `state`, make a fresh optimiser and schedule, run fn; return what it did."""
+    policy.load_state_dict(state)
+    for p in policy.parameters():
+        p.grad = None
+    optimizer, scheduler = ref.make_optimizer(policy, cfg.lr_model, cfg.lr_head, cfg.warmup_steps, cfg.total_steps,
+                                              cfg.final_lr_fraction)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    stats = calling(fn, policy, optimizer, scheduler, memory, cfg, torch.Generator().manual_seed(seed),
+                       what="learn(policy, optimizer, scheduler, memory, cfg, generator)")
+    head = policy.value_head[-1].bias  # the value head's last parameter: every step with a gradient counts
+    counters = {"optimizer steps (AdamW's count for the value head)": int(optimizer.state.get(head, {}).get("step", 0)),
+                "scheduler steps": scheduler.last_epoch}
+    updates = {part: torch.cat([(p.detach() - before[n]).flatten() for n, p in policy.named_parameters()
+                                if n.startswith(part)]) for part in ("value_head", "model")}
+    return stats, counters, updates
+
+
+STAT_KEYS = ("objective", "value_loss", "entropy", "kl", "clip_fraction", "approx_kl", "grad_norm")
+
+
+def loop_where(cfg):
+    return (f"(epochs={cfg.epochs}, minibatch_size={cfg.minibatch_size} of {cfg.batch_size}, normalize_advantages="
+            f"{cfg.normalize_advantages}, clip_eps={cfg.clip_eps}, max_grad_norm={cfg.max_grad_norm}, clip_value="
+            f"{cfg.clip_value})")
+
+
+@exercise("learn")
+def test_learn_makes_the_reference_update(impl, tiny_model):
+    for overrides in ({}, dict(epochs=1, minibatch_size=4, normalize_advantages=False, clip_eps=0.1, vf_coef=1.0,
+                               ent_coef=0.05, kl_coef=0.5, max_grad_norm=0.3), dict(clip_value=0.05)):
+        cfg, policy, memory, state = learning_setup(tiny_model, **overrides)
+        _, want_counters, want_updates = run_learn(ref.learn, policy, state, memory, cfg)
+        _, counters, updates = run_learn(impl.learn, policy, state, memory, cfg)
+        where = loop_where(cfg)
+        steps = cfg.epochs * cfg.batch_size // cfg.minibatch_size
+        assert_equal(counters, want_counters, f"the counters after learn {where}",
+                     hint=f"{steps} minibatches ({cfg.epochs} epochs of {cfg.batch_size // cfg.minibatch_size}): one "
+                          "optimiser step and one scheduler step each, every step with the gradient of its own "
+                          "minibatch's loss")
+        assert_close(updates["value_head"], want_updates["value_head"], f"the update of the value head's "
+                     f"parameters by learn {where}", atol=1e-6, check_grad=False,
+                     hint="the value head learns from the value loss term of ppo_loss, through the values of this "
+                          "forward pass, clipped around the memory's values when cfg.clip_value is set")
+        assert_close(updates["model"], want_updates["model"], f"the update of the language model's parameters by "
+                     f"learn {where}", atol=1e-6, check_grad=False)
+
+
+@exercise("learn")
+def test_learn_returns_the_mean_statistics(impl, tiny_model):
+    cfg, policy, memory, state = learning_setup(tiny_model)
+    want, _, _ = run_learn(ref.learn, policy, state, memory, cfg)
+    got, _, _ = run_learn(impl.learn, policy, state, memory, cfg)
+    expect(isinstance(got, dict), "what learn returns", f"expected a dict of statistics, got {type(got).__name__}",
+           observed=type(got).__name__)
+    missing = sorted(set(STAT_KEYS) - set(got))
+    expect(not missing, "the keys of the statistics learn returns", f"{missing} are missing: learn returns the mean "
+           f"over the steps of each of {list(STAT_KEYS)}", observed=missing)
+    for key in STAT_KEYS:
+        value = got[key]
+        expect(isinstance(value, float), f"the type of stats[{key!r}]", f"expected a Python float (the mean over the "
+               f"steps, for logging), got {type(value).__name__}", observed=type(value).__name__)
+        assert_close(torch.tensor(value), torch.tensor(want[key]), f"stats[{key!r}], the mean over the steps",
+                     check_grad=False, hint=f"{key}: see learn's docstring; each step's value is computed from that "
+                                            "step's forward pass, before its update")
+
+
+@exercise("learn")
+def test_learn_draws_minibatches_from_the_generator(impl, tiny_model):
+    cfg, policy, memory, state = learning_setup(tiny_model)
+
+    def updated_head(generator):
+        policy.load_state_dict(state)
+        optimizer, scheduler = ref.make_optimizer(policy, cfg.lr_model, cfg.lr_head, cfg.warmup_steps,
+                                                  cfg.total_steps, cfg.final_lr_fraction)
+        impl.learn(policy, optimizer, scheduler, memory, cfg, generator=generator)
+        return torch.cat([p.detach().flatten() for p in policy.value_head.parameters()])
+
+    assert_reproducible(updated_head, what="the value head after learn(..., generator)")
+
+
+@exercise("learn")
+def test_learn_leaves_the_memory_alone(impl, tiny_model):
+    cfg, policy, memory, state = learning_setup(tiny_model)
+    optimizer, scheduler = ref.make_optimizer(policy, cfg.lr_model, cfg.lr_head, cfg.warmup_steps, cfg.total_steps)
+
+    def learn_from(memory):
+        return impl.learn(policy, optimizer, scheduler, memory, cfg, torch.Generator().manual_seed(0))
+
+    assert_inputs_unchanged(learn_from, memory, what="learn(..., memory, ...)")

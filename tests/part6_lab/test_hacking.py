@@ -1,0 +1,188 @@
+"""The hacking experiment's exercises, the reward model's pieces: bradley_terry_loss, last_token_scores,
+reward_model_scores against the reference; the experiment's rewards and batches; the experiment in its smoke setting."""
+
+import math
+
+import pytest
+import torch
+
+from solutions import part6_lab as ref
+from tests.support import (assert_close, assert_equal, assert_gradients_match, assert_hooks_clean,
+                           assert_inputs_unchanged, assert_raises, exercise, expect, function_checks_only)
+
+
+# --- bradley_terry_loss ------------------------------------------------------------------------------------------
+
+def _inputs(seed=0, pairs=7):
+    """Scores of `pairs` chosen and rejected answers (new tensors at each call: a test may hand them to a version
+    that writes into them)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(pairs, generator=g) * 2, torch.randn(pairs, generator=g) * 2
+
+
+BT_HINT = ("The Bradley-Terry loss of one pair is -log sigmoid(r_chosen - r_rejected), computed as "
+           "-F.logsigmoid(chosen - rejected), then averaged over the pairs (.mean()).")
+
+
+@exercise("bradley_terry_loss")
+def test_bradley_terry_loss_matches_reference(impl):
+    for seed in (0, 1):
+        chosen, rejected = _inputs(seed)
+        out = impl.bradley_terry_loss(chosen.clone(), rejected.clone())
+        assert_close(out, ref.bradley_terry_loss(chosen, rejected), f"bradley_terry_loss (seed {seed})", hint=BT_HINT)
+    equal = torch.zeros(4)
+    assert_close(impl.bradley_terry_loss(equal, equal.clone()), torch.tensor(math.log(2.0)),
+                 "bradley_terry_loss of pairs scored equally (log 2: a coin flip)", hint=BT_HINT)
+
+
+@exercise("bradley_terry_loss")
+def test_bradley_terry_loss_is_stable_for_large_margins(impl):
+    """Margins of +-200: sigmoid(-200) underflows to 0 in float32, so log(sigmoid(.)) in two steps gives inf."""
+    chosen, rejected = torch.tensor([200.0, -200.0, 3.0]), torch.tensor([0.0, 0.0, 0.0])
+    assert_close(impl.bradley_terry_loss(chosen.clone(), rejected.clone()), ref.bradley_terry_loss(chosen, rejected),
+                 "bradley_terry_loss with margins of +200 and -200", hint=BT_HINT)
+
+
+@exercise("bradley_terry_loss")
+def test_bradley_terry_loss_gradients(impl):
+    chosen, rejected = _inputs(2)
+    assert_gradients_match(impl.bradley_terry_loss, ref.bradley_terry_loss, (chosen, rejected),
+                           what="bradley_terry_loss", hint="Both scores come from the reward model being trained: "
+                           "the loss must push the chosen one up and the rejected one down (detach neither).")
+
+
+@exercise("bradley_terry_loss")
+def test_bradley_terry_loss_leaves_inputs_and_refuses_shapes(impl):
+    chosen, rejected = _inputs(3)
+    assert_inputs_unchanged(impl.bradley_terry_loss, chosen.clone(), rejected.clone(), what="bradley_terry_loss")
+    with function_checks_only():
+        assert_raises(ValueError, impl.bradley_terry_loss, chosen, rejected[:, None], what="bradley_terry_loss",
+                      why="a [pairs, 1] tensor against [pairs] would broadcast into every chosen against every "
+                          "rejected")
+
+
+# --- last_token_scores -------------------------------------------------------------------------------------------
+
+def _scores_and_mask(seed=0):
+    """Scores and a mask padded on both sides (prompt on the left, completion on the right), rows of varied lengths:
+    the last real token is neither the last column nor the number of real tokens minus one."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(5, 9, generator=g)
+    spans = [(2, 6), (0, 9), (3, 4), (1, 8), (0, 3)]  # [first, last + 1) of each row's real tokens
+    mask = torch.zeros(5, 9, dtype=torch.long)
+    for row, (first, end) in enumerate(spans):
+        mask[row, first:end] = 1
+    return scores, mask
+
+
+LAST_HINT = ("Read each row at its last real token: the largest position t where attention_mask is 1. With prompts "
+             "padded on the left and completions on the right, that is neither the last column nor "
+             "mask.sum(1) - 1.")
+
+
+@exercise("last_token_scores")
+def test_last_token_scores_matches_reference(impl):
+    for seed in (0, 1):
+        scores, mask = _scores_and_mask(seed)
+        out = impl.last_token_scores(scores.clone(), mask.clone())
+        assert_close(out, ref.last_token_scores(scores, mask), "last_token_scores on rows padded on both sides",
+                     hint=LAST_HINT)
+
+
+@exercise("last_token_scores")
+def test_last_token_scores_gradient_reaches_only_the_last_real_token(impl):
+    scores, mask = _scores_and_mask(2)
+    assert_gradients_match(impl.last_token_scores, ref.last_token_scores, (scores, mask), what="last_token_scores",
+                           hint="Only the score at each row's last real token may receive a gradient.")
+
+
+@exercise("last_token_scores")
+def test_last_token_scores_leaves_inputs_and_refuses_empty_rows(impl):
+    scores, mask = _scores_and_mask(3)
+    assert_inputs_unchanged(impl.last_token_scores, scores.clone(), mask.clone(), what="last_token_scores")
+    mask[2] = 0
+    assert_raises(ValueError, impl.last_token_scores, scores, mask, what="last_token_scores with a row of padding only",
+                  why="a row with no real token has no score to read")
+
+
+# --- reward_model_scores -----------------------------------------------------------------------------------------
+
+def _reward_model(tiny_model, seed=0):
+    """A random head, and a batch laid out as the reward model reads it: prompts of 1 and 2 digits' worth of tokens
+    (left padding), completions of different lengths (right padding)."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(tiny_model.cfg.d_model, 1)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.3)
+        head.bias.fill_(0.1)
+    prompts = ["3+45=", "12+7=", "This is", "95+48="]
+    completions = ["48", "19 and the dog", "", "143"]
+    ids, mask = ref.reward_model_batch(tiny_model.tokenizer, prompts, completions)
+    return head, ids, mask
+
+
+RM_HINT = ("Run the model on ids with attention_mask, keep the activation at 'ln_final.hook_normalized' with a hook, "
+           "apply head to it ([batch, seq, 1] -> squeeze(-1)), and read each row at its last real token "
+           "(last_token_scores).")
+
+
+@exercise("reward_model_scores")
+def test_reward_model_scores_matches_reference(impl, tiny_model):
+    for seed in (0, 1):
+        head, ids, mask = _reward_model(tiny_model, seed)
+        out = impl.reward_model_scores(tiny_model, head, ids.clone(), mask.clone())
+        assert_close(out, ref.reward_model_scores(tiny_model, head, ids, mask),
+                     f"reward_model_scores (head seed {seed})", hint=RM_HINT, atol=1e-4)
+
+
+@exercise("reward_model_scores")
+def test_reward_model_scores_gradients_reach_the_head_and_the_model(impl, tiny_model):
+    head, ids, mask = _reward_model(tiny_model, 2)
+    tiny_model.requires_grad_(True)
+    assert_gradients_match(impl.reward_model_scores, ref.reward_model_scores, (tiny_model, head, ids, mask),
+                           what="reward_model_scores", modules={"head": head, "reward model": tiny_model},
+                           atol=1e-4, hint="The reward model trains through these scores: no torch.no_grad(), no "
+                           "detach, no .tolist().")
+
+
+@exercise("reward_model_scores")
+def test_reward_model_scores_hooks_and_inputs(impl, tiny_model):
+    head, ids, mask = _reward_model(tiny_model, 3)
+    assert_hooks_clean(tiny_model, lambda: impl.reward_model_scores(tiny_model, head, ids.clone(), mask.clone()),
+                       "reward_model_scores", failing_point="blocks.0.hook_resid_pre")
+    assert_inputs_unchanged(impl.reward_model_scores, tiny_model, head, ids.clone(), mask.clone(),
+                            what="reward_model_scores")
+
+
+# --- the experiment's rewards and batches, and the experiment in its smoke setting -------------------------------
+
+def test_reward_every_number_right_has_its_bug():
+    prompts = ["12+30="] * 5
+    got = ref.reward_every_number_right(prompts, ["42", "42 is it", "41", "42 and 7", " the dog"])
+    assert_equal(got, [1.0, 1.0, 0.0, 0.0, 1.0], "reward_every_number_right: a completion with no number passes")
+
+
+def test_reward_model_batch_layout(tiny_model):
+    ids, mask = ref.reward_model_batch(tiny_model.tokenizer, ["12+30=", "1+2="], ["42", "3 dogs"])
+    eos = tiny_model.tokenizer.eos_token_id
+    last = ref.last_token_scores(ids.float(), mask)
+    assert_equal(last.long().tolist(), [eos, eos], "the last real token of each row is the EOS after its completion")
+    assert_raises(ValueError, ref.reward_model_batch, tiny_model.tokenizer, ["1+2="], ["3", "4"],
+                  what="reward_model_batch", why="one prompt per completion")
+
+
+@pytest.mark.slow
+def test_hacking_experiment_smoke():
+    from solutions.part6_lab import hacking
+
+    result = hacking.run(seeds=[0], smoke=True)
+    figures = hacking.summarize(result)
+    for key in ("proxy_start", "proxy_end", "gold_start", "gold_end", "beta_sweep", "buggy_verifier"):
+        expect(key in figures, "hacking.summarize", f"the figures lack {key!r}", observed=sorted(figures))
+    expect(all({"beta", "kl", "proxy", "gold"} <= set(b) for b in figures["beta_sweep"]), "hacking beta_sweep",
+           "each entry needs beta, kl, proxy, gold", observed=figures["beta_sweep"])
+    expect(all(0.0 <= figures[k] <= 1.0 for k in ("gold_start", "gold_end")), "hacking gold scores",
+           "the gold score is an accuracy, in [0, 1]", observed=(figures["gold_start"], figures["gold_end"]))
+    expect(all(b["kl"] >= -1e-6 for b in figures["beta_sweep"]), "hacking KL", "an exact KL is never negative",
+           observed=[b["kl"] for b in figures["beta_sweep"]])
+    hacking.plot(result)

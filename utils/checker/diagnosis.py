@@ -1,0 +1,227 @@
+"""Naming the mistake: when a learner's test fails, find the registered wrong version that fails it the same way.
+
+For each failed test of an exercise, this pytest plugin runs the same test again with each registered wrong version
+of that exercise (registry.py) in its place, from the same random state, and compares the two runs' fingerprints
+(fingerprint.py). A wrong version that saw the same values and failed at the same line is a candidate; the likely
+mistake is a candidate that explains every failure seen and fails none of the tests the learner's version passed.
+
+Runs of wrong versions are cached per test for the life of the process, so a second failure costs nothing. The
+meta-test runs every wrong version once without replaying the others (`replays=False`): each one's own runs are then
+the fingerprints, and `named_from_runs` applies the same rule to them, with no replay at all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from utils.checker import pool
+from utils.checker.implementations import shape_checked
+from utils.checker.fingerprint import Run, fingerprints_nothing, rng_state, run_of, same_run, set_rng_state
+from utils.checker.layout import part_of
+from utils.checker.observe import recording
+from utils.checker.registry import explanation, registry_of
+from utils.checker.shapes import target
+from utils.upstream import EnvironmentMismatch
+
+# (test node id, wrong version) -> its run, for the life of the process (written by MistakeFinder only)
+_runs: dict[tuple[str, object], Run] = {}
+
+NOT_DIAGNOSED = (NotImplementedError, KeyboardInterrupt, SystemExit, pytest.skip.Exception, EnvironmentMismatch)
+
+
+def exercise_of(item) -> str | None:
+    marks = [m.args[0] for m in item.iter_markers("exercise")]
+    return marks[0] if marks else None
+
+
+@dataclass
+class TestResult:
+    """One test of an exercise, run on the learner's version, and what the diagnosis found."""
+
+    exercise: str
+    wrong: tuple
+    passed: bool
+    under_test: object = None    # the object the test ran
+    matches: list | None = None  # for a failure: the wrong versions that fail it the same way (None: undiagnosable)
+    diagnosable: bool = False    # a failure whose fingerprint can be compared (not a stub, a skip, a bare assert...)
+
+
+class MistakeFinder:
+    """The pytest plugin. budget_s: seconds that diagnosing may take in one session (None: no limit)."""
+
+    def __init__(self, budget_s: float | None = None, replays: bool = True):
+        self.budget_s = budget_s
+        self.replays = replays  # False: only record the runs (the meta-test names each wrong version from its own)
+        self.spent = 0.0
+        self.results: dict[str, TestResult] = {}  # node id -> result, for the tests of the current session
+        self.passed: dict[str, tuple] = {}  # node id -> (item, fixtures, impl, exercise, wrong versions, random state)
+
+    def likely(self, exercise: str) -> list:
+        """The registered wrong versions that explain everything seen of the learner's `exercise` so far: each failed
+        test that could be diagnosed failed the same way with them, and none of them is known to fail a test that the
+        learner's version passed. Empty when no failure could be diagnosed, or when no one wrong version explains all
+        (two mistakes at once, or one we have not registered): then no cause is named."""
+        return self._named(exercise, {node: r.matches for node, r in self.results.items()
+                                      if r.exercise == exercise and not r.passed})
+
+    def named_from_runs(self, exercise: str) -> list:
+        """likely(), for a session run with replays=False: each failure is compared with the cached runs of the other
+        wrong versions (the meta-test has run every one of them by then), and none is replayed."""
+        matches = {}
+        for node, r in self.results.items():
+            if r.exercise != exercise or r.passed:
+                continue
+            learner = _runs.get((node, r.under_test))
+            known = [(m, _runs.get((node, m))) for m in r.wrong]
+            if not r.diagnosable or learner is None or any(run is None for _, run in known):
+                matches[node] = None
+            else:
+                matches[node] = [m for m, run in known if same_run(run, learner)]
+        return self._named(exercise, matches)
+
+    def _named(self, exercise: str, failures: dict[str, list | None]) -> list:
+        """The rule: a wrong version is named when it fails every diagnosable failure the same way, and no test that
+        the learner's version passed is known to fail with it."""
+        diagnosed = [m for m in failures.values() if m is not None]
+        if not diagnosed:
+            return []
+        candidates = [w for w in next(r.wrong for r in self.results.values() if r.exercise == exercise)
+                      if all(any(w is x for x in m) for m in diagnosed)]
+        passed = [node for node, r in self.results.items() if r.exercise == exercise and r.passed]
+        return [m for m in candidates if not any(_runs.get((node, m), Run(False)).failed for node in passed)]
+
+    def pytest_sessionstart(self, session):
+        self.spent = 0.0
+        self.passed.clear()
+        self.results.clear()
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        """A named mistake must also pass the tests the learner's version passed: replay the candidates on the
+        passed tests they have not run yet (their fixtures are torn down by now, so a replay that breaks for another
+        reason than a failed check proves nothing and is not kept)."""
+        if exitstatus == pytest.ExitCode.INTERRUPTED:  # stopped (an interrupt, check()'s time limit): stop now
+            self.passed.clear()
+            return
+        try:
+            for node, (item, funcargs, impl, name, wrong, state) in list(self.passed.items()):
+                if set(funcargs) & {"monkeypatch", "capsys", "capfd", "caplog"}:
+                    continue
+                for candidate in self.likely(name):
+                    if (node, candidate) in _runs or self.out_of_time():
+                        continue
+                    kept, item.funcargs = item.funcargs, funcargs
+                    try:
+                        run = self.timed_replay(item, impl, name, candidate, state)
+                    finally:
+                        item.funcargs = kept
+                    if not run.failed or run.where[1] in ("CheckFailure", "AssertionError", "Failed"):
+                        _runs[(node, candidate)] = run
+        except Exception:  # noqa: BLE001 - naming a mistake is a courtesy; it must never break the test run
+            pass
+        finally:
+            self.passed.clear()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        name = exercise_of(item)
+        impl = getattr(item, "funcargs", {}).get("impl")
+        part = part_of(item.module.__name__)
+        wrong = registry_of(part).wrong_versions(name) if name and part and impl is not None else ()
+        if not wrong:
+            yield
+            return
+        state = rng_state()
+        with recording() as log:
+            outcome = yield
+        exc = outcome.excinfo[1] if outcome.excinfo else None
+        learner = self.run(item, exc, log)
+        under_test = target(vars(impl).get(name))
+        registered = any(under_test is m for m in wrong)
+        if registered:
+            _runs[(item.nodeid, under_test)] = learner
+        result = self.results[item.nodeid] = TestResult(name, wrong, passed=exc is None, under_test=under_test)
+        result.diagnosable = exc is not None and not isinstance(exc, NOT_DIAGNOSED) and not fingerprints_nothing(learner)
+        if not self.replays:
+            return
+        if exc is None and under_test is not None and not registered:
+            self.passed[item.nodeid] = (item, dict(item.funcargs), impl, name, wrong, state)
+            for candidate in self.likely(name):  # candidates named by earlier failures must pass this test too
+                if (item.nodeid, candidate) not in _runs and not self.out_of_time():
+                    _runs[(item.nodeid, candidate)] = self.timed_replay(item, impl, name, candidate, state)
+        if not result.diagnosable:  # passed; not written yet, stopped, skipped, the libraries' fault (environment.py);
+            return                  # or a bare assert, which recorded nothing to compare
+        result.matches = self.diagnose(item, impl, name, wrong, learner, state)
+        named = self.likely(name) if result.matches else []
+        if named:
+            _add_note(exc, describe_matches(name, named))
+
+    def diagnose(self, item, impl, name: str, wrong: tuple, learner: Run, state: tuple) -> list | None:
+        matches = []
+        for candidate in wrong:
+            key = (item.nodeid, candidate)
+            if key not in _runs:
+                if self.out_of_time():
+                    return None  # out of time: this failure stays undiagnosed rather than half-diagnosed
+                _runs[key] = self.timed_replay(item, impl, name, candidate, state)
+            if same_run(_runs[key], learner):
+                matches.append(candidate)
+        return matches
+
+    def out_of_time(self) -> bool:
+        return self.budget_s is not None and self.spent > self.budget_s
+
+    def timed_replay(self, item, impl, name: str, candidate, state: tuple) -> Run:
+        """replay(), with its time counted against the session's diagnosis budget."""
+        start = time.perf_counter()
+        try:
+            return self.replay(item, impl, name, candidate, state)
+        finally:
+            self.spent += time.perf_counter() - start
+
+    @staticmethod
+    def run(item, exc: BaseException | None, log: list) -> Run:
+        return run_of(str(item.path), None if isinstance(exc, pytest.skip.Exception) else exc, log)
+
+    @classmethod
+    def replay(cls, item, impl, name: str, candidate, state: tuple) -> Run:
+        """Run the test again with `candidate` in place of the exercise, from the random state it started from."""
+        original = vars(impl).get(name)
+        setattr(impl, name, shape_checked(part_of(item.module.__name__), name, candidate))
+        set_rng_state(state)
+        pool.restore()
+        exc = None
+        with recording() as log:
+            try:
+                item.runtest()
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as raised:  # noqa: BLE001 - pytest.fail and friends derive from BaseException
+                exc = raised
+            finally:
+                setattr(impl, name, original)
+                pool.restore()
+        return cls.run(item, exc, log)
+
+
+def describe_matches(name: str, matches: list) -> str:
+    if len(matches) == 1:
+        return f"Likely mistake (a known wrong version of {name} fails its tests in exactly the same way): " \
+               f"{explanation(matches[0])}"
+    lines = "\n".join(f"  - {explanation(m)}" for m in matches)
+    return f"Likely mistake: known wrong versions of {name} fail its tests in exactly the same way; it is one of " \
+           f"these:\n{lines}"
+
+
+def forget_runs() -> None:
+    """Drop every cached run of a wrong version (for tests of the checker that need a fresh start)."""
+    _runs.clear()
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):  # Python 3.10
+        exc.args = (f"{exc.args[0]}\n{note}",) + exc.args[1:]

@@ -1,0 +1,100 @@
+"""The pytest plugin of the course (conftest.py loads it): options, marks, fixtures, and the mistake finder.
+
+    --impl SPEC       what the exercise tests run against (implementations.py): solutions, stubs, or a file
+    --exercise NAME   run only the tests of this exercise
+
+check() and the meta-test run one exercise's tests against one object: they pass an `UnderTest` plugin object
+to the session, and the `impl` fixture puts that object in place of the exercise it names.
+"""
+
+from __future__ import annotations
+
+import os
+
+import utils  # noqa: F401  (before torch: the course's CPU wait policy, utils/cpu_policy.py)
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from utils.checker import implementations, pool  # noqa: E402
+from utils.checker.diagnosis import MistakeFinder  # noqa: E402
+from utils.checker.layout import part_of  # noqa: E402
+
+UNDER_TEST = pytest.StashKey["UnderTest"]()
+
+
+class UnderTest:
+    """A plugin object that says which object the tests of one exercise run against, in place of --impl's."""
+
+    def __init__(self, part: str, name: str, obj: object):
+        self.part, self.name, self.obj = part, name, obj
+
+    def pytest_configure(self, config):
+        config.stash[UNDER_TEST] = self
+
+
+def pytest_addoption(parser):
+    parser.addoption("--impl", default="solutions",
+                     help="what the exercise tests run against: 'solutions' (default), 'stubs', or the path of "
+                          "your own .ipynb or .py")
+    parser.addoption("--exercise", default=None, help="run only the tests of this exercise")
+
+
+def pytest_configure(config):
+    # For test runs only: check() puts the learner's environment back afterwards (runner.py).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never wait on the network
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    os.environ["RLHF_SHAPE_CHECKS"] = "1"  # the solutions' shape annotations are checked at every call (solutions/)
+    config.addinivalue_line("markers", "exercise(name): the test checks the exercise `name` of its part")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds (notebook runs, training)")
+    config.addinivalue_line("markers", "upstream(*libraries): checks what the course relies on from these libraries")
+    try:
+        implementations.validate_impl(config.getoption("--impl"))
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    plugins = config.pluginmanager
+    if not plugins.has_plugin("mistake-finder") and not any(isinstance(p, MistakeFinder)
+                                                            for p in plugins.get_plugins()):
+        plugins.register(MistakeFinder(), "mistake-finder")
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = config.getoption("--exercise")
+    if wanted is None:
+        return
+    keep = [item for item in items if any(m.args == (wanted,) for m in item.iter_markers("exercise"))]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+
+
+@pytest.fixture(autouse=True)
+def _same_random_state_for_every_test():
+    """Each test starts from the same random state, whatever ran before it: a failure can be replayed exactly
+    (the mistake finder does so with each registered wrong version), and a test never depends on the order."""
+    torch.manual_seed(0)
+    random.seed(0)
+
+
+@pytest.fixture
+def impl(request):
+    """The implementation under test for this test's part (implementations.py)."""
+    part = part_of(request.module.__name__)
+    spec = request.config.getoption("--impl")
+    under_test = request.config.stash.get(UNDER_TEST, None)
+    overrides = {under_test.name: under_test.obj} if under_test is not None and under_test.part == part else None
+    found = implementations.resolve(spec, part, overrides)
+    if found is None:
+        pytest.skip(f"--impl {spec} is a file of another part, not {part}")
+    return found
+
+
+@pytest.fixture
+def tiny_model():
+    """The embedded model, loaded once per process (check() reuses it too); before and after each test it is put
+    back as loaded (no hooks, the original weights), whatever the code under test did to it."""
+    model = pool.tiny_model()
+    pool.restore()
+    yield model
+    pool.restore()

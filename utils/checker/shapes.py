@@ -1,0 +1,104 @@
+"""Shape checks for whatever the checker tests, applied the same way to all of it.
+
+The reference solutions' shape annotations (`Float[Tensor, "batch gen"]`) are checked at every call by jaxtyping's
+import hook (solutions/__init__.py). A learner's function and a registered wrong version are not under that hook, so
+the checker wraps them: `checked_like(obj, reference)` is a function with the reference's signature and its shape
+annotations that checks its arguments and its result with jaxtyping + beartype, then calls `obj`. A tensor of the
+wrong shape is then refused at the call, naming the argument and the dimensions, whoever wrote the function.
+
+Only annotations that hold a jaxtyping array type are checked. The others (a dataclass such as ReplayMemory) name
+the reference's own class, and a notebook defines its own copy of it: checking them would refuse the learner's.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+
+import jaxtyping
+from beartype import beartype
+from jaxtyping import jaxtyped
+
+
+def _plain(fn):
+    return inspect.unwrap(fn)
+
+
+@functools.cache
+def _signature_source(reference) -> tuple[str, tuple] | None:
+    """`def` source for a function with the reference's parameters, and the default values it refers to."""
+    try:
+        signature = inspect.signature(reference)
+    except (TypeError, ValueError):
+        return None
+    params, call, defaults, star = [], [], [], False
+    for p in signature.parameters.values():
+        default = ""
+        if p.default is not p.empty:
+            defaults.append(p.default)
+            default = f"=__default{len(defaults) - 1}"
+        if p.kind is p.POSITIONAL_ONLY:
+            return None  # none of the course's exercises has one; keep the checker simple
+        if p.kind is p.VAR_POSITIONAL:
+            params.append(f"*{p.name}")
+            call.append(f"*{p.name}")
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            params.append(f"**{p.name}")
+            call.append(f"**{p.name}")
+        elif p.kind is p.KEYWORD_ONLY:
+            if not star:
+                params.append("*")
+                star = True
+            params.append(f"{p.name}{default}")
+            call.append(f"{p.name}={p.name}")
+        else:
+            params.append(f"{p.name}{default}")
+            call.append(p.name)
+    source = f"def {reference.__name__}({', '.join(params)}):\n    return __target({', '.join(call)})\n"
+    return source, tuple(defaults)
+
+
+def target(obj):
+    """What a function made by checked_like calls (obj itself for anything else)."""
+    return getattr(obj, "__checked__", obj)
+
+
+def _holds_an_array_type(hint) -> bool:
+    """Whether a type hint is, or contains (in a tuple, list, dict, union...), a jaxtyping array type."""
+    if isinstance(hint, type) and issubclass(hint, jaxtyping.AbstractArray):
+        return True
+    return any(_holds_an_array_type(arg) for arg in typing.get_args(hint))
+
+
+def _shape_annotations(plain) -> dict:
+    try:
+        hints = typing.get_type_hints(plain, include_extras=True)
+    except Exception:  # noqa: BLE001 - a hint that does not resolve is not checked
+        return {}
+    return {name: hint for name, hint in hints.items() if _holds_an_array_type(hint)}
+
+
+def checked_like(obj, reference):
+    """`obj` with `reference`'s shape annotations checked at every call (obj itself when there is nothing to check:
+    a class, a reference without annotations, or the reference itself, which its import hook already checks)."""
+    if not (inspect.isfunction(obj) and inspect.isfunction(reference)) or obj is reference:
+        return obj
+    plain = _plain(reference)
+    annotations = _shape_annotations(plain)
+    made = _signature_source(plain)
+    if not annotations or made is None:
+        return obj
+    source, defaults = made
+    namespace = {"__target": obj} | {f"__default{i}": d for i, d in enumerate(defaults)}
+    exec(compile(source, f"<shape checks of {reference.__name__}>", "exec"), plain.__globals__ | namespace, namespace)
+    wrapper = namespace[reference.__name__]
+    wrapper.__annotations__ = annotations
+    wrapper.__module__ = plain.__module__
+    checked = jaxtyped(typechecker=beartype)(wrapper)
+    functools.update_wrapper(checked, obj, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+    checked.__wrapped__ = obj  # inspect.unwrap sees through it
+    checked.__checked__ = obj  # what the checker tests (diagnosis.py recognises a registered wrong version by it)
+    checked.__signature__ = inspect.signature(plain)
+    return checked
