@@ -2,7 +2,8 @@
 
 Their shape annotations (jaxtyping, e.g. `Float[Tensor, "batch gen"]`) are contracts checked at every call, in
 scripts and notebooks as in the tests: a tensor of the wrong shape is refused at the call with the name of the
-argument and the dimensions expected, and tensors whose dimensions share a name must agree. Setting
+argument and the dimensions expected, and tensors whose dimensions share a name must agree. (The checker holds
+whatever else it tests, a learner's function or a wrong version, to the same annotations: utils/checker/shapes.py.) Setting
 RLHF_SHAPE_CHECKS=0 turns the checks off (bench/shape_checks.py measures what they cost).
 """
 

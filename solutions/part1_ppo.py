@@ -372,7 +372,8 @@ def make_optimizer(
 class ReplayMemory:
     """One rollout phase's samples and what was computed from them, to be replayed in minibatches.
 
-    Every tensor is a constant (computed under torch.no_grad()); the per-token ones are 0 outside completion_mask.
+    Every tensor is a constant (computed under torch.no_grad()); the per-token ones of shape [batch, gen] are 0
+    outside completion_mask, while ref_logits ([batch, gen, vocab]) is kept unmasked.
     """
 
     ids: Int[Tensor, "batch seq"]
@@ -470,7 +471,9 @@ def rollout(
     cfg.temperature); one forward pass of the policy (logits, values) and one of `reference` on the samples; the
     sampled tokens' log-probs under both (get_logprobs); logits and values cut with completion_slice; rewards =
     reward_fn(texts), normalize_rewards'd if cfg.normalize_rewards; compute_advantages with cfg.gamma, cfg.lam;
-    kl_exact(policy, reference) per token. Per-token tensors are 0 outside the completion mask.
+    kl_exact(policy, reference) per token. logprobs, ref_logprobs, values, advantages, returns and kl are 0 outside
+    the completion mask; ref_logits, the completion_slice of the reference's logits, is left unmasked (kl_exact
+    applies the mask where it is used).
 
     Returns: a ReplayMemory with every field filled (`rewards`: the raw scores, before normalisation).
     """

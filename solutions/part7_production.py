@@ -70,14 +70,15 @@ def hf_model_of(model):
 
 
 @contract(adapters=nonempty("give at least one of the q, k and v adapters"))
-def fuse_qkv(adapters: dict[str, LoRA]) -> tuple[Float[Tensor, "rank d_model"], Float[Tensor, "qkv rank"]]:
+def fuse_qkv(adapters: dict[str, LoRA]) -> tuple[Float[Tensor, "rank d_model"], Float[Tensor, "qkv rank"], float]:
     """One LoRA on GPT-2's fused c_attn that computes exactly what one block's q, k and v adapters do. adapters: some of
     "q", "k", "v" -> that block's LoRA (each d_model -> n_heads * d_head).
 
-    Returns: (A, B), detached, for scale 1 (peft's lora_alpha = rank). A [R, d_model] stacks the adapters' A in the
-    order q, k, v (R = the sum of their ranks); in B [3 * n_heads * d_head, R], the rows of c_attn's q, k, v output
-    (in that order) hold adapter t's B times its scale in the columns of t's A, 0 elsewhere (all 0 for a target
-    with no adapter).
+    Returns: (A, B, scale), A and B detached; scale is the first adapter's (in the order q, k, v), the one scale
+    peft's c_attn gets. A [R, d_model] stacks the adapters' A in the order q, k, v (R = the sum of their ranks); in
+    B [3 * n_heads * d_head, R], the rows of c_attn's q, k, v output (in that order) hold adapter t's B in the
+    columns of t's A, times t's scale / scale (1, so B as it is, when the scales agree, as make_adapters makes
+    them), 0 elsewhere (all 0 for a target with no adapter).
     Raises: ValueError for a key other than "q", "k" and "v".
     """
     unknown = sorted(set(adapters) - set(QKV))
@@ -85,15 +86,16 @@ def fuse_qkv(adapters: dict[str, LoRA]) -> tuple[Float[Tensor, "rank d_model"], 
         raise ValueError(f"adapters must map some of 'q', 'k', 'v' to a LoRA (c_attn computes only those), got the "
                          f"keys {unknown}")
     names = [t for t in QKV if t in adapters]  # c_attn's order, whatever the dict's
+    scale = adapters[names[0]].scale
     d_out = adapters[names[0]].B.shape[0]
     A = torch.cat([adapters[t].A.detach() for t in names])                    # [R, d_model]
     B = A.new_zeros(3 * d_out, A.shape[0])                                    # [3 * d_out, R]
     column = 0
     for t in names:
         rank, row = adapters[t].A.shape[0], QKV.index(t) * d_out
-        B[row:row + d_out, column:column + rank] = adapters[t].B.detach() * adapters[t].scale
+        B[row:row + d_out, column:column + rank] = adapters[t].B.detach() * (adapters[t].scale / scale)
         column += rank
-    return A, B
+    return A, B, scale
 
 
 @contract(scale=above(0.0, "a LoRA's output is scaled by alpha / rank, and alpha > 0"))
@@ -121,10 +123,11 @@ def split_qkv(A: Float[Tensor, "rank d_model"], B: Float[Tensor, "qkv rank"], sc
 
 def peft_state_dict(adapters: nn.ModuleDict) -> dict[str, Tensor]:
     """For each Hugging Face module that an adapter (keys "L{layer}_{target}") updates (HF_MODULES): a block's q, k and
-    v adapters become one LoRA on attn.c_attn (fuse_qkv); every other adapter keeps its A, its scale folded into B.
+    v adapters become one LoRA on attn.c_attn (fuse_qkv's A and B); every other adapter keeps its A and its B as they
+    are. No scale is folded in: peft's own scaling (lora_alpha / r, from the config) carries it.
 
     Returns: {"base_model.model.transformer.h.{layer}.{module}.lora_A.weight": [rank, d_in], "....lora_B.weight":
-    [d_out, rank]}, detached, on the CPU, for peft's scaling 1.
+    [d_out, rank]}, detached, on the CPU.
     """
     modules: dict[str, dict[str, LoRA]] = {}  # Hugging Face module name -> {target: adapter}
     for key, adapter in adapters.items():
@@ -133,10 +136,10 @@ def peft_state_dict(adapters: nn.ModuleDict) -> dict[str, Tensor]:
     tensors = {}
     for module, found in modules.items():
         if module.endswith("attn.c_attn"):
-            A, B = fuse_qkv(found)
+            A, B, _ = fuse_qkv(found)
         else:
             (adapter,) = found.values()  # one target per other module
-            A, B = adapter.A.detach(), adapter.B.detach() * adapter.scale
+            A, B = adapter.A.detach(), adapter.B.detach()
         tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = A.cpu().contiguous()
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = B.cpu().contiguous()
     return tensors
@@ -148,34 +151,54 @@ def export_peft_adapter(model, adapters: nn.ModuleDict, path: str | Path) -> Pat
     the Hugging Face model under `model` (the bridge): `PeftModel.from_pretrained(hf_model, path)` then computes
     what LoRAModel(model, adapters) computes. Returns the folder (created if needed).
 
-    The tensors are peft_state_dict's (scaling 1 everywhere: lora_alpha = each module's rank); `r` is the largest
-    rank and rank_pattern / alpha_pattern name the modules whose rank differs (with q, k, v and o: c_attn has rank
-    3r, c_proj r). Raises a ValueError for a key that names no weight of this model, and NotADirectoryError when
-    `path` is a file.
+    The tensors are peft_state_dict's, B unscaled; the config carries the scales: `r` and `lora_alpha` are the
+    first adapter's rank and alpha (scale × rank: the course's r and alpha, e.g. 4 and 8 for the main job), and
+    rank_pattern / alpha_pattern name the modules whose rank or alpha differ (a c_attn that fuses n of q, k and v
+    has rank n·r and alpha n·alpha: the same scale alpha / r). The safetensors metadata names the targets of each
+    c_attn ("qkv_targets"), which peft ignores and import_peft_adapter reads. Raises a ValueError for a key that
+    names no weight of this model, and NotADirectoryError when `path` is a file.
     """
+    def number(x: float) -> float | int:
+        """x to 12 significant digits (far below float32's 7), so that an alpha read back as scale = alpha / rank
+        and written again as scale * rank is the same alpha; an int when it is whole."""
+        x = float(f"{x:.12g}")
+        return int(x) if x.is_integer() else x
+
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{path} is a file; a peft adapter is a folder: pass the folder to write it in")
     for key in adapters:
         base_weight(model, key)  # refuses a key that names no weight of this model
     tensors = peft_state_dict(adapters)
-    ranks = {key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight"): A.shape[0]
-             for key, A in tensors.items() if key.endswith(".lora_A.weight")}
-    r = max(ranks.values())
-    others = {module: rank for module, rank in ranks.items() if rank != r}
+    modules: dict[str, dict[str, LoRA]] = {}  # Hugging Face module name -> {target: adapter}, as peft_state_dict
+    for key, adapter in adapters.items():
+        layer, target = key[1:].split("_", 1)
+        modules.setdefault(f"transformer.h.{layer}.{HF_MODULES[target]}", {})[target] = adapter
+    ranks, alphas, qkv_targets = {}, {}, {}
+    for module, found in modules.items():
+        names = [t for t in QKV if t in found] or list(found)  # fuse_qkv's order; its scale is the first's
+        ranks[module] = tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"].shape[0]
+        alphas[module] = number(found[names[0]].scale * ranks[module])  # peft's scaling = lora_alpha / r
+        if module.endswith("attn.c_attn"):
+            qkv_targets[module] = ",".join(names)
+    first = next(iter(adapters.values()))
+    r, alpha = first.A.shape[0], number(first.scale * first.A.shape[0])  # the course's r and alpha
     name = str(getattr(model.original_model.config, "_name_or_path", "") or "gpt2")
     root = TINY_DIR.parent.parent  # the repository's root
     if Path(name).is_absolute() and Path(name).is_relative_to(root):
         name = str(Path(name).relative_to(root))  # the embedded model, from the repository's root
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": name,
-              "r": r, "lora_alpha": r, "rank_pattern": others, "alpha_pattern": others, "use_rslora": False,
+              "r": r, "lora_alpha": alpha,
+              "rank_pattern": {m: v for m, v in sorted(ranks.items()) if v != r},
+              "alpha_pattern": {m: v for m, v in sorted(alphas.items()) if v != alpha}, "use_rslora": False,
               "target_modules": sorted(ranks), "fan_in_fan_out": True,  # GPT-2's Conv1D: weight [d_in, d_out]
               "lora_dropout": 0.0, "bias": "none", "use_dora": False, "modules_to_save": None,
               "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
               "inference_mode": True, "revision": None}
     path.mkdir(parents=True, exist_ok=True)
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(path / "adapter_model.safetensors"),
+              metadata={"format": "pt", "qkv_targets": json.dumps(dict(sorted(qkv_targets.items())))})
     return path
 
 
@@ -189,9 +212,13 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
     """Read a peft LoRA adapter folder for this model's Hugging Face GPT-2 into course adapters, keyed
     "L{layer}_{target}" (on the model's device), such that LoRAModel(model, adapters) computes what peft's model does.
 
-    A LoRA on attn.c_attn becomes q, k and v adapters (split_qkv); one on attn.c_proj, mlp.c_fc or mlp.c_proj
-    becomes o, mlp_in or mlp_out; each keeps its A, B and peft's scaling (lora_alpha / r, or / sqrt(r) with
-    use_rslora, with rank_pattern and alpha_pattern). Refuses, with a ValueError that says what and what to do, what
+    A LoRA on attn.c_attn that export_peft_adapter fused (B zero outside each target's rows and its own block of r
+    columns, r the config's r) becomes the adapters it was fused from, at rank r: q and v only for a q + v export;
+    a block of zeros (an untrained B) is named by the file's metadata. Any other c_attn LoRA (peft's own: one A
+    that q, k and v all read) becomes q, k and v adapters of its full rank (split_qkv). One on attn.c_proj,
+    mlp.c_fc or mlp.c_proj becomes o, mlp_in or mlp_out. Each keeps its A, B and peft's scaling (lora_alpha / r,
+    or / sqrt(r) with use_rslora, with rank_pattern and alpha_pattern), so that export_peft_adapter writes the
+    folder it was read from again. Refuses, with a ValueError that says what and what to do, what
     a course adapter cannot hold: another peft type, DoRA and the other variants, bias other than "none",
     modules_to_save, a module with no course hook (the embeddings, lm_head), tensors that do not match the config or
     the model; FileNotFoundError for a missing folder or file.
@@ -208,6 +235,7 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
     try:
         with safe_open(str(file), framework="pt", device=str(model.cfg.device)) as f:
             tensors = {key: f.get_tensor(key) for key in f.keys()}
+            metadata = f.metadata() or {}
     except Exception as error:  # safetensors' own messages name neither the file nor the cause
         raise refuse(path, f"adapter_model.safetensors cannot be read: {why_unreadable(file, error)}",
                       "Write it again") from error
@@ -245,6 +273,28 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
                       f"): targeted but without tensors {unkeyed[:4]}, tensors but not targeted {untargeted[:4]}",
                       "Write the folder again with save_pretrained or export_peft_adapter")
 
+    def fused_targets(B: Tensor, r, names: str) -> list[str] | None:
+        """The targets, in the order q, k, v, of the blocks of r columns of a c_attn B that export_peft_adapter
+        fused (each block writes one target's rows only, or none: a block of zeros, which `names`, the file's
+        metadata, names); None for any other B."""
+        if not isinstance(r, int) or r < 1 or B.shape[1] % r or B.shape[1] // r > 3:
+            return None
+        blocks = B.reshape(3, B.shape[0] // 3, B.shape[1] // r, r)  # [q|k|v, n_heads * d_head, block, r]
+        writes = [[t for i, t in enumerate(QKV) if blocks[i, :, j].any()] for j in range(blocks.shape[2])]
+        named = names.split(",") if isinstance(names, str) and names else []
+        if len(named) == len(writes) and all(w in ([], [t]) for w, t in zip(writes, named)):
+            found = named
+        elif all(len(w) == 1 for w in writes):
+            found = [w[0] for w in writes]
+        else:
+            return None
+        return found if set(found) <= set(QKV) and found == sorted(set(found), key=QKV.index) else None
+
+    try:
+        named = json.loads(metadata.get("qkv_targets", "{}"))  # what export_peft_adapter fused; peft writes none
+    except ValueError:
+        named = {}
+    named = named if isinstance(named, dict) else {}
     adapters = {}
     for module, factors in pairs.items():
         layer, kind = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)", module).groups()
@@ -263,7 +313,18 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
                           "the folder again")
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         if COURSE_TARGET[kind] is None:
-            for target, lora in split_qkv(A, B, scale).items():
+            r = config["r"]
+            fused = fused_targets(B, r, named.get(module, ""))
+            if fused is None:  # one A that q, k and v all read: split it whole
+                for target, lora in split_qkv(A, B, scale).items():
+                    adapters[f"L{layer}_{target}"] = lora
+            for j, target in enumerate(fused or ()):  # the adapters export_peft_adapter fused, one block each
+                row, columns = QKV.index(target) * (d_out // 3), slice(j * r, (j + 1) * r)
+                lora = LoRA(d_in, d_out // 3, rank=r, alpha=scale * r).to(device=A.device, dtype=A.dtype)
+                with torch.no_grad():
+                    lora.A.copy_(A[columns])
+                    lora.B.copy_(B[row:row + d_out // 3, columns])
+                lora.scale = scale
                 adapters[f"L{layer}_{target}"] = lora
         else:
             lora = LoRA(d_in, d_out, rank=rank, alpha=scale * rank).to(device=A.device, dtype=A.dtype)

@@ -238,9 +238,22 @@ print(samples_table(rows))
 # - **KL in the reward** (Part 5's RLOO, TRL's RLOO, and TRL's PPO trainer up to 1.12): $-\beta\,$k1 is treated as
 #   a reward, so its gradient goes through the policy-gradient estimator,
 #   $\mathbb{E}[\nabla\log\pi_\theta(x)\cdot \mathrm{k1}]$ at one step, and in a sequence each token's log-prob is
-#   weighted by the KL of everything after it. In expectation that is the
-#   gradient of the **sequence-level** reverse KL, $\mathrm{KL}(\pi_\theta(\text{completion})\,\|\,
-#   \pi_\text{ref}(\text{completion}))$, later states included; the price is the policy gradient's variance.
+#   weighted by the KL of everything after it. For a completion $y$ the **sequence-level** reverse KL is
+#   $\mathbb{E}_{y\sim\pi_\theta}[\sum_t \mathrm{k1}_t]$, and its gradient is
+#   $\mathbb{E}_{y\sim\pi_\theta}[(\sum_t \mathrm{k1}_t)\,\nabla\log\pi_\theta(y)]$ (the k1s' own gradient averages
+#   to $\mathbb{E}[\nabla\log\pi_\theta(y)] = 0$; and in the sum, token $t$'s log-prob pairs with the k1s before it
+#   to 0 on average, which is why only the KL after it counts). So the estimator's expectation is **exactly** the
+#   gradient of $\mathrm{KL}(\pi_\theta(\text{completion})\,\|\,\pi_\text{ref}(\text{completion}))$, later states
+#   included, when the advantage is the sampled return minus a baseline that depends at most on the prefix:
+#   REINFORCE, and RLOO (whose baseline is the other samples' mean), on-policy. **Not for PPO with GAE** and
+#   $\lambda < 1$ (TRL's PPO trainer defaulted to 0.95, and so does our GAE: section 3). With $\gamma = 1$, GAE's
+#   $A_t = \sum_{k\ge0}\lambda^k r_{t+k} + \sum_{k\ge1}(1-\lambda)\lambda^{k-1}V_{t+k} - V_t$ counts the reward
+#   (KL included) $k$ tokens later with weight $\lambda^k$ and fills the rest in with the value head's estimate of
+#   it. Given the tokens up to $t$, its expectation differs from that of the exact $\text{return}_t - V_t$
+#   ($\text{return}_t = \sum_{k\ge0} r_{t+k}$) by $\sum_{k\ge1}(1-\lambda)\lambda^{k-1}\,\mathbb{E}[V_{t+k} -
+#   \text{return}_{t+k}]$: the critic's error, which biases the gradient unless the value head is exact; only at
+#   $\lambda = 1$ is $V_t$ a mere baseline. The price of KL in the reward, either way, is the policy gradient's
+#   variance.
 #
 # Check it on a toy "model" with a single state: a categorical policy over four tokens (its logits are the
 # parameters), a fixed reference, 200,000 tokens sampled from the policy, and the mean gradient of each loss term,
@@ -377,7 +390,8 @@ print(samples_table([{"loss term": name, **{f"d/d logit {i}": round(v, 4) for i,
 #    is: here a frozen copy, in Part 2 the same module with the LoRA hooks off. Never the policy in its place: the
 #    KL would be 0 and the penalty would hold the policy to itself;
 # 3. the sampled tokens' log-probs under both (`get_logprobs`), logits and values cut with `completion_slice`,
-#    every per-token tensor 0 outside `completion_mask`;
+#    every `[batch, gen]` tensor (these log-probs and values; step 4's advantages, returns and KL) 0 outside
+#    `completion_mask`; the reference's logits are stored cut but unmasked (`kl_exact` applies the mask);
 # 4. the rewards, `reward_fn(texts)`, normalised when `cfg.normalize_rewards`; advantages and returns from
 #    `compute_advantages` with `cfg.gamma` and `cfg.lam`; the exact KL per token, for the logs.
 #
@@ -487,10 +501,11 @@ plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explai
 # TRL's PPO trainer (`trl.experimental.ppo.PPOTrainer` in TRL 1.0 to 1.12, removed in 1.13; TRL 1.16 has none) put
 # the KL into the *reward*: each token got $-\beta\,$k1 (`kl_coef` 0.05 by default), the last one also got the
 # reward model's score, and GAE turned that into advantages — so the KL influenced the policy only through the
-# advantages, and the value head learned to predict it. Here the exact KL is a separate term of the loss, whose
-# gradient acts directly on every position's full distribution. Both keep the policy near the reference; the
-# loss version has lower variance and no dependence on the critic, at the price of the reference logits at every
-# position.
+# advantages, and the value head learned to predict it (with its $\lambda = 0.95$ the later tokens' KL reached each
+# token partly through that prediction, and its expected KL gradient was the sequence KL's only up to the critic's
+# error: section 4). Here the exact KL is a separate term of the loss, whose gradient acts directly on every
+# position's full distribution. Both keep the policy near the reference; the loss version has lower variance and
+# no dependence on the critic, at the price of the reference logits at every position.
 #
 # ## Summary, and testing your whole notebook
 #

@@ -42,12 +42,16 @@ from utils.models import load_model
 # lay the B's out in blocks:
 #
 # $$A = \begin{bmatrix} A_q \\ A_v \end{bmatrix}, \qquad
-#   B = \begin{bmatrix} s_q B_q & 0 \\ 0 & 0 \\ 0 & s_v B_v \end{bmatrix}
-#   \quad\Rightarrow\quad B A x = \begin{bmatrix} s_q B_q A_q x \\ 0 \\ s_v B_v A_v x \end{bmatrix}$$
+#   B = \begin{bmatrix} B_q & 0 \\ 0 & 0 \\ 0 & B_v \end{bmatrix}
+#   \quad\Rightarrow\quad s \, B A x = \begin{bmatrix} s \, B_q A_q x \\ 0 \\ s \, B_v A_v x \end{bmatrix}$$
 #
-# (rows: q, k, v; columns: the rank of each adapter). This is exact, at rank 2r (3r with k), with each adapter's
-# scale $s = \alpha / r$ folded into its block of B, so peft's own scaling must be 1: `lora_alpha` equal to the
-# fused rank. The zero rows keep k as it is.
+# (rows: q, k, v; columns: the rank of each adapter). This is exact, at rank 2r (3r with k). The scale $s = \alpha / r$
+# stays out of B: peft applies it as `lora_alpha / r`, so `c_attn` gets rank 2r and alpha 2α (the same s), and every
+# other module the course's r and α. Why not fold s into B and set peft's scaling to 1? It computes the same logits, but
+# not the adapter a peft user rebuilds: `LoraConfig(r=4, lora_alpha=8)`, written from the course's numbers, would apply
+# s twice, and training in peft would take 1/s of our step through B (Adam moves each entry of B by about the learning
+# rate, and B's update reaches the output times peft's scaling). The zero rows keep k as it is. (c_attn has one scale;
+# if q's and v's scales differed, v's block would carry $s_v / s_q$.)
 
 # %% [setup]
 import json
@@ -70,9 +74,10 @@ from utils.models import TINY_DIR
 from utils.sampling import tokenize_prompts
 
 # %% [markdown]
-# Write `fuse_qkv`: the (A, B) of the one `c_attn` LoRA that computes what a block's q, k and v adapters compute
-# (any of them: the main job has q and v only). A stacks the A's in the order q, k, v; B has the 3 × `n_heads ×
-# d_head` rows of `c_attn`'s output; return both detached (they are going to a file).
+# Write `fuse_qkv`: the (A, B, scale) of the one `c_attn` LoRA that computes what a block's q, k and v adapters
+# compute (any of them: the main job has q and v only). A stacks the A's in the order q, k, v; B has the 3 ×
+# `n_heads × d_head` rows of `c_attn`'s output; scale is the first adapter's; return A and B detached (they are
+# going to a file).
 
 # %% [exercise] fuse_qkv
 
@@ -92,25 +97,29 @@ from utils.sampling import tokenize_prompts
 # `mlp_in` to `mlp.c_fc`, `mlp_out` to `mlp.c_proj`), the keys
 # `base_model.model.transformer.h.{layer}.{module}.lora_A.weight` and `....lora_B.weight`: `base_model.model.`
 # because a `PeftModel` wraps your model twice, and no adapter name (`default`), which is chosen when the adapter
-# is loaded. A block's q, k and v go through your `fuse_qkv`; the other adapters keep their A and fold their scale
-# into B, so that peft's scaling is 1 everywhere.
+# is loaded. A block's q, k and v go through your `fuse_qkv`; the other adapters keep their A and B as they are
+# (the config carries the scale).
 
 # %% [exercise] peft_state_dict
 
 # %% [markdown]
-# The rest is bookkeeping, provided. `export_peft_adapter` writes your `peft_state_dict` and the config: `r` is the
-# largest rank, `lora_alpha` equal to it (scaling 1), and `rank_pattern` / `alpha_pattern` name the modules whose
-# rank differs (with q, k, v and o, `c_attn` has rank 3r and `c_proj` rank r). peft needs a plain Hugging Face
-# model to find its modules by name, and the bridge has rewired `model.original_model` in place, so `hf_model_of`
-# builds its plain twin.
+# The rest is bookkeeping, provided. `export_peft_adapter` writes your `peft_state_dict` and the config: `r` and
+# `lora_alpha` are the course's (4 and 8 for the main job), and `rank_pattern` / `alpha_pattern` name the modules whose
+# rank or alpha differ (with q, k, v and o, `c_attn` has rank 3r and alpha 3α, `c_proj` r and α). It also names, in the
+# safetensors metadata (which peft ignores), the targets each `c_attn` fuses. peft needs a plain Hugging Face model to
+# find its modules by name, and the bridge has rewired `model.original_model` in place, so `hf_model_of` builds its
+# plain twin.
 #
-# `import_peft_adapter` reads a folder back with your `split_qkv`, and refuses, saying what and what to do, what a
-# course adapter cannot hold: a LoRA on a module the course has no hook for (the token and position embeddings, the
-# unembedding `lm_head`), DoRA (it rescales each output by a trained magnitude) and the other variants, a bias other
-# than `"none"`, `modules_to_save` (whole trained modules), initialisations that change the base weights (PiSSA,
-# LoftQ, ...), another peft type, and tensors that do not match the config or the model. It follows peft's rules for
-# `target_modules` (a list of names or suffixes, a regular expression, `"all-linear"`), `layers_to_transform`,
-# `rank_pattern`, `alpha_pattern` and rsLoRA's scaling `lora_alpha / sqrt(r)`.
+# `import_peft_adapter` reads a `c_attn` LoRA back as the adapters it was fused from when its B has the zero blocks that
+# `fuse_qkv` writes (blocks of r columns, each writing one target's rows; a block of zeros, an untrained B, is named by
+# the metadata): q and v at rank r for the main job, so that export → import → export writes the same files. Any other
+# `c_attn` LoRA, peft's own, goes through your `split_qkv`. It refuses, saying what and what to do, what a course
+# adapter cannot hold: a LoRA on a module the course has no hook for (the token and position embeddings, the unembedding
+# `lm_head`), DoRA (it rescales each output by a trained magnitude) and the other variants, a bias other than `"none"`,
+# `modules_to_save` (whole trained modules), initialisations that change the base weights (PiSSA, LoftQ, ...), another
+# peft type, and tensors that do not match the config or the model. It follows peft's rules for `target_modules` (a list
+# of names or suffixes, a regular expression, `"all-linear"`), `layers_to_transform`, `rank_pattern`, `alpha_pattern`
+# and rsLoRA's scaling `lora_alpha / sqrt(r)`.
 
 # %% [provided] hf_model_of
 
@@ -161,9 +170,9 @@ print(f"held-out accuracy with our hooks: {addition_accuracy(trainer.model, held
 # torch thread and 6.2e-06 on two (6e-06 to 8e-06 over seeds 0, 1, 2), where the adapter itself moves logits by up
 # to 4.4 (3.6 to 4.6: a trained adapter moves with the seed and the thread count), and peft's model answered as many
 # of the held-out additions right as our hooked model did, greedy, in every run (seed 0: 88.3% on one thread, 90.4%
-# on two). The read-back adapters have rank 8 where the trained ones had 4:
-# split off a peft-trained `c_attn`, each keeps the whole shared A, and our exported B's zero blocks come back as
-# they were written.
+# on two). The read-back adapters are the trained ones, q and v at rank 4: import finds the zero blocks that
+# `fuse_qkv` wrote. A `c_attn` that peft trained has none (its one A is read by q, k and v alike), so `split_qkv`
+# gives each of q, k and v the whole rank.
 #
 # What a course adapter cannot hold is refused, not approximated. DoRA, for instance:
 
@@ -194,10 +203,14 @@ except ValueError as error:
 # - **TRL counts optimizer steps.** With `num_iterations` μ > 1, each batch of rollouts serves μ optimizer steps, so
 #   `max_steps = steps × μ`.
 # - **TRL's defaults are not ours.** Its learning rate decays linearly to 0, it trains in bfloat16 with activation
-#   checkpointing, it shuffles the prompts, it saves checkpoints, and (trl 1.16) it multiplies the KL term k3 by the
-#   ratio (`use_bias_correction_kl`), which changes that term's gradient whenever `beta > 0` (Part 3, section 5);
-#   `TRL_SETTINGS` turns each of these to what our trainer does, and also writes out a few settings whose TRL default
-#   is already ours (no warm-up, no weight decay, the whole vocabulary sampled).
+#   checkpointing, it shuffles the prompts, it saves checkpoints, it trains with the model's dropout on (GPT-2 small
+#   has 0.1; ours trains in eval mode: `disable_dropout`), and (trl 1.16) it multiplies the KL term k3 by the ratio
+#   (`use_bias_correction_kl`), which changes that term's gradient whenever `beta > 0`, to the per-token reverse KL's
+#   (Part 3, section 5); `TRL_SETTINGS` turns each of these to what our trainer does, and also writes out every other
+#   setting that changes TRL's loss or samples whose default is already ours (no entropy bonus, no two-sided clip,
+#   one ratio per token, the whole vocabulary sampled, no reference sync, TRL's own vLLM correction), so that the run
+#   does not depend on TRL's defaults. Part 4's synced references map only for full fine-tuning (`REFERENCE_TO_TRL`):
+#   trl 1.16 refuses `sync_ref_model` with a peft model.
 #
 # And one that cannot be made the same: **the LoRA**. Hugging Face's GPT-2 computes q, k and v with one fused matrix
 # (`attn.c_attn`, whose output is `[q | k | v]`), so peft can only adapt the three together: one rank-4 LoRA whose A
@@ -306,8 +319,10 @@ else:
 # its own kernels, so its log-probs differ slightly from the trainer's; TRL corrects for it by importance sampling
 # (`vllm_importance_sampling_correction`, on by default).
 #
-# The config files are in `solutions/production/accelerate_configs/`. What this machine can run is one process on
-# the CPU, through `accelerate launch`, the same command that starts eight GPUs:
+# The config files are in `solutions/production/accelerate_configs/`. On a CPU the same `accelerate launch` that
+# starts eight GPUs starts one process (`cpu_1proc.yaml`, below) or two that train as one, gradients averaged over
+# the gloo backend (`cpu_2proc.yaml`; `tests/part7_production/test_data_parallel.py` checks that 2 processes × 64
+# completions take the same step as 1 process × 128). One process, here:
 
 # %%
 import subprocess

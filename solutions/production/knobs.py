@@ -1,8 +1,9 @@
 """Every knob of our GRPOConfig (solutions/part3_grpo.py), and where it lives in TRL and peft.
 
 Plain data: importing this module needs neither TRL nor peft. tests/part7_production/ checks that every field
-of our GRPOConfig has a row, and that every TRL and peft name below is a real field of the installed trl.GRPOConfig
-and peft.LoraConfig (written against trl 1.16 and peft 0.21), so that the table cannot rot.
+of our GRPOConfig and of Part 4's ReferenceSettings has a row, that every TRL and peft name below is a real field of
+the installed trl.GRPOConfig and peft.LoraConfig (written against trl 1.16 and peft 0.21), and, with TRL installed,
+that the config TRL builds from to_trl_config holds our values and computes our loss, so that the table cannot rot.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ GRPO_TO_TRL: dict[str, Knob] = {
     "lora_targets": Knob(None, "peft: LoraConfig(target_modules=...), GPT-2's module names: q, k, v -> attn.c_attn "
                                "(fused: one LoRA for all three, whose A is shared and which adapts k too), o -> "
                                "attn.c_proj, mlp_in -> mlp.c_fc, mlp_out -> mlp.c_proj", peft="target_modules"),
-    "beta": Knob("beta", "the same; TRL's default is 0 too (no reference model is loaded). With beta > 0 the same "
-                         "KL term needs use_bias_correction_kl=False (TRL_SETTINGS)"),
+    "beta": Knob("beta", "the same weight, not yet the same term: TRL's default is 0 too (no reference model is "
+                         "loaded), but with beta > 0 TRL 1.16 multiplies each token's k3 by the ratio π/π_old by "
+                         "default (use_bias_correction_kl=True: the per-token reverse KL's gradient); ours adds k3 "
+                         "alone (the per-token forward KL's gradient), so TRL_SETTINGS sets it False"),
     "epsilon": Knob("epsilon", "the same (the ratio's clip below 1)"),
     "epsilon_high": Knob("epsilon_high", "the same; None means epsilon on both sides"),
     "loss_type": Knob("loss_type", "the same names and definitions (Part 3 checks ours against TRL's code)"),
@@ -85,11 +88,87 @@ TRL_SETTINGS: dict[str, tuple[object, str]] = {
     "top_k": (0, "no top-k filtering, as ours (TRL's default too; 0 is its 'off')"),
     "save_strategy": ("no", "TRL saves a checkpoint every save_steps by default; none mid-run here (the script saves "
                             "the adapter at the end)"),
-    "use_bias_correction_kl": (False, "ours adds beta × k3 per token; TRL's default (since trl 1.10) multiplies k3 by "
-                                      "the ratio, which changes the KL term's gradient whenever beta > 0"),
+    "adam_beta1": (0.9, "torch.optim.AdamW's, as our optimizer (TRL's default too)"),
+    "adam_beta2": (0.999, "torch.optim.AdamW's, as our optimizer (TRL's default too)"),
+    "adam_epsilon": (1e-8, "torch.optim.AdamW's, as our optimizer (TRL's default too)"),
+    # What the loss is made of (each read by trl 1.16's GRPOTrainer._compute_loss)
+    "use_bias_correction_kl": (False, "ours adds beta × k3 per token; TRL 1.16's default multiplies k3 by the ratio "
+                                      "(`per_token_kl * coef_1`, the ratio carrying gradient), which changes the KL "
+                                      "term's gradient whenever beta > 0, on-policy too"),
+    "importance_sampling_level": ("token", "one ratio per token, as ours (TRL's default too; 'sequence' is GSPO)"),
+    "delta": (None, "no cap on the unclipped ratio (INTELLECT-2's two-sided clipping off), as ours (TRL's default)"),
+    "top_entropy_quantile": (1.0, "every completion token in the loss, as ours (TRL's default too)"),
+    "entropy_coef": (0.0, "no entropy bonus in the loss, as ours (TRL's default too)"),
+    "use_adaptive_entropy": (False, "no entropy bonus, adaptive or not, as ours (TRL's default too)"),
+    "off_policy_mask_threshold": (None, "no sequence dropped for drifting off-policy, as ours (TRL's default too)"),
+    "multi_objective_aggregation": ("sum_then_normalize", "the weighted sum of the rewards is normalised per group, "
+                                                          "as compose_rewards then group_advantages (TRL's default "
+                                                          "too)"),
+    "disable_dropout": (True, "our models sample and train in eval mode, without dropout; TRL's Trainer trains in "
+                              "train mode, and GPT-2 small has dropout 0.1 (the tiny model has none)"),
+    # What the samples are drawn from
+    "repetition_penalty": (1.0, "no repetition penalty, as ours (TRL's default too)"),
+    "min_p": (None, "no min-p filtering, as ours (TRL's default too)"),
+    "generation_kwargs": (None, "nothing overrides the sampling settings above (TRL's default too)"),
+    # Only with use_vllm=True (the script's --vllm): vLLM samples with other kernels than the trainer computes with,
+    # and TRL re-weights for that mismatch; our sampler is the policy itself, so there is none to correct. TRL 1.16's
+    # own correction, written out: each sequence's loss times the ratio of the trainer's probability of it to vLLM's,
+    # and 0 where that ratio is above 3 (grpo_trainer.py, _generate_and_score_completions and _compute_loss)
+    "vllm_importance_sampling_correction": (True, "with vLLM, TRL's correction on (TRL's default; no effect "
+                                                  "without vLLM)"),
+    "vllm_importance_sampling_mode": ("sequence_mask", "with vLLM, one ratio per sequence (the product of its "
+                                                       "tokens'), the sequence dropped beyond the cap (TRL's "
+                                                       "default; Part 6 compares it with per-token caps)"),
+    "vllm_importance_sampling_clip_max": (3.0, "with vLLM, the cap (TRL's default)"),
+    "vllm_importance_sampling_clip_min": (None, "with vLLM, no lower cap (TRL's default)"),
+    # The reference
+    "sync_ref_model": (False, "Part 3's trainer never moves its reference (TRL's default too); Part 4's syncs: "
+                              "REFERENCE_TO_TRL"),
 }
 TRL_DEFAULTS_THAT_DIFFER = ("lr_scheduler_type", "activation_checkpointing", "bf16", "shuffle_dataset",
-                            "save_strategy", "use_bias_correction_kl")  # the rest of TRL_SETTINGS are its defaults
+                            "save_strategy", "use_bias_correction_kl", "disable_dropout")  # the rest: TRL's defaults
+
+# Part 4's ReferenceSettings (solutions/part4_reference.py) -> TRL (trl 1.16's GRPOTrainer.__init__ and
+# SyncRefModelCallback). reference_to_trl below gives the arguments.
+REFERENCE_TO_TRL: dict[str, Knob] = {
+    "beta": Knob("beta", "the same (GRPO_TO_TRL's row): 0 loads no reference"),
+    "lora": Knob(None, "True: GRPOTrainer(peft_config=LoraConfig(...)), whose reference is the model with its adapter "
+                       "disabled (our 'hooks_removed'); False: no peft_config, and TRL loads a second copy of the "
+                       "model (our 'frozen_copy')"),
+    "retraining_adapter": Knob(None, "pass GRPOTrainer a PeftModel that holds the trained adapter: with beta > 0 TRL "
+                                     "copies it into a frozen adapter named 'ref' and computes the reference with "
+                                     "it (our 'old_adapter')"),
+    "precomputed": Knob(None, "no counterpart in GRPO, which samples new completions at every step (TRL's "
+                              "DPOConfig has precompute_ref_log_probs, as Part 5's DPO)"),
+    "sync_every": Knob("ref_model_sync_steps", "sync_every × num_iterations, with sync_ref_model=True (sync_every 0: "
+                                               "sync_ref_model=False): TRL counts optimizer steps and syncs at the "
+                                               "end of each one whose number is a multiple"),
+    "sync_alpha": Knob("ref_model_mixup_alpha", "the same: every reference parameter <- alpha × policy's + (1 - "
+                                                "alpha) × its own, as our sync_full (TRL's default alpha is 0.6)"),
+    "lora_sync": Knob(None, "none: trl 1.16 refuses sync_ref_model with a peft model (NotImplementedError: its "
+                            "reference is the adapter switched off, there is no reference model to move), so "
+                            "neither our merge-sync nor our reference-only sync has a counterpart; a synced "
+                            "reference in TRL needs full fine-tuning (lora=False)"),
+}
+
+
+def reference_to_trl(settings, num_iterations: int = 1) -> dict:
+    """trl.GRPOConfig's arguments for the reference that Part 4's `settings` (a ReferenceSettings) describe, on a run
+    of `num_iterations` optimizer steps per batch of rollouts: beta, sync_ref_model and, when it syncs,
+    ref_model_sync_steps and ref_model_mixup_alpha. Raises a ValueError for what TRL cannot do: a synced reference
+    with a LoRA, and a precomputed one."""
+    syncs = settings.beta > 0 and settings.sync_every > 0  # beta == 0: no reference, nothing to sync
+    if settings.beta > 0 and settings.precomputed:
+        raise ValueError("TRL's GRPOTrainer cannot precompute reference log-probs: it samples new completions at "
+                         "every step (DPOConfig(precompute_ref_log_probs=True) does, for a fixed dataset)")
+    if syncs and settings.lora:
+        raise ValueError("trl 1.16 refuses sync_ref_model with a peft model (its reference is the adapter switched "
+                         "off): sync the reference with full fine-tuning (lora=False), or keep it static")
+    out = {"beta": settings.beta, "sync_ref_model": syncs}
+    if syncs:
+        out |= {"ref_model_sync_steps": settings.sync_every * num_iterations,
+                "ref_model_mixup_alpha": settings.sync_alpha}
+    return out
 
 # Our LoRA targets -> the module each adapts in Hugging Face's GPT-2: HF_MODULES in solutions/part7_production.py.
 # (q, k and v share one fused matrix there, attn.c_attn, so peft adapts the three together through one shared A.)

@@ -5,11 +5,17 @@
     python -m solutions.production.trl_grpo --trl-only            # TRL's run alone
     accelerate launch --config_file solutions/production/accelerate_configs/cpu_1proc.yaml \\
         -m solutions.production.trl_grpo --trl-only --steps 5    # the same, under accelerate
+    accelerate launch --config_file solutions/production/accelerate_configs/cpu_2proc.yaml \\
+        -m solutions.production.trl_grpo --trl-only --steps 5    # two CPU processes, data parallel (gloo)
     accelerate launch --config_file solutions/production/accelerate_configs/multi_gpu_ddp.yaml \\
         -m solutions.production.trl_grpo --trl-only --vllm colocate   # GPUs only: not run for the course
 
 On several processes only TRL's run is made (ours is one process), and under ZeRO-3 or FSDP no held-out accuracy is
 measured during training (the weights are sharded). The GPU commands are in Part 7's notebook, section 4.
+`--record FOLDER` writes what each process sampled and did (each step's prompts and completions, the gradient the
+optimizer took, the weights after it), and `--replay FOLDER` trains on such a record's completions instead of sampling:
+with both, tests/part7_production/test_data_parallel.py checks that 2 processes × b completions make the update that
+1 process × 2b makes.
 
 Needs `pip install -r requirements-bench.txt` (TRL, peft, accelerate); offline, on the embedded tiny model.
 
@@ -105,10 +111,44 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
 
 
-def run_trl(cfg: GRPOConfig, save: str | Path | None = None, translate=to_trl_config, **trl_settings) -> dict:
+def trainable_weights(model) -> dict[str, torch.Tensor]:
+    """A copy of the trainable parameters (the LoRA's), by name."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def read_record(folder: str | Path) -> list[dict]:
+    """The files `--record folder` wrote, one per process, in rank order (see run_trl)."""
+    files = sorted(Path(folder).glob("rank*.pt"), key=lambda f: int(f.stem.removeprefix("rank")))
+    runs = [torch.load(f, weights_only=True) for f in files]
+    if not runs or [r["rank"] for r in runs] != list(range(runs[0]["world_size"])):
+        raise ValueError(f"{folder} must hold rank0.pt ... rank<N-1>.pt of one --record run, "
+                         f"found {[f.name for f in files]}")
+    return runs
+
+
+def replayed_rollouts(folder: str | Path) -> list[tuple[list, list]]:
+    """Each generation of a --record folder as (prompt ids, completion ids), all its processes' rows in rank order:
+    the batch that one process draws when it alone trains on what several did (accelerate's data loader hands the
+    first process the first rows of each step's batch from TRL's sampler, the second the next, and so on)."""
+    runs = read_record(folder)
+    return [([row for run in runs for row in run["rollouts"][i]["prompt_ids"]],
+             [row for run in runs for row in run["rollouts"][i]["completion_ids"]])
+            for i in range(min(len(run["rollouts"]) for run in runs))]
+
+
+def run_trl(cfg: GRPOConfig, save: str | Path | None = None, translate=to_trl_config, *,
+            record: str | Path | None = None, replay: str | Path | None = None, **trl_settings) -> dict:
     """Train cfg's run with TRL's GRPOTrainer and a peft LoRA. `translate(cfg, output_dir, world_size)` makes
     trl.GRPOConfig's arguments (the notebook passes yours); `trl_settings` are more of them (e.g. use_vllm=True),
     and `save` a folder for the trained adapter.
+
+    record: a folder where each process writes rank<r>.pt: {"rank", "world_size", "initial": the LoRA's weights
+        before training, "rollouts": per generation, this process's "prompts" (text), "prompt_ids" and
+        "completion_ids", "updates": per optimizer step, the LoRA's "grad" as the optimizer takes it (averaged over
+        the processes, clipped), the logged "grad_norm" (before clipping) and the "weights" after the step}.
+    replay: a folder that `record` wrote: sample nothing, and train on its completions instead (this process's
+        share of all its processes' rows, in rank order); a ValueError if the prompts differ from the recorded ones.
+    Both go through TRL 1.16's GRPOTrainer._generate_single_turn (a private method: the one that samples).
 
     Returns {"logger": a RunLogger whose history has the reward every step and the held-out accuracy every
     cfg.eval_every steps (on the main process), "seconds" and "cpu_seconds": the training's wall and CPU time,
@@ -120,7 +160,7 @@ def run_trl(cfg: GRPOConfig, save: str | Path | None = None, translate=to_trl_co
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
-    world_size, _ = world()
+    world_size, rank = world()
     torch.manual_seed(cfg.seed)  # peft's initial A
     hf_model, tokenizer = load_tiny_hf()
     bos = tokenizer.bos_token
@@ -156,11 +196,56 @@ def run_trl(cfg: GRPOConfig, save: str | Path | None = None, translate=to_trl_co
         def on_train_end(self, args, state, control, **kwargs):
             self.bar.close()
 
+    recorded = {"rank": rank, "world_size": world_size, "initial": {}, "rollouts": [], "updates": []}
+    rollouts = replayed_rollouts(replay) if replay else None
+
+    class RecordingTrainer(TRLTrainer):
+        """TRL's trainer, whose sampling (one completion per row of prompt_ids) is recorded, or replayed."""
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *rest, **kwargs):
+            if rollouts is None:
+                completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                                         num_generations, *rest, **kwargs)
+            else:
+                step, rows = len(recorded["rollouts"]), len(prompt_ids)
+                if step >= len(rollouts):
+                    raise ValueError(f"--replay {replay}: the record has {len(rollouts)} steps, this run needs more")
+                recorded_prompts, recorded_completions = rollouts[step]
+                share = slice(rank * rows, (rank + 1) * rows)
+                if [list(p) for p in prompt_ids] != recorded_prompts[share] or len(recorded_prompts) != rows * \
+                        world_size:
+                    raise ValueError(f"--replay {replay}: step {step}'s prompts on process {rank} are not the "
+                                     "recorded ones (another seed, or another number of prompts per step?)")
+                completion_ids, logprobs = recorded_completions[share], None  # logprobs: vLLM's only
+            recorded["rollouts"].append({
+                "prompts": [t.removeprefix(bos) for t in tokenizer.batch_decode([list(p) for p in prompt_ids])],
+                "prompt_ids": [list(p) for p in prompt_ids], "completion_ids": [list(c) for c in completion_ids]})
+            return completion_ids, logprobs
+
+    class RecordUpdates(TrainerCallback):
+        """The LoRA before training, and each optimizer step's gradient, gradient norm and resulting weights."""
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            recorded["initial"] = trainable_weights(model)
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):  # after clipping
+            self.grad = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            recorded["updates"].append({"grad": self.grad, "weights": trainable_weights(model)})
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # every process logs, after on_step_end
+            if logs and "grad_norm" in logs and recorded["updates"]:
+                recorded["updates"][-1]["grad_norm"] = float(logs["grad_norm"])
+
+    recording = record is not None or replay is not None
     with tempfile.TemporaryDirectory() as out:
         args = TRLConfig(**translate(cfg, out, world_size) | trl_settings)
-        trainer = TRLTrainer(model=hf_model, reward_funcs=trl_reward_functions(cfg, bos), args=args,
-                             train_dataset=dataset, processing_class=tokenizer,
-                             peft_config=LoraConfig(**to_lora_config(cfg)), callbacks=[HeldOutAccuracy()])
+        trainer_class = RecordingTrainer if recording else TRLTrainer
+        trainer = trainer_class(model=hf_model, reward_funcs=trl_reward_functions(cfg, bos), args=args,
+                                train_dataset=dataset, processing_class=tokenizer,
+                                peft_config=LoraConfig(**to_lora_config(cfg)),
+                                callbacks=[HeldOutAccuracy()] + ([RecordUpdates()] if recording else []))
         for printer in (ProgressCallback, PrinterCallback):  # they print every log as a dict; the bar above suffices
             trainer.remove_callback(printer)
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -169,6 +254,9 @@ def run_trl(cfg: GRPOConfig, save: str | Path | None = None, translate=to_trl_co
         cpu_seconds = time.process_time() - cpu_start - timing["eval_cpu_seconds"]
         if save and trainer.is_world_process_zero():
             trainer.model.save_pretrained(str(save))  # a peft adapter folder: adapter_config.json + safetensors
+        if record:
+            Path(record).mkdir(parents=True, exist_ok=True)
+            torch.save(recorded, Path(record) / f"rank{rank}.pt")
     return {"logger": logger, "seconds": seconds, "cpu_seconds": cpu_seconds,
             "trainable": count_parameters(trainer.model, trainable_only=True)}
 
@@ -242,6 +330,12 @@ def main(argv: list[str] | None = None) -> dict:
                         help="generate with vLLM (GPU only, pip install vllm): in the training processes, or on a "
                              "server started first with `trl vllm-serve --model utils/tiny_model`")
     parser.add_argument("--vllm-server-url", help="with --vllm server: its address (default: TRL's, port 8000)")
+    parser.add_argument("--record", metavar="FOLDER",
+                        help="each process writes FOLDER/rank<r>.pt: its prompts and completions every step, the "
+                             "gradient the optimizer took and the LoRA's weights after each step")
+    parser.add_argument("--replay", metavar="FOLDER",
+                        help="sample nothing: train on the completions of a --record folder (all its processes' "
+                             "rows, shared out in rank order), e.g. on 1 process what 2 sampled")
     parser.add_argument("--plot", default="trl_grpo_curves.png", help="where to save the curves ('' for none)")
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
     args = parser.parse_args(argv)
@@ -256,22 +350,31 @@ def main(argv: list[str] | None = None) -> dict:
         overrides["eval_every"] = 2
     cfg = replace(GRPOConfig(), **overrides)
     world_size, rank = world()
-    threads = set_cpu_threads()
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # on this machine, as torch.distributed.run sets it
+    if local_processes > 1 and not os.environ.get("RLHF_THREADS"):  # share the cores out: no oversubscription
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = set_cpu_threads(max(1, min(cores, 8) // local_processes))
+    else:
+        threads = set_cpu_threads()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" or os.environ.get("ACCELERATE_USE_FSDP") == "true":
         # the parameters are sharded across processes: a merged copy for the accuracy would need them gathered
         print("ZeRO-3 / FSDP: held-out accuracy is not measured during training (the weights are sharded)")
         cfg = replace(cfg, eval_every=0)
-    if world_size == 1 and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        # use_cpu=True, on several processes too: without it accelerate finds no GPU and sets up no process group
+        # (DistributedType.NO), and each launched process trains alone, all of them on the same prompts
         cfg = replace(cfg, device="cpu")
 
     if args.vllm and not torch.cuda.is_available():
         raise SystemExit("--vllm needs a CUDA GPU (vLLM generates on the GPU); on a CPU, leave it out")
+    if args.vllm and args.replay:
+        raise SystemExit("--replay samples nothing (it trains on recorded completions): leave out --vllm")
     vllm = {}
     if args.vllm:  # TRL's vLLM settings (trl.GRPOConfig): generation by vLLM, weights synced to it every step
         vllm = {"use_vllm": True, "vllm_mode": args.vllm}
         if args.vllm_server_url:
             vllm["vllm_server_base_url"] = args.vllm_server_url
-    runs = {"TRL + peft": run_trl(cfg, save=args.save, **vllm)}
+    runs = {"TRL + peft": run_trl(cfg, save=args.save, record=args.record, replay=args.replay, **vllm)}
     if rank != 0:
         return {}
     if not args.trl_only and world_size == 1:

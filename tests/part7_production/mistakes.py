@@ -15,16 +15,32 @@ from tests.support import Exercise, Registry, mistake
 # --- fuse_qkv: a block's q, k and v adapters as one c_attn LoRA ---------------------------------------------------
 
 @mistake("values")
-def fuse_qkv_scale_not_folded(adapters):
-    """B holds each adapter's B without its scale (alpha / rank). peft multiplies lora_B(lora_A(x)) by its own
-    scaling only, which is 1 here (lora_alpha = rank): fold each adapter's scale into its block of B."""
-    A, B = ref.fuse_qkv(adapters)
+def fuse_qkv_scale_folded(adapters):
+    """Each adapter's scale (alpha / rank) was folded into its block of B, and scale 1 returned. It computes the same
+    update, but not the adapter a peft user rebuilds: peft multiplies lora_B(lora_A(x)) by lora_alpha / r, so with the
+    course's r and alpha in the config the scale is applied twice, and training in peft takes another step. Keep B
+    as it is and return the adapters' scale."""
+    A, B, scale = ref.fuse_qkv(adapters)
     column = 0
     for t in (t for t in ("q", "k", "v") if t in adapters):
         rank = adapters[t].A.shape[0]
-        B[:, column:column + rank] /= adapters[t].scale
+        B[:, column:column + rank] *= scale
         column += rank
-    return A, B
+    return A, B, 1.0
+
+
+@mistake("values")
+def fuse_qkv_scales_assumed_equal(adapters):
+    """Every target's block of B was left as it is, with the first adapter's scale for all: right when the scales
+    agree (make_adapters gives every adapter one alpha and rank), wrong when they differ, since c_attn has one scale.
+    Multiply a target's B by its scale / the returned scale."""
+    A, B, scale = ref.fuse_qkv(adapters)
+    column, d_out = 0, B.shape[0] // 3
+    for t in (t for t in ("q", "k", "v") if t in adapters):
+        rank, row = adapters[t].A.shape[0], ("q", "k", "v").index(t) * d_out
+        B[row:row + d_out, column:column + rank] = adapters[t].B.detach()
+        column += rank
+    return A, B, scale
 
 
 @mistake("values")
@@ -33,15 +49,15 @@ def fuse_qkv_rows_by_position(adapters):
     with only q and v, v's update landed in k's rows. c_attn's rows are fixed, q then k then v, each n_heads * d_head
     rows: leave a target with no adapter as zero rows."""
     names = [t for t in ("q", "k", "v") if t in adapters]
-    d_out = adapters[names[0]].B.shape[0]
+    d_out, scale = adapters[names[0]].B.shape[0], adapters[names[0]].scale
     A = torch.cat([adapters[t].A.detach() for t in names])
     B = A.new_zeros(3 * d_out, A.shape[0])
     column = 0
     for i, t in enumerate(names):
         rank = adapters[t].A.shape[0]
-        B[i * d_out:(i + 1) * d_out, column:column + rank] = adapters[t].B.detach() * adapters[t].scale
+        B[i * d_out:(i + 1) * d_out, column:column + rank] = adapters[t].B.detach() * (adapters[t].scale / scale)
         column += rank
-    return A, B
+    return A, B, scale
 
 
 @mistake("values")
@@ -49,8 +65,8 @@ def fuse_qkv_A_in_the_dicts_order(adapters):
     """A stacks the adapters' A in the order the dict gives them, while B's columns follow q, k, v: a target's rows
     of B then multiply another target's A. Stack A in the order q, k, v, as B's columns are."""
     names = [t for t in ("q", "k", "v") if t in adapters]
-    _, B = ref.fuse_qkv(adapters)
-    return torch.cat([adapters[t].A.detach() for t in adapters if t in names]), B
+    _, B, scale = ref.fuse_qkv(adapters)
+    return torch.cat([adapters[t].A.detach() for t in adapters if t in names]), B, scale
 
 
 @mistake("values")
@@ -64,8 +80,8 @@ def fuse_qkv_one_shared_A(adapters):
     B = first.A.new_zeros(3 * d_out, first.A.shape[0])
     for t in names:
         row = ("q", "k", "v").index(t) * d_out
-        B[row:row + d_out] = adapters[t].B.detach() * adapters[t].scale
-    return first.A.detach().clone(), B
+        B[row:row + d_out] = adapters[t].B.detach() * (adapters[t].scale / first.scale)
+    return first.A.detach().clone(), B, first.scale
 
 
 @mistake("values")
@@ -73,7 +89,7 @@ def fuse_qkv_B_not_block_diagonal(adapters):
     """Each target's rows of B hold its B in every column block, so its rows also read the other adapters' A: q's
     output gets B_q (A_q + A_k + A_v) x. Put a target's B only in the columns of its own A, zeros elsewhere."""
     names = [t for t in ("q", "k", "v") if t in adapters]
-    A, B = ref.fuse_qkv(adapters)
+    A, B, scale = ref.fuse_qkv(adapters)
     d_out = adapters[names[0]].B.shape[0]
     column = 0
     for t in names:
@@ -83,7 +99,7 @@ def fuse_qkv_B_not_block_diagonal(adapters):
         for other in range(0, A.shape[0], rank):
             B[row:row + d_out, other:other + rank] = block
         column += rank
-    return A, B
+    return A, B, scale
 
 
 @mistake("values")
@@ -91,14 +107,15 @@ def fuse_qkv_transposed_for_conv1d(adapters):
     """A and B were transposed because GPT-2's Conv1D stores its weight [d_in, d_out]. peft's lora_A and lora_B are
     nn.Linear layers on every module, Conv1D included: lora_A.weight is [rank, d_in], lora_B.weight [d_out, rank]
     (fan_in_fan_out only transposes the update when it is merged into the weight)."""
-    A, B = ref.fuse_qkv(adapters)
-    return B.T.contiguous(), A.T.contiguous()
+    A, B, scale = ref.fuse_qkv(adapters)
+    return B.T.contiguous(), A.T.contiguous(), scale
 
 
 @mistake("inputs")
 def fuse_qkv_scales_B_in_place(adapters):
     """Each adapter's scale was folded into its own B in place (adapter.B.data *= scale): the adapters the caller
-    trains now compute scale² B A. Multiply a copy: B = adapter.B.detach() * adapter.scale."""
+    trains now compute scale² B A, and peft, whose lora_alpha / r applies the scale, gets it twice. Leave the
+    adapters alone, and B unscaled: copy it (adapter.B.detach()) into the fused B."""
     scales = {t: adapter.scale for t, adapter in adapters.items()}
     for adapter in adapters.values():
         adapter.B.data.mul_(adapter.scale)
@@ -114,8 +131,8 @@ def fuse_qkv_scales_B_in_place(adapters):
 def fuse_qkv_not_detached(adapters):
     """A still carries the adapters' gradient graph (torch.cat of the parameters, without .detach()): A and B are
     values to write to a file, not part of a training step. Detach them (adapter.A.detach(), adapter.B.detach())."""
-    _, B = ref.fuse_qkv(adapters)
-    return torch.cat([adapters[t].A for t in ("q", "k", "v") if t in adapters]), B
+    _, B, scale = ref.fuse_qkv(adapters)
+    return torch.cat([adapters[t].A for t in ("q", "k", "v") if t in adapters]), B, scale
 
 
 @mistake("error")
@@ -228,15 +245,16 @@ def peft_state_dict_with_the_adapter_name(adapters):
 
 
 @mistake("values")
-def peft_state_dict_scale_only_in_c_attn(adapters):
-    """The scale was folded into c_attn's B (by fuse_qkv) but not into the other modules' B: peft's scaling is 1
-    for every module (lora_alpha = its rank), so o's, mlp_in's and mlp_out's B must carry their scale too."""
+def peft_state_dict_scale_folded(adapters):
+    """The scale was folded into the B of o, mlp_in and mlp_out (B * scale): peft multiplies lora_B(lora_A(x)) by
+    lora_alpha / r from the config, which carries the course's r and alpha, so the scale would be applied twice (and
+    training in peft would take another step). Write each B as it is."""
     tensors = ref.peft_state_dict(adapters)
     for key, adapter in adapters.items():
         layer, target = key[1:].split("_", 1)
         if target not in ("q", "k", "v"):
             name = f"base_model.model.transformer.h.{layer}.{ref.HF_MODULES[target]}.lora_B.weight"
-            tensors[name] = adapter.B.detach().clone()
+            tensors[name] = adapter.B.detach() * adapter.scale
     return tensors
 
 
@@ -261,7 +279,7 @@ def peft_state_dict_q_k_v_one_by_one(adapters):
     for key, adapter in adapters.items():
         layer, target = key[1:].split("_", 1)
         name = f"base_model.model.transformer.h.{layer}.{ref.HF_MODULES[target]}"
-        B = adapter.B.detach() * adapter.scale
+        B = adapter.B.detach().clone()
         if target in ("q", "k", "v"):
             B = torch.cat([B, torch.zeros_like(B), torch.zeros_like(B)])
         tensors[f"{name}.lora_A.weight"] = adapter.A.detach().clone()
@@ -271,8 +289,9 @@ def peft_state_dict_q_k_v_one_by_one(adapters):
 
 @mistake("inputs")
 def peft_state_dict_scales_in_place(adapters):
-    """Each adapter's scale was folded into its own B in place, and its scale set to 1: the same function, but the
-    caller's adapters are changed (a second export would fold the scale in again). Multiply a copy instead."""
+    """Each adapter's scale was folded into its own B in place, and its scale set to 1: the caller's adapters are
+    changed (a second export would fold the scale in again), and the file's B carry the scale that peft's
+    lora_alpha / r applies again. Leave the adapters alone, and write each B as it is."""
     for adapter in adapters.values():
         adapter.B.data.mul_(adapter.scale)
         adapter.scale = 1.0
@@ -342,9 +361,10 @@ def trl_scales_cfg_in_place(cfg, output_dir, world_size=1):
 
 REGISTRY = Registry("part7_production", {
     "fuse_qkv": Exercise(
-        wrong=[fuse_qkv_scale_not_folded, fuse_qkv_rows_by_position, fuse_qkv_A_in_the_dicts_order,
-               fuse_qkv_one_shared_A, fuse_qkv_B_not_block_diagonal, fuse_qkv_transposed_for_conv1d,
-               fuse_qkv_scales_B_in_place, fuse_qkv_not_detached, fuse_qkv_ignores_other_targets],
+        wrong=[fuse_qkv_scale_folded, fuse_qkv_scales_assumed_equal, fuse_qkv_rows_by_position,
+               fuse_qkv_A_in_the_dicts_order, fuse_qkv_one_shared_A, fuse_qkv_B_not_block_diagonal,
+               fuse_qkv_transposed_for_conv1d, fuse_qkv_scales_B_in_place, fuse_qkv_not_detached,
+               fuse_qkv_ignores_other_targets],
     ),
     "split_qkv": Exercise(
         wrong=[split_qkv_interleaved_rows, split_qkv_chunks_the_rank, split_qkv_scale_dropped, split_qkv_shares_A,
@@ -352,7 +372,7 @@ REGISTRY = Registry("part7_production", {
     ),
     "peft_state_dict": Exercise(
         wrong=[peft_state_dict_without_the_prefix, peft_state_dict_with_the_adapter_name,
-               peft_state_dict_scale_only_in_c_attn, peft_state_dict_mlp_modules_swapped,
+               peft_state_dict_scale_folded, peft_state_dict_mlp_modules_swapped,
                peft_state_dict_q_k_v_one_by_one, peft_state_dict_scales_in_place],
     ),
     "to_trl_config": Exercise(

@@ -1,11 +1,12 @@
 """The exercise fuse_qkv: a block's separate q, k and v adapters as the one LoRA on GPT-2's fused c_attn that peft
-stores (shapes, factors, the update it computes, its inputs left alone, and its refusal of other targets)."""
+stores (shapes, factors and scale, the update it computes, its inputs left alone, and its refusal of other
+targets)."""
 
 import torch
 
 from solutions import part7_production as ref
 from tests.part7_production.common import D_IN, D_OUT, random_lora
-from tests.support import assert_close, assert_inputs_unchanged, assert_raises, exercise, expect
+from tests.support import assert_close, assert_equal, assert_inputs_unchanged, assert_raises, exercise, expect
 
 
 def block_of(targets, ranks=None, alphas=None):
@@ -24,8 +25,10 @@ def fused_update(adapters):
 
 
 FUSE_HINT = ("A stacks the adapters' A in the order q, k, v ([sum of ranks, d_model]); B is [3 * n_heads * d_head, "
-             "sum of ranks]: c_attn's q rows, then k rows, then v rows, each target's rows holding its B times its "
-             "scale in the columns of its own A, zeros elsewhere (all zeros for a target with no adapter).")
+             "sum of ranks]: c_attn's q rows, then k rows, then v rows, each target's rows holding its B in the "
+             "columns of its own A, zeros elsewhere (all zeros for a target with no adapter); scale is the first "
+             "adapter's (q, k, v order), and a target whose scale differs has its B times its scale / scale. peft's "
+             "scaling (lora_alpha / r) applies the scale: B is not multiplied by it.")
 
 # the blocks the fuse_qkv tests use: the main job's q and v (k's rows must stay 0), all three, one alone, and all
 # three given in another order than c_attn's
@@ -36,7 +39,7 @@ BLOCKS = {"q, v": ("q", "v"), "q, k, v": ("q", "k", "v"), "k": ("k",), "v, q, k 
 def test_fuse_qkv_shapes(impl):
     for label, targets in BLOCKS.items():
         block = block_of(targets)
-        A, B = impl.fuse_qkv(block)
+        A, B, _ = impl.fuse_qkv(block)
         rank = 2 * len(targets)
         what = f"fuse_qkv({{{label}}}): the shapes of (A, B)"
         shapes = (tuple(A.shape), tuple(B.shape))
@@ -51,24 +54,28 @@ def test_fuse_qkv_shapes(impl):
 def test_fuse_qkv_factors(impl):
     for label, targets in BLOCKS.items():
         block = block_of(targets, alphas={"q": 6.0, "k": 3.0, "v": 1.0})
-        A, B = impl.fuse_qkv(block)
-        ref_A, ref_B = ref.fuse_qkv(block)
+        A, B, scale = impl.fuse_qkv(block)
+        ref_A, ref_B, ref_scale = ref.fuse_qkv(block)
         assert_close(A, ref_A, f"A of fuse_qkv({{{label}}})", hint=FUSE_HINT)
-        assert_close(B, ref_B, f"B of fuse_qkv({{{label}}}) (scales 3, 1.5 and 0.5 for q, k, v)", hint=FUSE_HINT)
+        assert_close(B, ref_B, f"B of fuse_qkv({{{label}}}) (scales 3, 1.5 and 0.5 for q, k, v)",
+                     factors={"3 (q's scale, alpha / rank)": 3.0, "1/3": 1 / 3}, hint=FUSE_HINT)
+        assert_equal(float(scale), ref_scale, f"the scale of fuse_qkv({{{label}}}) (scales 3, 1.5 and 0.5 for q, k, "
+                     "v: the first adapter's)", hint=FUSE_HINT)
 
 
 @exercise("fuse_qkv")
 def test_fuse_qkv_computes_what_the_separate_adapters_do(impl):
-    """B A (peft's scaling is 1) must be the update the separate adapters make to c_attn's output, whatever the
-    order of A's blocks; with the same scale everywhere, so that a scale left out shows as a named factor."""
+    """scale · B A (peft's scaling times its update) must be the update the separate adapters make to c_attn's
+    output, whatever the order of A's blocks; with the same scale everywhere, so that a scale left out or applied
+    twice shows as a named factor."""
     for label, targets in BLOCKS.items():
         block = block_of(targets)
-        A, B = impl.fuse_qkv(block)
+        A, B, scale = impl.fuse_qkv(block)
         if tuple(A.shape)[-1:] != (D_IN,) or tuple(B.shape)[:1] != (3 * D_OUT,) or A.shape[0] != B.shape[1]:
             expect(False, f"fuse_qkv({{{label}}}): B @ A", f"B {tuple(B.shape)} and A {tuple(A.shape)} do not make "
                    f"a [{3 * D_OUT}, {D_IN}] update", observed=(tuple(A.shape), tuple(B.shape)))
-        assert_close((B @ A).detach(), fused_update(block), f"B @ A of fuse_qkv({{{label}}}), c_attn's update "
-                     "(rows q | k | v)", factors={"3 (the adapters' scale, alpha / rank)": 3.0,
+        assert_close((float(scale) * B @ A).detach(), fused_update(block), f"scale * B @ A of fuse_qkv({{{label}}}), "
+                     "c_attn's update (rows q | k | v)", factors={"3 (the adapters' scale, alpha / rank)": 3.0,
                                                   "1/3 (one over the adapters' scale)": 1 / 3}, hint=FUSE_HINT)
 
 

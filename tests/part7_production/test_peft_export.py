@@ -61,11 +61,11 @@ def test_export_writes_peft_s_format(tiny_model, tmp_path):
     c_attn = [f"transformer.h.{i}.attn.c_attn" for i in range(n)]
     c_proj = [f"transformer.h.{i}.attn.c_proj" for i in range(n)]
     assert_equal({k: config[k] for k in ("peft_type", "r", "lora_alpha", "fan_in_fan_out", "bias", "use_dora")},
-                 {"peft_type": "LORA", "r": 12, "lora_alpha": 12, "fan_in_fan_out": True, "bias": "none",
-                  "use_dora": False}, "the exported config (c_attn: rank 3 x 4, scaling 1)")
+                 {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "fan_in_fan_out": True, "bias": "none",
+                  "use_dora": False}, "the exported config (the course's rank 4 and alpha 8)")
     assert_equal(sorted(config["target_modules"]), sorted(c_attn + c_proj), "the exported target_modules")
-    assert_equal(config["rank_pattern"], {m: 4 for m in c_proj}, "rank_pattern (c_proj has rank 4)")
-    assert_equal(config["alpha_pattern"], {m: 4 for m in c_proj}, "alpha_pattern (scaling 1 on c_proj too)")
+    assert_equal(config["rank_pattern"], {m: 12 for m in c_attn}, "rank_pattern (c_attn fuses q, k, v: 3 x 4)")
+    assert_equal(config["alpha_pattern"], {m: 24 for m in c_attn}, "alpha_pattern (c_attn: 3 x 8, scale 8 / 4)")
     assert_equal(config["base_model_name_or_path"], "utils/tiny_model", "base_model_name_or_path")
     tensors = load_file(str(folder / "adapter_model.safetensors"))
     assert_equal(sorted((k, tuple(t.shape)) for k, t in tensors.items() if ".h.0." in k),
@@ -75,7 +75,7 @@ def test_export_writes_peft_s_format(tiny_model, tmp_path):
                   ("base_model.model.transformer.h.0.attn.c_proj.lora_B.weight", (128, 4))],
                  "the tensors of block 0")
     loaded = peft_lib.PeftConfig.from_pretrained(str(folder))  # peft's own reader takes it as it is
-    assert_equal((type(loaded).__name__, loaded.r, loaded.fan_in_fan_out), ("LoraConfig", 12, True),
+    assert_equal((type(loaded).__name__, loaded.r, loaded.fan_in_fan_out), ("LoraConfig", 4, True),
                  "peft's reading of the config")
 
 

@@ -146,7 +146,7 @@ def test_import_refuses_tensors_that_do_not_match_the_config_or_the_model(tiny_m
          "targeted but without tensors \\['transformer.h.2.attn.c_attn'\\]"),
         ("untargeted module", config | {"target_modules": ["transformer.h.0.attn.c_attn"]}, tensors,
          "tensors but not targeted"),
-        ("rank", config | {"r": 4, "lora_alpha": 4}, tensors, "with rank 4 this model needs"),
+        ("rank", config | {"rank_pattern": {}}, tensors, "with rank 4 this model needs"),
         ("missing B", config, {k: t for k, t in tensors.items() if k != key}, "its factors of transformer.h.2"),
         ("another model's block", config | {"target_modules": ["c_attn"]},
          tensors | {k.replace(".h.2.", ".h.7."): t.clone() for k, t in tensors.items() if ".h.2." in k},

@@ -1,5 +1,6 @@
 """The exercise peft_state_dict: course adapters as the tensors of peft's adapter_model.safetensors (the keys,
-q, k and v fused into c_attn, every B carrying its scale, and the adapters left alone)."""
+q, k and v fused into c_attn, every B as it is, its scale left to peft's lora_alpha / r, and the adapters left
+alone)."""
 
 import torch
 
@@ -26,7 +27,8 @@ SPECS = {"q, v in blocks 0 and 1": {0: ("q", "v"), 1: ("q", "v")},
 
 PSD_HINT = ("Keys 'base_model.model.transformer.h.{layer}.{module}.lora_A.weight' and '....lora_B.weight', the module "
             "from HF_MODULES (q, k, v -> attn.c_attn, fused by fuse_qkv; o -> attn.c_proj; mlp_in -> mlp.c_fc; "
-            "mlp_out -> mlp.c_proj); A as it is and B times the adapter's scale, so that peft's scaling is 1.")
+            "mlp_out -> mlp.c_proj); A and B as they are: peft's lora_alpha / r applies the scale, so B is not "
+            "multiplied by it.")
 
 
 @exercise("peft_state_dict")

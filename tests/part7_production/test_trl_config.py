@@ -1,5 +1,6 @@
-"""The knob table (solutions/production/knobs.py) covers our GRPOConfig, and the exercise to_trl_config translates it
-into trl.GRPOConfig's arguments as the reference does (no TRL needed: test_against_trl.py gives them to TRL)."""
+"""The knob table (solutions/production/knobs.py) covers our GRPOConfig and Part 4's ReferenceSettings, and the
+exercise to_trl_config translates it into trl.GRPOConfig's arguments as the reference does (no TRL needed:
+test_against_trl.py gives them to TRL)."""
 
 import dataclasses
 
@@ -7,6 +8,7 @@ import pytest
 
 from solutions import part7_production as ref
 from solutions.part3_grpo import GRPOConfig
+from solutions.part4_reference import ReferenceSettings
 from solutions.production import knobs
 from tests.support import assert_equal, assert_inputs_unchanged, assert_raises, exercise, expect
 
@@ -18,6 +20,36 @@ def test_knob_table_has_a_row_for_every_field_of_our_config():
     for name, knob in knobs.GRPO_TO_TRL.items():
         expect(bool(knob.how.strip()), f"GRPO_TO_TRL[{name!r}].how", "says nothing")
         expect(knob.trl is not None or knob.how, f"GRPO_TO_TRL[{name!r}]", "has neither a TRL name nor a reason")
+
+
+def test_knob_table_has_a_row_for_every_reference_setting():
+    ours = [f.name for f in dataclasses.fields(ReferenceSettings)]
+    assert_equal(sorted(knobs.REFERENCE_TO_TRL), sorted(ours), "the fields of ReferenceSettings in "
+                 "knobs.REFERENCE_TO_TRL", hint="a new ReferenceSettings field needs its row")
+    for name, knob in knobs.REFERENCE_TO_TRL.items():
+        expect(bool(knob.how.strip()), f"REFERENCE_TO_TRL[{name!r}].how", "says nothing")
+
+
+def test_reference_to_trl_maps_part4s_syncs():
+    """Part 4's settings as TRL's: no sync (static, or beta 0), a full fine-tuning sync (TRL counts optimizer steps),
+    and the refusals of what TRL 1.16 cannot do (a synced LoRA reference, a precomputed one)."""
+    cases = {
+        "static LoRA reference": (ReferenceSettings(beta=0.04), 1, {"beta": 0.04, "sync_ref_model": False}),
+        "beta 0 (nothing to sync)": (ReferenceSettings(beta=0.0, sync_every=10, sync_alpha=1.0, lora=False), 1,
+                                     {"beta": 0.0, "sync_ref_model": False}),
+        "full fine-tuning, tau 10, alpha 0.5, 2 iterations": (
+            ReferenceSettings(beta=0.1, lora=False, sync_every=10, sync_alpha=0.5), 2,
+            {"beta": 0.1, "sync_ref_model": True, "ref_model_sync_steps": 20, "ref_model_mixup_alpha": 0.5}),
+    }
+    for label, (settings, iterations, expected) in cases.items():
+        assert_equal(knobs.reference_to_trl(settings, iterations), expected, f"reference_to_trl({label})")
+    for label, settings in (("a merge-synced LoRA", ReferenceSettings(beta=0.04, sync_every=10, sync_alpha=1.0)),
+                            ("a reference-only synced LoRA", ReferenceSettings(beta=0.04, sync_every=10,
+                                                                               sync_alpha=1.0,
+                                                                               lora_sync="reference_only")),
+                            ("a precomputed reference", ReferenceSettings(beta=0.04, precomputed=True))):
+        with pytest.raises(ValueError):
+            knobs.reference_to_trl(settings)
 
 
 TRL_CONFIGS = {  # what each config shows: the defaults, then the knobs whose translation is not a copy
