@@ -363,3 +363,14 @@ def test_an_interrupt_stops_the_first_check_of_a_fresh_process():
         if "while Python was importing" not in result["message"]:
             assert "✅ generate_no_cache" in result["next check"], (delay, result)
 
+
+
+def test_a_hook_point_an_interrupt_left_without_its_context_is_repaired():
+    """An interrupt can land inside TransformerLens's HookPoint.clear_context, between `del self.ctx` and
+    `self.ctx = {}` (seen once in CI): the shared model must still be put back, or every later check() fails."""
+    model = pool.tiny_model()
+    hook_point = list(model.hook_dict.values())[3]
+    del hook_point.ctx
+    pool.restore()
+    assert vars(hook_point).get("ctx") == {}
+    model.reset_hooks()  # raises AttributeError on a hook point without its context

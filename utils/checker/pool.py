@@ -47,6 +47,11 @@ def restore() -> None:
         return
     import torch
 
+    # An interrupt can land inside TransformerLens's HookPoint.clear_context, between `del self.ctx` and
+    # `self.ctx = {}`: that hook point has no ctx, and every later reset_hooks() would raise AttributeError
+    for hook_point in model.hook_dict.values():
+        if "ctx" not in vars(hook_point):
+            hook_point.ctx = {}
     model.reset_hooks()
     with torch.no_grad():
         for module, table, name, tensor, saved, requires_grad in _pool.pristine:
