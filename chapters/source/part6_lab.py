@@ -145,7 +145,7 @@ from solutions.part6_lab import kl_gradients
 kl_result = kl_gradients.run(SEEDS, SMOKE, two_token_logprobs=two_token_logprobs,
                              estimator_surrogate=estimator_surrogate)
 kl_figures = kl_gradients.summarize(kl_result)
-for kind in KL_LOSSES:
+for kind in kl_gradients.KL_TERMS:  # your five terms, and TRL 1.16's default (k3 × ratio)
     print(f"{kind:>16}: " + ", ".join(f"{k} {v}" for k, v in kl_figures[kind].items() if k != "per_seed"))
 print("reverse KL per seed:", kl_figures["reverse_kl"]["per_seed"], "| k3 = per-token forward KL on pi's states, "
       "largest relative error:", kl_figures["k3_equals_per_token_forward_kl_on_policy_states"]["max_relative_error"],
@@ -172,7 +172,8 @@ kl_gradients.plot(kl_result);
 #   `beta` term) have one expected gradient (k2 and the exact KL equal to six digits on every seed, k3 × ratio to a
 #   relative error of 5e-7): the per-token reverse KL with the states held fixed. Cosine 0.97 (0.92, 1.00, 0.99),
 #   norm 0.74 (0.58, 0.99, 0.65). What they miss is the first token's share of the second token's KL; on seed 1 that
-#   share is small.
+#   share is small. One expectation, not one noise: from N samples, k3 × ratio's gradient is far noisier than the
+#   exact per-token KL's (cosine with its own expectation 0.48 at N = 1 and 0.95 at N = 64, against 0.95 and 0.99).
 # - **The distance decides whether any of this matters.** At a tenth of the main scale (KL 0.0007 nats) every cosine is
 #   above 0.997, and at 0.13 nats above 0.976; at 2 nats k3's falls to 0.79, at 8 nats to 0.74. Near the reference
 #   every KL gradient is the same to first order; they part once the policy has moved, which is when the KL term is
@@ -197,14 +198,20 @@ kl_gradients.plot(kl_result);
 # 1. **Pairs.** The tiny model answers additions from the training split, 8 samples each at temperature 1; a pair is
 #    one right and one wrong answer to the same prompt, as the exact verifier judges them. Real preference data is
 #    made the same way: the model's own samples, ranked by people.
-# 2. **The reward model.** A second copy of the tiny model with a scalar head: a `Linear(d_model, 1)` on the final
-#    residual stream, read at each row's **last real token** (the EOS after the completion, the only position that
-#    has seen all of it), trained with the **Bradley-Terry** loss (Bradley & Terry 1952; the reward-model loss of
-#    InstructGPT, Ouyang et al. 2022, eq. 1, and of TRL's `RewardTrainer`): with $P(y_c \succ y_r) =
-#    \sigma(r(y_c) - r(y_r))$, minimise $-\log \sigma(r(y_c) - r(y_r))$.
-# 3. **GRPO against it**, Part 3's trainer with a fresh LoRA, while the exact verifier's score of the same samples is
-#    logged with weight 0.
-# 4. **A verifier with a bug**, exploited; and **`beta` as the leash**.
+# 2. **The reward model.** A second copy of the tiny model, scoring a completion by its own log-likelihood of it
+#    (summed over the completion's tokens and its EOS) plus a learned correction: a scalar head, `Linear(d_model, 1)`
+#    on the final residual stream, read at each row's **last real token** (the EOS after the completion, the only
+#    position that has seen all of it). The head starts at zero, so before training the score is the policy's own
+#    likelihood, which already ranks about 80% of pairs right; all of it is trained with the **Bradley-Terry** loss
+#    (Bradley & Terry 1952; the reward-model loss of InstructGPT, Ouyang et al. 2022, eq. 1, and of TRL's
+#    `RewardTrainer`): with $P(y_c \succ y_r) = \sigma(r(y_c) - r(y_r))$, minimise $-\log \sigma(r(y_c) - r(y_r))$.
+# 3. **Best-of-n against it**: no training at all. Sample n answers, keep the one the proxy likes best. Its distance
+#    from the policy is known exactly, $\mathrm{KL} = \log n - (n-1)/n$ (Gao et al. 2022, section 2), and its gold
+#    score is computed exactly over a pool of 256 samples per prompt, for every n at once. Beside it, a **synthetic
+#    control** whose flaw we set: proxy = gold + σ·noise, the noise fixed per answer, as a reward model's errors are.
+# 4. **GRPO against it**, Part 3's trainer with a fresh LoRA, while the exact verifier's score of the same samples is
+#    logged with weight 0; gold is drawn against $\sqrt{\mathrm{KL}}$, as Gao et al. draw it.
+# 5. **A verifier with a bug**, exploited; and **`beta` as the leash**.
 
 # %% [setup]
 import re
@@ -251,13 +258,18 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 # pairs, trains the reward model and runs RL):
 #
 # - pairs from 300 training additions (about 230 pairs), a held-out set of pairs from 100 held-out additions; the
-#   reward model trains for 4 epochs (AdamW, lr 1e-3, all its weights and the head);
-# - GRPO against the reward model (8 prompts × 8 completions a step, up to 8 new tokens, a rank-4 LoRA, lr 1e-3,
+#   reward model trains for 4 epochs (AdamW, lr 3e-4, all its weights and the head);
+# - best-of-n for n = 1, 2, 4, ..., 256 over a pool of 256 answers to each of 32 held-out additions, against the
+#   reward model and against the control at σ = 0.5, 1 and 2;
+# - GRPO against the reward model (8 prompts × 8 completions a step, up to 8 new tokens, a rank-4 LoRA, lr 3e-3,
 #   40 steps) at `beta` 0, 0.5 and 2;
 # - GRPO against the buggy verifier (beta 0, lr 1e-2, 40 steps);
-# - every 10 steps, 4 completions of 32 held-out additions (temperature 1) are scored by the run's reward, the exact
-#   verifier, and the KL to the reference: the exact per-token KL over the whole vocabulary, summed over each
+# - every 5 steps, 4 completions of the 32 held-out additions (temperature 1) are scored by the run's reward, the
+#   exact verifier, and the KL to the reference: the exact per-token KL over the whole vocabulary, summed over each
 #   completion (its expectation is the sequence-level KL).
+#
+# `python -m solutions.part6_lab.hacking --rm-pairs 100 500 2500` runs best-of-n against reward models of those sizes
+# (a longer run, not part of the lab's default).
 
 # %%
 from solutions.part6_lab import hacking
@@ -265,46 +277,33 @@ from solutions.part6_lab import hacking
 hacking_result = hacking.run(SEEDS, SMOKE, bradley_terry_loss=bradley_terry_loss,
                              reward_model_scores=reward_model_scores)
 hacking_figures = hacking.summarize(hacking_result)
-print({k: hacking_figures[k] for k in ("proxy_start", "proxy_end", "gold_start", "gold_peak", "gold_end")})
-print(hacking_figures["reward_model"])
+print("reward model:", hacking_figures["reward_model"])
+print("best-of-n:", [{k: p[k] for k in ("n", "kl", "gold")} for p in hacking_figures["best_of_n"]])
+print("its peak:", hacking_figures["best_of_n_peak"])
+print("the control's peaks:", [(c["sigma"], c["peak"]["n"], c["peak"]["gold"]) for c in hacking_figures["control"]])
+print("GRPO, beta = 0:", [{k: p[k] for k in ("step", "sqrt_kl", "gold")} for p in hacking_figures["rl_curve"]])
 print(hacking_figures["buggy_verifier"])
 print([{k: b[k] for k in ("beta", "kl", "proxy", "gold")} for b in hacking_figures["beta_sweep"]])
 hacking.plot(hacking_result);
 
 # %% [markdown]
-# What to look for (the numbers are from `python -m solutions.part6_lab --only hacking`, seeds 0, 1, 2):
+# What to look for (the numbers are from `python -m solutions.part6_lab --only hacking`, seeds 0, 1, 2; one
+# and two torch threads gave the same figures):
 #
-# - **The judge is weak, as reward models are.** From 232 to 235 pairs per seed, the reward model ranks 67-76% of
-#   its training pairs right, and 63%, 60% and 49% of the 70 to 81 held-out pairs (seeds 0, 1, 2). Telling a right
-#   sum from a near miss takes arithmetic that a few hundred comparisons do not teach; what it learns instead is which
-#   answers *look* right. (What we tried did not change that: 450 pairs, 8 or 12 epochs, lr 3e-4, or training the
-#   head alone, or the last block and the head, all stayed between 48% and 65% on held-out pairs.)
-# - **Over-optimisation (left).** With `beta` 0, the proxy climbs in every seed, from 1.03 to 2.68–2.78 on average
-#   (the range is over one and two torch threads; per seed: 0.68 to 2.54–2.70, 0.96 to 2.72–2.76, 1.45 to
-#   2.73–2.92; a Bradley-Terry score has no meaningful zero, so the panel shows the gain), while the gold score falls
-#   from 17.7% to 1.3–1.6% (19.5% to 1.6%, 14.1% to 0.8%, 19.5% to 1.6–2.3%). As in
-#   Gao et al., it first rises in two seeds (to 24.2% and 21.9% at step 10; seed 1 holds at 13.3%), then falls once
-#   the policy is 1.5 to 3.5 nats from the reference.
-# - **What the policy found.** It stopped reading the question. It answers the few numbers the reward model rates
-#   highest, whatever was asked: at the end, "109", "100" and "108" are 55% of seed 0's 128 answers (80 distinct
-#   answers at the start, 31 at the end), and "100", "101" and "110" are 60% of seed 1's. The table printed above
-#   shows one answer per prompt. Each is still a plausible sum, so no format check would catch it.
-# - **The buggy verifier (middle).** `all([])` is True, so a completion with no number passes. The starting model
-#   writes one about 1% of the time (a sentence instead of a sum), and GRPO finds it: the buggy reward goes from 19%
-#   to 84% (100%, 52%, 100%) while the gold score goes to 2.1% (0%, 6%, 0%). In seeds 0 and 2 every completion at the
-#   end is a string of words. The fix is one condition, `numbers and all(...)`; better, judge with the strict
-#   verifier (Part 3's `reward_exact_answer`), here the gold score. Trained against that fixed verifier, GRPO is
-#   Part 3's main job, which takes held-out accuracy from 42.7% to 81–90% (its learning rate is 3e-3, not this run's
-#   1e-2).
-# - **`beta` as the leash (right).** At the end of 40 steps (means of the three seeds on one and on two threads, and
-#   in brackets the range of single runs): `beta` 0 reaches a KL of 8.5–9.1 nats per completion (7.9 to 9.4), proxy
-#   +1.65 to +1.75, gold 1.3–1.6%; `beta` 0.5, KL 0.60–0.63 (0.27 to 0.84), proxy +0.54 to +0.57, gold 15.4–15.6%
-#   (14.1% to 16.4%); `beta` 2, KL 0.04 (0.02 to 0.04), proxy +0.17, gold 19.0% (16.4% to 21.1%), about where it
-#   started. The leash does not make the
-#   proxy honest: it limits how far the policy can go to exploit it. Gao et al. report the same of their KL penalty:
-#   it acts like early stopping, holding the run back on the same gold-against-KL curve rather than lifting it (the
-#   `beta` 0 run passed a KL of 0.1 to 0.3 nats at step 10, with gold 13% to 24%, and 0.8 to 2.8 at step 20, with
-#   gold 7% to 13%).
+# - **A judge that knows something.** The reward model ranks 86-90% of held-out pairs right (97-100% of its training
+#   pairs): the policy's own likelihood already carries most of that, and the learned correction sharpens it.
+# - **Best-of-n over-optimises (left).** Gold goes from 22.9% at n = 1 to a peak of 47.6% at n = 8 (KL 1.2 nats;
+#   each seed's peak at n = 8 or 16), then falls to 36.5% (31% to 44%) at n = 256, while the proxy of the pick keeps
+#   rising: the shape of Gao et al.'s fig. 1, with no training at all. A bigger search finds the rare answers whose
+#   score the reward model gets most wrong.
+# - **The control says why.** With proxy = gold + σ·noise fixed per answer, the peak comes earlier and lower as σ
+#   grows: n = 32 (66%) at σ = 0.5, n = 8 (38%) at σ = 1, n = 4 (28%) at σ = 2.
+# - **GRPO (middle)** raised gold from 17.7% to 25.0% after 5 steps in all three seeds, then wandered between 17% and
+#   23% while the KL stayed near 1 to 1.6 nats: in 40 steps RL did not reach the falling side of the curve that
+#   best-of-n shows. `beta` 0, 0.5 and 2 ended at KL 1.58, 0.39 and 0.05 with gold 21.9%, 26.3% and 19.5%.
+# - **The buggy verifier (right).** `all([])` is True, so a completion with no number passes. GRPO finds it: the buggy
+#   reward goes from 19% to 99.7% while the gold score goes to 0% in every seed. The fix is one condition,
+#   `numbers and all(...)`; better, judge with the strict verifier (Part 3's `reward_exact_answer`).
 
 # %% [markdown]
 # ## 3. Length bias, measured
@@ -367,16 +366,28 @@ for loss_type in ("grpo", "dapo", "dr_grpo"):
 # %% [exercise] mean_length_by_outcome
 
 # %% [markdown]
-# The experiment (`solutions/part6_lab/length_bias.py`) with your two functions. For each of four configurations,
-# `"grpo"`, `"dr_grpo"` and `"dapo"` with `scale_rewards="group"`, and `"grpo"` with `scale_rewards="none"`, and each
-# seed in `SEEDS`: a fresh rank-4 LoRA on q and v, trained by Part 3's `grpo_step` (4 prompts × 8 completions a step,
-# up to 24 tokens, `lr` 1e-2, `beta` 0), with your `mean_length_by_outcome` on every batch. Same seed, same prompts
-# and same first batch in every configuration: only the loss differs. Then a cleaner look at the mechanism, on one
-# update: from the starting policy, 256 completions (32 for each of the 8 prompts), each configuration's loss built
-# from your `loss_token_weights`, and the first-order change its update (of norm 1) makes to $\log P(\text{EOS})$
-# right after a right first sentence ("I feel happy.") and after a wrong one ("I feel sad."). The length bias predicts
-# that `"grpo"` raises the first more than the second (stop after a right answer, go on after a wrong one), and that
-# `"dr_grpo"` and `"dapo"` do neither.
+# **What the theory predicts, and where to look.** On-policy, `grpo_loss`'s gradient is
+# $-\sum_i c_i A_i \nabla \log\pi(y_i)$ with $c_i = 1/(B L_i)$ under `"grpo"` and $1/(B \cdot$`max_completion_length`$)$
+# under `"dr_grpo"`. Split a completion into its first word $w$ and the rest $c$. Here the reward, so the advantage,
+# depends on $w$ alone (the group's mean is fixed by the *other* completions), and the score-function identity
+# $E_c[f\,\nabla\log\pi(c\mid w)] = \nabla E_c[f]$ gives the expected push on how an answer goes on:
+# $\sum_w \pi(w)\,A(w)\,\nabla E[f(L)\mid w]$ with $f(L) = c(L)$. Under `"dr_grpo"` $f$ is a constant: no push at all, at
+# any length. Under `"grpo"` it is $\nabla E[1/L \mid w]$ times $A(w)$: after a right word ($A > 0$) shorter, after a
+# wrong one ($A < 0$) longer. The first lever of $1/L$ here is stopping right after the first sentence ($L \approx 3$
+# against about 15 when the answer goes on). So the quantity to read is teacher-forced: how an update changes
+# $\log P(\text{EOS})$ right after a right first sentence ("I feel happy.") minus right after a wrong one ("I feel
+# sad."); `"grpo"` should raise it more than `"dr_grpo"` does. `"dapo"` on one batch is `"dr_grpo"` times a constant.
+#
+# **The design.** (1) The primary result, one update: from the starting policy, 512 completions (64 for each of the 8
+# prompts), every configuration's loss on *that same batch* built from your `loss_token_weights`, and the first-order
+# change its update (of norm 1) makes to the read-out; per seed, the paired difference against `"dr_grpo"`, then its
+# mean, standard error and 95% t-interval over seeds. (2) Training with shared random numbers: `"grpo"`, `"dr_grpo"` and
+# the control, 30 steps of Part 3's `grpo_step` (4 prompts × 8 completions, up to 24 tokens, `lr` 1e-2, `beta` 0), the
+# same initial LoRA and the same sampler seed at each step in each, so that the runs differ by their loss alone; the
+# read-out and the stop rates by outcome at the end, paired. (3) A positive control: `"dr_grpo"` with a known length
+# term in the reward, $r + \kappa(2r-1)(1 - L/24)$ with $\kappa = 1$ (`length_term_reward`): by the same identity its
+# push is $\kappa(2r(w)-1)\nabla E[1 - L/24 \mid w]$, the direction the theory gives `"grpo"`. A design that cannot
+# see the control cannot be trusted to see the bias.
 
 # %%
 from solutions.part6_lab import length_bias
@@ -384,46 +395,44 @@ from solutions.part6_lab import length_bias
 length_bias_result = length_bias.run(SEEDS, SMOKE, loss_token_weights=loss_token_weights,
                                      mean_length_by_outcome=mean_length_by_outcome)
 length_bias_figures = length_bias.summarize(length_bias_result)
-for name in ("grpo", "dr_grpo", "dapo", "grpo_scale_none"):
+for name, stats in length_bias_figures["paired_all"].items():
+    print(f"one update, {name:16s} - dr_grpo: mean {stats['mean']}, SE {stats['standard_error']}, "
+          f"95% interval {stats['ci95']}, seeds {stats['seeds']}")
+print("positive control detected:", length_bias_figures["positive_control"]["detected"])
+for name in length_bias_result["cfg"].configurations:
     f = length_bias_figures[name]
-    print(f"{name:16s} wrong {f['wrong_start']} -> {f['wrong_end']}   right {f['right_start']} -> {f['right_end']}   "
-          f"push (right - wrong) {f['push_right_minus_wrong']}")
+    print(f"{name:8s} wrong {f['wrong_start']} -> {f['wrong_end']}   right {f['right_start']} -> {f['right_end']}   "
+          f"stop after a right / wrong answer at the end {f['stop_rate_right_end']} / {f['stop_rate_wrong_end']}")
 length_bias.plot(length_bias_result);
 
 # %% [markdown]
-# What to look for (the numbers are from `python -m solutions.part6_lab --only length_bias`, seeds 0, 1, 2; "start"
-# and "end" pool the completions of the first and of the last 10 of the 45 steps):
+# What to look for (`python -m solutions.part6_lab --only length_bias`, seeds 0, 1, 2, on one torch thread and on
+# two, `RLHF_THREADS=1` / `2`; the one-update figures are the same on both to the digits shown):
 #
-# - **No gap opens between right and wrong answers, under any loss.** Mean length of wrong / right answers, start →
-#   end, mean over seeds, on one thread or two: `grpo` 15.2 / 15.6 → 15.5 / 15.9 or 18.2 / 18.1; `dr_grpo` 14.9 /
-#   15.5 → 15.1 / 14.7 or 14.1 / 14.6; `dapo` 14.9 / 15.8 → 21.5 / 21.8 or 18.4 / 18.2; `grpo` with
-#   `scale_rewards="none"` 15.0 / 15.6 → 16.0 / 16.2 or 20.0 / 19.5. In every run the two curves move together: at
-#   the end they are never more than about 2 tokens apart, either way, where the length bias predicts wrong answers
-#   longer than right ones under `grpo` only.
-# - **What moves is the length of everything, and it moves by chance.** The seeds disagree by far more than the
-#   configurations do: under `dr_grpo` the wrong answers end at 10.8, 23.9 and 10.7 tokens on one thread (9.2, 19.3
-#   and 13.8 on two); under `grpo` at 12.7, 24.0 and 9.9 (12.7, 24.0 and 18.0). The thread count alone moves a run's
-#   end length by up to 15 tokens. Five of the twelve runs on one thread, and three on two, end at or next to the
-#   24-token limit; with three seeds that ranks nothing. The reward says nothing about
-#   the words after the first, so those tokens carry pure noise, and with `lr` 1e-2 the noise random-walks the
-#   decision to stop. This is a lesson of its own: an unconstrained length drifts, whatever the loss.
-# - **The bias is there, and small.** The one-update measurement isolates it: how much more an update raises
-#   $\log P(\text{EOS})$ after a right first sentence than after a wrong one. `grpo`: +0.0059 (seeds −0.0022, +0.0081,
-#   +0.0116); `grpo_scale_none`: +0.0052 (−0.0037, +0.0077, +0.0115); `dr_grpo` and `dapo`: −0.0009 (−0.0139,
-#   +0.0045, +0.0066). The sign is the one Liu et al. predict for `grpo`, seed by seed the difference with `dr_grpo`
-#   is positive (+0.012, +0.004, +0.005), but each value is smaller than the spread over seeds, and far smaller than
-#   the change both probes share (0.03 to 0.22 in size, its sign set by the batch). `dr_grpo` and `dapo` are
-#   identical here: on one batch they differ by a constant factor.
-# - **Accuracy barely moves** (about 0.5 → 0.51–0.58, means over seeds; on two threads one `grpo_scale_none` seed
-#   collapsed to no right answer at all, on one thread it did not):
-#   the one token that decides the reward is drowned among the 15 or so free ones, which is the same noise again.
+# - **The primary result has the predicted sign and no significance.** One update, `"grpo"` − `"dr_grpo"`: +0.0057
+#   (seeds +0.0096, +0.0075, +0.0000), standard error 0.0029, 95% interval −0.0068 to +0.0182. Seeds 3 and 4 added
+#   (512 completions each) give +0.0053 and −0.0022: 4 of 5 positive, +0.0040 ± 0.0022, interval −0.002 to +0.010.
+#   `"grpo"` with `scale_rewards="none"` is within 0.0002 of `"grpo"`; `"dapo"` − `"dr_grpo"` is 0 exactly.
+# - **The positive control is not detected either.** The known length term ($\kappa = 1$): +0.0005 (−0.0022, +0.0038,
+#   −0.0002), interval −0.0071 to +0.0080, so `detected` is false. With $\kappa$ = 0.25, 0.5, 1 and 2 on the same
+#   five batches each seed's value grows in proportion to $\kappa$, its sign fixed by the batch: the noise is the
+#   batch's, not the control's size, and only more completions per update reduce it. A design that misses a term as
+#   large as correctness itself has no power here, and its null on `"grpo"` says nothing.
+# - **Training with shared random numbers does not rescue it.** The runs share their first batch, but the samples part
+#   within a few steps, and the read-out after 30 steps, `"grpo"` − `"dr_grpo"`, is +0.015 (+0.063, −0.032, +0.012)
+#   on one thread and −0.001 (−0.040, +0.037, +0.000) on two; the control −0.036 to +0.004. The stop rates by
+#   outcome at the end (stopping after a right answer minus after a wrong one, paired) lean the predicted way in all
+#   six `"grpo"` runs, +0.027 (+0.010, +0.019, +0.052) and +0.032 (+0.008, +0.021, +0.068), intervals −0.05 to +0.11.
+# - **What a length term in the reward does do is move the length of everything.** The control ended at 8.2–9.1
+#   tokens for right and for wrong answers alike (`"dr_grpo"`: 16.3–17.1): rewarding short right answers shortened
+#   the wrong ones too, because one set of weights decides when to stop after either. Right and wrong lengths stayed
+#   within about a token of each other in every run.
 #
-# Why so little, when Liu et al. saw wrong answers grow without end? Their responses run to thousands of tokens, so
-# $1/L$ spans orders of magnitude and the bias compounds over hundreds of steps; here lengths span 3 to 24 and the
-# runs last 45 steps. The bias is a systematic push, the noise a random one: the first grows with the number of steps,
-# the second with its square root. To see it in these curves you would need many more steps and samples than a
-# laptop budget allows; the one-update measurement is how to see it now. If you have the time, try
-# `length_bias.run(SEEDS, False, cfg=length_bias.LengthBiasConfig(lr=3e-3, steps=150), ...)`.
+# So: the sign Liu et al. predict is there in 4 of 5 seeds of the one-update measurement, and this laptop design
+# cannot tell it from zero. Their responses run to thousands of tokens, so $1/L$ spans orders of magnitude and the push compounds
+# over hundreds of steps; here lengths span 3 to 24. More power means more completions per update (the issue that
+# asked for this measurement reports 5 of 5 seeds positive at 384 per prompt, +0.0053 ± 0.0009) and more seeds:
+# `length_bias.run(list(range(10)), cfg=length_bias.LengthBiasConfig.long(), ...)`.
 
 # %% [markdown]
 # ## 4. The policy shift, through hooks
@@ -553,7 +562,21 @@ policy_shift.plot(policy_shift_result);
 # $$w_t = \min\Big(\frac{\pi_\text{trainer}(y_t)}{\pi_\text{sampler}(y_t)},\ C\Big),$$
 #
 # a constant (no gradient flows through it), capped at $C$ so that a token the sampler almost never draws cannot
-# dominate the batch. Its expected gradient is the on-policy one, up to what the cap cuts.
+# dominate the batch.
+#
+# What it corrects is less than the whole gap. Uncapped, $w_t$ turns the draw of token $t$ *given its prefix* into
+# the trainer's: $\mathbb{E}_{y_t\sim\pi_\text{sampler}(\cdot\mid y_{<t})}[w_t\,g(y_t)] =
+# \mathbb{E}_{y_t\sim\pi_\text{trainer}(\cdot\mid y_{<t})}[g(y_t)]$ for any $g$. But the prefix $y_{<t}$ was drawn by
+# the sampler, and so were the tokens after $t$, which decide the reward and with it the advantage. The on-policy
+# gradient, $\mathbb{E}_{y\sim\pi_\text{trainer}}[A(y)\sum_t\nabla\log\pi_\text{trainer}(y_t\mid y_{<t})]$, needs
+# the whole completion from the trainer, and the weight that gives it exactly from the sampler's completions is the
+# product over the sequence, $\pi_\text{trainer}(y)/\pi_\text{sampler}(y) = \prod_t \pi_\text{trainer}(y_t\mid
+# y_{<t})/\pi_\text{sampler}(y_t\mid y_{<t})$, on every token's term: unbiased, but a product of as many ratios as
+# the completion has tokens, whose variance can grow exponentially with its length. So per-token TIS is **biased
+# even with no cap** (its bias shrinks as the two policies meet), and the cap adds a bias of its own; what it
+# buys is a variance far below the sequence weight's. Liu, Li et al. 2025 ("When Speed Kills Stability:
+# Demystifying RL Collapse from the Training-Inference Mismatch", https://richardli.xyz/rl-collapse) compare token-
+# and sequence-level weights, truncated and masked.
 #
 # First, the diagnostic every PPO-style trainer logs. Write `clip_fraction`: the share of the real tokens (mask
 # True) whose gradient the clip takes away, as TRL's `GRPOTrainer` counts its `clip_ratio/region_mean` (and Part 3's
@@ -616,8 +639,9 @@ off_policy.plot(off_policy_result);
 #   accuracy fell from 42% to 14% at its lowest (9% to 22% over seeds, around step 10) and ended at 43%
 #   (28% to 53%). With TIS it fell to 37% at its lowest (28% to 42%) and ended at 57% (56% to 58%); the on-policy
 #   control ended at 63% (61% to 65%). In the stale runs 1% to 3% of the tokens had a ratio above the cap of 2.
-#   Three seeds and one lag: a large effect, not a measured law. TIS corrects what the sampler drew, not the
-#   advantages computed from the stale policy's rewards, and it did not close the gap to the on-policy run.
+#   Three seeds and one lag: a large effect, not a measured law. Per-token TIS reweights each token's draw given its
+#   prefix; the prefixes, and the later tokens that set the reward and so the advantage, stay the stale sampler's.
+#   It did not close the gap to the on-policy run.
 #
 # The bfloat16 sampler's gap is a tenth of the stale one's, and we did not train with it (bfloat16 decoding is about
 # ten times slower than float32 on a CPU). Yao et al. report that such gaps do matter at scale, over long runs.
@@ -627,8 +651,9 @@ off_policy.plot(off_policy_result);
 #
 # - **A KL estimate can be right in value and wrong in gradient** (section 1). With y ~ π, k1, k3 and the exact
 #   per-token KL all have KL(π‖ref) as their expected value; in the loss, k1's expected gradient is exactly zero,
-#   while k1 put in the reward (RLOO, and TRL's PPO trainer up to TRL 1.12) has exactly the sequence-level KL's
-#   gradient.
+#   while k1 put in the reward has exactly the sequence-level KL's expected gradient when the advantage is the
+#   sampled return minus a baseline that does not depend on it (REINFORCE, RLOO). PPO with GAE $\lambda < 1$ (TRL's
+#   PPO trainer up to TRL 1.12, $\lambda = 0.95$) has it only up to its critic's error (Part 1, section 4).
 # - **k3 alone in the loss follows a forward KL** (section 1): Part 3's `beta` term, and TRL's GRPO with
 #   `use_bias_correction_kl=False` (its default before TRL 1.10), has the gradient of the per-token KL(ref‖π) on the
 #   policy's states (Tang & Munos 2025). At 2 nats from the reference its cosine with the reverse-KL gradient was 0.79
@@ -638,24 +663,20 @@ off_policy.plot(off_policy_result);
 # - **Per-token reverse-KL terms are partial, and the exact one is the least noisy** (section 1): k2 and the exact
 #   per-token KL miss the earlier tokens' share of the later ones' KL (cosine 0.97 here); the exact per-token KL's
 #   gradient from one sample is already within cosine 0.95 of its expectation.
-# - **A learned reward is a proxy, and RL finds its blind spots** (section 2). Against a reward model that ranks 49-63%
-#   of held-out pairs right, GRPO with `beta` 0 raised the proxy in all 3 seeds while the exact verifier's score fell
-#   from 17.7% to 1.3–1.6%: the policy came to answer "109" or "100" whatever the question.
+# - **A learned reward is a proxy, and a search finds its blind spots** (section 2). Best-of-n against a reward model
+#   that ranks 86-90% of held-out pairs right doubled gold (22.9% to 47.6% at n = 8), then lost a quarter of it by
+#   n = 256; the bigger the proxy's error, the earlier the peak.
 # - **A bug in a verifier is a reward to be collected** (section 2): `all` of no numbers is True, and a completion with
-#   no number at all took the buggy reward to 100% in 2 seeds of 3, the gold score to 0.
-# - **`beta` is a leash, not a fix** (section 2): it bounds the KL (8.5–9.1 nats at `beta` 0, about 0.6 at 0.5, 0.04
-#   at 2) and so how much damage the proxy can do (gold 1.3–1.6%, about 15.5%, 19.0%), and how much the proxy gains
-#   (+1.65 to +1.75, about +0.55, +0.17).
+#   no number at all took the buggy reward to 99.7%, the gold score to 0.
+# - **`beta` is a leash** (section 2): it bounds the KL (1.58 nats at `beta` 0, 0.39 at 0.5, 0.05 at 2).
 # - **Where a loss's length bias comes from is one line of arithmetic** (section 3): `"grpo"` gives each token of an
 #   L-token answer the weight 1/(B L), so a long wrong answer is penalised less per token; `"dr_grpo"` and `"dapo"`
 #   give every token of a batch one weight (and on one batch they are the same update).
-# - **A small bias does not show in a few noisy runs** (section 3): over 45 steps and 3 seeds no loss type opened a
-#   gap between the lengths of right and wrong answers (at most 2.1 tokens), while the length of everything drifted
-#   by chance (one loss type's seeds ended 10.7 to 23.9 tokens apart, and one thread against two moved a run by up to
-#   15). One update measured on 256 completions shows the
-
-#   predicted sign for `grpo` (+0.006 in log P(stop after a right answer) - log P(stop after a wrong one), against
-#   -0.001 for `dr_grpo`), smaller than the spread over seeds. Measure a mechanism where it acts, not only downstream.
+# - **A design is only as good as its positive control** (section 3): one update of `grpo` against `dr_grpo` on the
+#   same 512 completions moved log P(stop after a right answer) − log P(stop after a wrong one) the predicted way in 4
+#   of 5 seeds (+0.0040 ± 0.0022, 95% interval −0.002 to +0.010), but the same design missed a known length term as
+#   large as correctness itself, so neither result is evidence of absence. Measure a mechanism where it acts, and
+#   check that the measurement can see it.
 # - **Hooks make "what did RL change?" cheap** (section 4). With the LoRA as hooks it is one module run with
 #   different hooks: the log-ratio to the reference per token, the LoRA block by block, the attention before and
 #   after, with no second copy of the model.

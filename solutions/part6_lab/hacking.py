@@ -8,15 +8,20 @@ The "H" of RLHF is a reward model learned from human preferences. Here the prefe
 1. Pairs. The starting policy (the tiny model) samples `rm_group` answers to each of `rm_prompts` additions; a pair
    is one right and one wrong answer to the same prompt, judged by the exact verifier: the pairs look like what RL
    will produce.
-2. The reward model: a second copy of the tiny model with a scalar head on its final residual stream, read at each
-   row's last real token (reward_model_scores), all of it trained with the Bradley-Terry loss. Its pair accuracy on
-   pairs from held-out additions says how good a judge it is before RL starts.
-3. GRPO (Part 3's trainer, with a LoRA) against the reward model, beta = 0: the proxy climbs; the gold score (the
-   exact verifier on the same samples, weight 0, logged only) rises a little, then falls: over-optimisation
-   (Gao, Schulman & Hilton 2022, "Scaling Laws for Reward Model Overoptimization", fig. 1).
-4. The same GRPO against a verifier with a plausible bug (reward_every_number_right: `all` of no numbers is
+2. The reward model: a second copy of the tiny model that scores a completion by its own log-likelihood of it (summed
+   over the completion and its EOS) plus a scalar head on its final residual stream, read at each row's last real
+   token (reward_model_scores). The head starts at zero, so before training the score is the policy's likelihood;
+   both parts are trained with the Bradley-Terry loss. Its pair accuracy on pairs from held-out additions says how
+   good a judge it is before RL starts.
+3. Best-of-n, exactly: a pool of samples per held-out prompt; the gold score of the proxy's pick among n, averaged
+   over every n-subset of the pool in closed form, against KL = log n - (n - 1) / n (Gao, Schulman & Hilton 2022,
+   "Scaling Laws for Reward Model Overoptimization"); and the same with a synthetic proxy, gold + sigma * noise fixed
+   per answer, as a control.
+4. GRPO (Part 3's trainer, with a LoRA) against the reward model, beta = 0, with the gold score (the exact verifier
+   on the same samples, weight 0, logged only) against sqrt(KL) along the run.
+5. The same GRPO against a verifier with a plausible bug (reward_every_number_right: `all` of no numbers is
    True), exploited; the fixed verifier is the exact one, logged as the gold score.
-5. beta as the leash: GRPO against the same reward model with the KL term at each of `betas`; at the end of each run,
+6. beta as the leash: GRPO against the same reward model with the KL term at each of `betas`; at the end of each run,
    the proxy, the gold score and the KL to the reference (exact per-token KL, summed over each completion, averaged
    over completions sampled from the policy).
 
@@ -29,10 +34,14 @@ are means over seeds with the per-seed values beside them.
 
 from __future__ import annotations
 
+import math
 import random
 import re
+import zlib
+from collections import Counter
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -145,24 +154,28 @@ class HackingConfig:
     rm_prompts: int = 300                 # train additions whose samples make the preference pairs
     rm_group: int = 8                     # answers sampled per prompt; a pair is one right and one wrong answer
     held_prompts: int = 100               # held-out additions whose pairs measure the reward model's accuracy
+    rm_pairs: int | None = None           # keep at most this many training pairs (None: all; the size sweep sets it)
     rm_epochs: int = 4                    # passes of Bradley-Terry training over the pairs
     rm_batch: int = 32                    # pairs per reward-model step
-    rm_lr: float = 1e-3                   # the whole reward model trains (model and head), with AdamW
+    rm_lr: float = 3e-4                   # the whole reward model trains (model and head), with AdamW
+    bon_samples: int = 256                # best-of-n: completions sampled per eval prompt, the pool n is drawn from
+    bon_ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the n of best-of-n (at most bon_samples)
+    sigmas: tuple[float, ...] = (0.5, 1.0, 2.0)  # the synthetic control: proxy = gold + sigma * noise per answer
     steps: int = 40                       # GRPO steps of every run
     n_prompts: int = 8                    # prompts per GRPO step
     group_size: int = 8                   # completions per prompt
     max_new_tokens: int = 8               # room to find something: an honest answer needs at most 4
-    lr: float = 1e-3                      # the LoRA's learning rate against the reward model
+    lr: float = 3e-3                      # the LoRA's learning rate against the reward model
     betas: tuple[float, ...] = (0.0, 0.5, 2.0)  # the KL weights of the sweep; 0 is the over-optimised run
     buggy_lr: float = 1e-2                # the LoRA's learning rate against the buggy verifier
-    eval_prompts: int = 32                # held-out additions scored at each evaluation ...
+    eval_prompts: int = 32                # held-out additions scored at each evaluation (and best-of-n's prompts) ...
     eval_group: int = 4                   # ... with this many completions each, sampled at temperature 1
-    eval_every: int = 10                  # steps between evaluations (and at the start and the end)
+    eval_every: int = 5                   # steps between evaluations (and at the start and the end)
 
     @classmethod
     def smoke(cls) -> "HackingConfig":
-        return cls(rm_prompts=16, held_prompts=8, rm_epochs=1, steps=2, n_prompts=2, group_size=4,
-                   betas=(0.0, 0.5), eval_prompts=4, eval_group=2, eval_every=2)
+        return cls(rm_prompts=16, held_prompts=8, rm_epochs=1, bon_samples=16, bon_ns=(1, 2, 4, 16), sigmas=(1.0,),
+                   steps=2, n_prompts=2, group_size=4, betas=(0.0, 0.5), eval_prompts=4, eval_group=2, eval_every=2)
 
 
 # --- The pieces of one seed --------------------------------------------------------------------------------------
@@ -187,10 +200,30 @@ def preference_triples(policy, additions: list[tuple[int, int]], group: int, max
     return triples
 
 
+def proxy_scores(reward_model_scores, rm, head, prompts: list[str], completions: list[str]) -> Tensor:
+    """The reward model's score of each completion: its log-likelihood under `rm` (summed over the completion's
+    tokens and its EOS) plus the learned correction, `head` read at the last real token (reward_model_scores). Both
+    come from one forward pass: a hook of ours keeps the logits while reward_model_scores runs (it leaves the caller's
+    hooks alone). `rm` starts as a copy of the policy and `head` at zero, so before training the score is the policy's
+    own log-likelihood, which already ranks about 80% of pairs right; Bradley-Terry training sharpens both."""
+    ids, mask = reward_model_batch(rm.tokenizer, prompts, completions, rm.cfg.device)
+    prompt_len = tokenize_prompts(rm.tokenizer, prompts, rm.cfg.device)[0].shape[1]
+    kept: dict[str, Tensor] = {}
+
+    def keep_logits(logits: Float[Tensor, "batch seq vocab"], hook) -> None:
+        kept["logits"] = logits
+
+    with rm.hooks(fwd_hooks=[("unembed.hook_out", keep_logits)]):
+        correction = reward_model_scores(rm, head, ids, mask)
+    logp = kept["logits"][:, prompt_len - 1:-1].log_softmax(-1)  # position t predicts token t + 1
+    token_logp = logp.gather(-1, ids[:, prompt_len:, None]).squeeze(-1)  # [batch, completion]
+    return (token_logp * mask[:, prompt_len:]).sum(1) + correction
+
+
 def _pair_scores(reward_model_scores, rm, head, triples):
-    ids, mask = reward_model_batch(rm.tokenizer, [p for p, _, _ in triples] * 2,
-                                             [c for _, c, _ in triples] + [r for _, _, r in triples], rm.cfg.device)
-    return reward_model_scores(rm, head, ids, mask).chunk(2)
+    prompts = [p for p, _, _ in triples] * 2
+    return proxy_scores(reward_model_scores, rm, head, prompts,
+                        [c for _, c, _ in triples] + [r for _, _, r in triples]).chunk(2)
 
 
 @torch.no_grad()
@@ -201,11 +234,14 @@ def pair_accuracy(reward_model_scores, rm, head, triples) -> float:
 
 
 def train_reward_model(triples, cfg: HackingConfig, seed: int, bradley_terry_loss, reward_model_scores):
-    """A fresh copy of the tiny model and a Linear(d_model, 1) head, trained together on the pairs with the
-    Bradley-Terry loss. Returns (model, head, the loss of each step); both frozen afterwards."""
+    """A fresh copy of the tiny model (the policy's own likelihood) and a Linear(d_model, 1) head starting at zero (the
+    correction), trained together on the pairs with the Bradley-Terry loss. Returns (model, head, the loss of each
+    step); both frozen afterwards."""
     torch.manual_seed(seed)
     rm = load_model("tiny")
     head = nn.Linear(rm.cfg.d_model, 1).to(rm.cfg.device)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
     rm.requires_grad_(True)
     optimizer = torch.optim.AdamW([*rm.parameters(), *head.parameters()], lr=cfg.rm_lr, weight_decay=0.0)
     rng, losses = random.Random(seed), []
@@ -227,8 +263,68 @@ def reward_model_reward(reward_model_scores, rm, head):
     """The reward model as a GRPO reward function: (prompts, completions) -> one score each, batched, no gradient."""
     @torch.no_grad()
     def proxy(prompts: list[str], completions: list[str]) -> list[float]:
-        ids, mask = reward_model_batch(rm.tokenizer, prompts, completions, rm.cfg.device)
-        return reward_model_scores(rm, head, ids, mask).tolist()
+        return proxy_scores(reward_model_scores, rm, head, prompts, completions).tolist()
+    return proxy
+
+
+# --- Best-of-n, exactly ------------------------------------------------------------------------------------------
+
+def best_of_n_kl(n: int) -> float:
+    """KL(best-of-n || policy) = log n - (n - 1) / n nats, for a proxy without ties (Stiennon et al. 2020; Gao et al.
+    2022, section 2): best-of-n needs no training, and this is how far it moves from the policy."""
+    return math.log(n) - (n - 1) / n
+
+
+def best_of_n_weights(pool_size: int, n: int) -> Float[Tensor, "pool"]:
+    """For a pool of `pool_size` samples sorted by proxy, lowest first: the probability that the i-th is the best of
+    n drawn from the pool without replacement, C(i - 1, n - 1) / C(pool_size, n) (zero for i < n). Averaging gold
+    with these weights is the unbiased estimate of best-of-n's gold (Nakano et al. 2021, appendix; Gao et al. 2022),
+    exact over the pool: no draw of n is made."""
+    i = torch.arange(1, pool_size + 1, dtype=torch.float64)
+    log_w = (torch.lgamma(i) - torch.lgamma((i - n + 1).clamp(min=1)) - math.lgamma(n)
+             - (math.lgamma(pool_size + 1) - math.lgamma(n + 1) - math.lgamma(pool_size - n + 1)))
+    return torch.where(i >= n, log_w.exp(), torch.zeros_like(log_w))
+
+
+@torch.no_grad()
+def answer_pool(policy, prompts: list[str], samples: int, max_new_tokens: int, seed: int) -> list[dict]:
+    """`samples` completions of each prompt from the policy at temperature 1, as the distinct answers and how often
+    each came (a proxy scores each distinct answer once)."""
+    torch.manual_seed(20_000 + seed)
+    out = sample(policy, [p for p in prompts for _ in range(samples)], max_new_tokens=max_new_tokens)
+    pool = []
+    for i, prompt in enumerate(prompts):
+        counts = Counter(out.texts[i * samples:(i + 1) * samples])
+        pool.append({"prompt": prompt, "answers": list(counts), "counts": list(counts.values())})
+    return pool
+
+
+def best_of_n_curve(pool: list[dict], score_fn, ns) -> list[dict]:
+    """Best-of-n against `score_fn` ((prompts, answers) -> scores), for each n: its KL, and the mean over prompts of
+    the gold (the exact verifier) and the proxy of the answer picked. Ties in the proxy are broken at random."""
+    sums = {n: [0.0, 0.0] for n in ns}
+    for entry in pool:
+        prompts = [entry["prompt"]] * len(entry["answers"])
+        counts = torch.tensor(entry["counts"])
+        proxy = torch.as_tensor(score_fn(prompts, entry["answers"]), dtype=torch.float64).repeat_interleave(counts)
+        gold = torch.tensor(reward_exact_answer(prompts, entry["answers"]), dtype=torch.float64).repeat_interleave(counts)
+        tiebreak = torch.rand(len(proxy), generator=torch.Generator().manual_seed(len(proxy)), dtype=torch.float64)
+        order = torch.from_numpy(np.lexsort((tiebreak.numpy(), proxy.numpy())))  # by proxy, lowest first
+        for n in ns:
+            weights = best_of_n_weights(len(proxy), n)
+            sums[n][0] += (weights * gold[order]).sum().item() / len(pool)
+            sums[n][1] += (weights * proxy[order]).sum().item() / len(pool)
+    return [{"n": n, "kl": round(best_of_n_kl(n), 4), "gold": sums[n][0], "proxy": sums[n][1]} for n in ns]
+
+
+def noisy_gold(sigma: float, seed: int):
+    """The synthetic control: proxy = gold + sigma * noise, the noise a standard normal fixed per (prompt, answer),
+    as a reward model's errors are. Its only flaw is known, and sigma sets its size."""
+    def proxy(prompts: list[str], completions: list[str]) -> list[float]:
+        gold = reward_exact_answer(prompts, completions)
+        noise = [torch.randn(1, generator=torch.Generator().manual_seed(zlib.crc32(f"{seed}|{p}|{c}".encode())))
+                 .item() for p, c in zip(prompts, completions)]
+        return [g + sigma * e for g, e in zip(gold, noise)]
     return proxy
 
 
@@ -274,35 +370,52 @@ def grpo_run(base, reward_fn, name: str, cfg: HackingConfig, seed: int, beta: fl
 
 # --- The experiment ----------------------------------------------------------------------------------------------
 
+def reward_model_for_seed(base, cfg: HackingConfig, seed: int, bradley_terry_loss, reward_model_scores) -> dict:
+    """The pairs of one seed (from training additions, and from held-out ones), the reward model trained on them,
+    and its pair accuracy on both."""
+    rng = random.Random(seed)
+    train_triples = preference_triples(base, rng.sample(addition_pairs("train"), cfg.rm_prompts), cfg.rm_group,
+                                       cfg.max_new_tokens, seed)[:cfg.rm_pairs]
+    held_triples = preference_triples(base, rng.sample(addition_pairs("held_out"), cfg.held_prompts), cfg.rm_group,
+                                      cfg.max_new_tokens, seed + 1)
+    rm, head, losses = train_reward_model(train_triples, cfg, seed, bradley_terry_loss, reward_model_scores)
+    return {"rm": rm, "head": head, "pairs": len(train_triples), "held_pairs": len(held_triples), "rm_losses": losses,
+            "rm_train_accuracy": pair_accuracy(reward_model_scores, rm, head, train_triples),
+            "rm_held_accuracy": pair_accuracy(reward_model_scores, rm, head, held_triples)}
+
+
+def _eval_prompts(cfg: HackingConfig) -> list[str]:
+    held = addition_pairs("held_out")
+    return [addition_prompt(a, b) for a, b in held[::max(1, len(held) // cfg.eval_prompts)][:cfg.eval_prompts]]
+
+
 def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_terry_loss,
         reward_model_scores=reward_model_scores, cfg: HackingConfig | None = None) -> dict:
-    """For each seed: the pairs, the reward model, a GRPO run against it at each beta of cfg.betas, and a GRPO run
-    against the buggy verifier. The exercises are the ones above unless passed (the notebook passes the learner's;
-    reward_model_scores reads each row's score with last_token_scores)."""
+    """For each seed: the pairs and the reward model; best-of-n against it and against the synthetic control (no
+    training); a GRPO run against it at each beta of cfg.betas; and a GRPO run against the buggy verifier. The
+    exercises are the ones above unless passed (the notebook passes the learner's; reward_model_scores reads each
+    row's score with last_token_scores)."""
     cfg = cfg or (HackingConfig.smoke() if smoke else HackingConfig())
     if 0.0 not in cfg.betas:
         raise ValueError(f"cfg.betas must include 0.0 (the over-optimised run), got {cfg.betas}")
-    held = addition_pairs("held_out")
-    eval_prompts = [addition_prompt(a, b) for a, b in held[::max(1, len(held) // cfg.eval_prompts)][:cfg.eval_prompts]]
+    if max(cfg.bon_ns) > cfg.bon_samples:
+        raise ValueError(f"best-of-n draws n from a pool of cfg.bon_samples = {cfg.bon_samples}: n up to "
+                         f"{max(cfg.bon_ns)} needs a pool at least that large")
+    eval_prompts = _eval_prompts(cfg)
     bar = tqdm(total=len(seeds) * (len(cfg.betas) + 1) * cfg.steps, desc="hacking: GRPO steps")
     result = {"config": asdict(cfg), "seeds": list(seeds), "per_seed": []}
     for seed in seeds:
         base = load_model("tiny")
-        rng = random.Random(seed)
-        train_triples = preference_triples(base, rng.sample(addition_pairs("train"), cfg.rm_prompts), cfg.rm_group,
-                                           cfg.max_new_tokens, seed)
-        held_triples = preference_triples(base, rng.sample(held, cfg.held_prompts), cfg.rm_group,
-                                          cfg.max_new_tokens, seed + 1)
-        rm, head, losses = train_reward_model(train_triples, cfg, seed, bradley_terry_loss, reward_model_scores)
-        proxy = reward_model_reward(reward_model_scores, rm, head)
+        judge = reward_model_for_seed(base, cfg, seed, bradley_terry_loss, reward_model_scores)
+        proxy = reward_model_reward(reward_model_scores, judge.pop("rm"), judge.pop("head"))
+        pool = answer_pool(base, eval_prompts, cfg.bon_samples, cfg.max_new_tokens, seed)
+        best_of_n = best_of_n_curve(pool, proxy, cfg.bon_ns)
+        control = {sigma: best_of_n_curve(pool, noisy_gold(sigma, seed), cfg.bon_ns) for sigma in cfg.sigmas}
         runs = {beta: grpo_run(base, proxy, "proxy", cfg, seed, beta, cfg.lr, eval_prompts, bar) for beta in cfg.betas}
         buggy = grpo_run(base, reward_every_number_right, "buggy", cfg, seed, 0.0, cfg.buggy_lr,
                          eval_prompts, bar)
-        result["per_seed"].append({
-            "seed": seed, "pairs": len(train_triples), "held_pairs": len(held_triples), "rm_losses": losses,
-            "rm_train_accuracy": pair_accuracy(reward_model_scores, rm, head, train_triples),
-            "rm_held_accuracy": pair_accuracy(reward_model_scores, rm, head, held_triples),
-            "runs": runs, "buggy": buggy})
+        result["per_seed"].append({"seed": seed, **judge, "best_of_n": best_of_n, "control": control,
+                                   "runs": runs, "buggy": buggy})
     bar.close()
     over = result["per_seed"][0]  # one completion per held-out prompt, at the end of the runs
     tqdm.write(f"\nWhat the policy found against the reward model (seed {over['seed']}, beta = 0, the end):\n"
@@ -310,6 +423,29 @@ def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_ter
     tqdm.write("\n... and against the buggy verifier:\n"
                + _table(over["buggy"]["evals"][-1]["samples"][::cfg.eval_group], "buggy"))
     return result
+
+
+def run_rm_sizes(seeds: list[int], pairs=(100, 500, 2500), cfg: HackingConfig | None = None) -> dict:
+    """The longer variant: best-of-n against reward models trained on `pairs` pairs each (the same recipe; enough
+    training additions are drawn to make them), per seed. No RL: best-of-n shows where the peak is."""
+    cfg = cfg or HackingConfig()
+    eval_prompts, out = _eval_prompts(cfg), {"config": asdict(cfg), "seeds": list(seeds), "sizes": {}}
+    for size in pairs:
+        sized = HackingConfig(**{**asdict(cfg), "rm_prompts": math.ceil(size / 0.6), "rm_pairs": size})
+        rows = []
+        for seed in seeds:
+            base = load_model("tiny")
+            judge = reward_model_for_seed(base, sized, seed, bradley_terry_loss, reward_model_scores)
+            proxy = reward_model_reward(reward_model_scores, judge.pop("rm"), judge.pop("head"))
+            pool = answer_pool(base, eval_prompts, cfg.bon_samples, cfg.max_new_tokens, seed)
+            rows.append({"seed": seed, "pairs": judge["pairs"], "held_accuracy": round(judge["rm_held_accuracy"], 4),
+                         "best_of_n": _rounded(best_of_n_curve(pool, proxy, cfg.bon_ns))})
+        out["sizes"][size] = rows
+    return out
+
+
+def _rounded(curve: list[dict]) -> list[dict]:
+    return [{k: round(v, 4) if isinstance(v, float) else v for k, v in point.items()} for point in curve]
 
 
 def _sum_asked(prompt: str) -> int:
@@ -325,6 +461,32 @@ def _table(samples: list[dict], name: str, rows: int = 8) -> str:
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
+
+
+def _mean_curve(curves: list[list[dict]]) -> list[dict]:
+    """Best-of-n curves of several seeds (the same n) -> one: means over seeds, with each seed's gold."""
+    return [{"n": points[0]["n"], "kl": points[0]["kl"], "gold": round(_mean(p["gold"] for p in points), 4),
+             "proxy": round(_mean(p["proxy"] for p in points), 4),
+             "gold_per_seed": [round(p["gold"], 4) for p in points]} for points in zip(*curves)]
+
+
+def _peak(curves: list[list[dict]]) -> dict:
+    """Where the mean gold of best-of-n peaks, and each seed's own peak n."""
+    mean = _mean_curve(curves)
+    top = max(mean, key=lambda p: p["gold"])
+    return {"n": top["n"], "kl": top["kl"], "gold": top["gold"], "gold_at_n1": mean[0]["gold"],
+            "gold_at_largest_n": mean[-1]["gold"],
+            "n_per_seed": [max(curve, key=lambda p: p["gold"])["n"] for curve in curves]}
+
+
+def _rl_curve(runs: list[list[dict]]) -> list[dict]:
+    """The beta = 0 runs' evaluations -> one point per evaluation step: means over seeds of KL, sqrt(KL) (Gao et al.'s
+    x axis), gold and proxy, with each seed's KL and gold."""
+    return [{"step": evals[0]["step"], "kl": round(_mean(e["kl"] for e in evals), 4),
+             "sqrt_kl": round(_mean(max(e["kl"], 0.0) ** 0.5 for e in evals), 4),
+             "gold": round(_mean(e["gold"] for e in evals), 4), "proxy": round(_mean(e["reward"] for e in evals), 4),
+             "kl_per_seed": [round(e["kl"], 4) for e in evals], "gold_per_seed": [round(e["gold"], 4) for e in evals]}
+            for evals in zip(*runs)]
 
 
 def summarize(result: dict) -> dict:
@@ -347,6 +509,12 @@ def summarize(result: dict) -> dict:
                       "proxy_per_seed": [round(e["reward"], 4) for e in ends],
                       "gold_per_seed": [round(e["gold"], 4) for e in ends]})
     return {
+        "rm_heldout_accuracy": round(_mean(s["rm_held_accuracy"] for s in seeds), 4),
+        "best_of_n": _mean_curve([s["best_of_n"] for s in seeds]),
+        "best_of_n_peak": _peak([s["best_of_n"] for s in seeds]),
+        "control": [{"sigma": sigma, "best_of_n": _mean_curve([s["control"][sigma] for s in seeds]),
+                     "peak": _peak([s["control"][sigma] for s in seeds])} for sigma in result["config"]["sigmas"]],
+        "rl_curve": _rl_curve([s["runs"][0.0]["evals"] for s in seeds]),
         "proxy_start": round(_mean(per_seed["proxy_start_per_seed"]), 4),
         "proxy_end": round(_mean(per_seed["proxy_end_per_seed"]), 4),
         "gold_start": round(_mean(per_seed["gold_start_per_seed"]), 4),
@@ -368,64 +536,81 @@ def summarize(result: dict) -> dict:
 
 
 def plot(result: dict, path=None):
-    """Three panels: the over-optimised run (the proxy's gain over its start, and the gold score, against steps);
-    the buggy verifier's run (its reward and the gold score); the beta sweep (the proxy's gain and the gold score
-    against the KL at the end of each run). Means over seeds; bands and bars from the lowest seed to the highest. The
-    proxy is shown as a gain because a Bradley-Terry reward model's offset means nothing: only differences are
-    learned."""
+    """Three panels, gold against sqrt(KL) as Gao et al. (2022) draw it: best-of-n against the reward model and
+    against the synthetic control (mean over seeds, band from the lowest seed to the highest); GRPO against the reward
+    model (each seed's beta = 0 run, and the end of each run of the beta sweep); and the buggy verifier's run (its
+    reward and the gold score against steps)."""
     plt = pyplot_for(path)
     seeds = result["per_seed"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
 
-    def band(axis, steps, values, colour, label):
-        axis.plot(steps, values.mean(0), marker="o", color=colour, label=label)
-        axis.fill_between(steps, values.min(0).values, values.max(0).values, color=colour, alpha=0.2)
+    ax = axes[0]
+    curves = [("reward model", [s["best_of_n"] for s in seeds], "tab:blue")]
+    curves += [(f"control, sigma={sigma:g}", [s["control"][sigma] for s in seeds], colour)
+               for sigma, colour in zip(result["config"]["sigmas"], ("tab:green", "tab:olive", "tab:gray"))]
+    for label, per_seed, colour in curves:
+        x = [p["kl"] ** 0.5 for p in per_seed[0]]
+        gold = torch.tensor([[p["gold"] for p in curve] for curve in per_seed])
+        ax.plot(x, gold.mean(0), marker="o", color=colour, label=label)
+        ax.fill_between(x, gold.min(0).values, gold.max(0).values, color=colour, alpha=0.15)
+    ax.set_xlabel("sqrt(KL), KL = log n - (n-1)/n")
+    ax.set_ylabel("gold (exact verifier) of the pick")
+    ax.set_title("best-of-n against the proxy (exact over the pool)", fontsize=10)
+    ax.legend(fontsize=8)
 
-    runs = [s["runs"][0.0] for s in seeds]
-    steps = [e["step"] for e in runs[0]["evals"]]
-    proxy = torch.tensor([[e["reward"] - r["evals"][0]["reward"] for e in r["evals"]] for r in runs])
-    gold = torch.tensor([[e["gold"] for e in r["evals"]] for r in runs])
-    ax, gold_ax = axes[0], axes[0].twinx()
-    band(ax, steps, proxy, "tab:blue", "proxy gain (reward model)")
-    band(gold_ax, steps, gold, "tab:orange", "gold (exact verifier)")
-    ax.set_ylabel("proxy gain (reward model)", color="tab:blue")
-    gold_ax.set_ylabel("gold (exact verifier)", color="tab:orange")
-    ax.set_title("GRPO against the reward model (beta = 0)", fontsize=10)
-
-    buggy = [s["buggy"] for s in seeds]
     ax = axes[1]
-    band(ax, steps, torch.tensor([[e["reward"] for e in r["evals"]] for r in buggy]), "tab:red", "buggy verifier")
-    band(ax, steps, torch.tensor([[e["gold"] for e in r["evals"]] for r in buggy]), "tab:orange",
-         "gold (exact verifier)")
+    for i, s in enumerate(seeds):
+        evals = s["runs"][0.0]["evals"]
+        ax.plot([max(e["kl"], 0.0) ** 0.5 for e in evals], [e["gold"] for e in evals], marker=".", alpha=0.7,
+                color="tab:blue", label="beta = 0, each seed" if i == 0 else None)
+    for beta, marker in zip(result["config"]["betas"], "s^vD"):
+        ends = [s["runs"][beta]["evals"][-1] for s in seeds]
+        ax.scatter([max(e["kl"], 0.0) ** 0.5 for e in ends], [e["gold"] for e in ends], marker=marker, s=40,
+                   color="tab:red", label=f"end of the run, beta = {beta:g}", zorder=3)
+    ax.set_xlabel("sqrt(KL(policy || reference)), nats per completion")
+    ax.set_ylabel("gold (exact verifier)")
+    ax.set_title("GRPO against the reward model", fontsize=10)
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    buggy = [s["buggy"] for s in seeds]
+    steps = [e["step"] for e in buggy[0]["evals"]]
+    for key, colour, label in (("reward", "tab:red", "buggy verifier"), ("gold", "tab:orange", "gold (exact verifier)")):
+        values = torch.tensor([[e[key] for e in r["evals"]] for r in buggy])
+        ax.plot(steps, values.mean(0), marker="o", color=colour, label=label)
+        ax.fill_between(steps, values.min(0).values, values.max(0).values, color=colour, alpha=0.2)
+    ax.set_xlabel("GRPO step")
     ax.set_ylabel("reward")
     ax.legend(fontsize=8)
     ax.set_title("GRPO against the buggy verifier (beta = 0)", fontsize=10)
-    for ax in axes[:2]:
-        ax.set_xlabel("GRPO step")
+    for ax in axes:
         ax.grid(alpha=0.3)
-
-    ax, gold_ax = axes[2], axes[2].twinx()
-    betas = result["config"]["betas"]
-    for key, axis, colour, label in (("reward", ax, "tab:blue", "proxy gain (reward model)"),
-                                     ("gold", gold_ax, "tab:orange", "gold (exact verifier)")):
-        points = []
-        for beta in betas:
-            ends = [(s["runs"][beta]["evals"][-1], s["runs"][beta]["evals"][0]) for s in seeds]
-            kl = torch.tensor([end["kl"] for end, _ in ends])
-            value = torch.tensor([end[key] - (start[key] if key == "reward" else 0.0) for end, start in ends])
-            axis.errorbar(kl.mean(), value.mean(), xerr=[[kl.mean() - kl.min()], [kl.max() - kl.mean()]],
-                          yerr=[[value.mean() - value.min()], [value.max() - value.mean()]], fmt="o", color=colour,
-                          capsize=3)
-            points.append((kl.mean().item(), value.mean().item()))
-            if key == "gold":
-                axis.annotate(f"beta={beta:g}", points[-1], textcoords="offset points", xytext=(4, 4), fontsize=8)
-        axis.plot(*zip(*sorted(points)), color=colour, alpha=0.5)
-        axis.set_ylabel(label, color=colour)
-    ax.set_xlabel("KL(policy || reference) at the end of the run (nats per completion)")
-    ax.set_title("beta as the leash: the end of each run", fontsize=10)
-    ax.grid(alpha=0.3)
-    fig.suptitle(f"Reward hacking, live: means over seeds {result['seeds']} (bands and bars: lowest to highest seed)")
+    fig.suptitle(f"Reward over-optimisation: seeds {result['seeds']}")
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The longer variant, behind its own command: best-of-n against reward models of several sizes."""
+    import json
+
+    from utils import cli
+
+    parser = cli.ArgumentParser(prog="python -m solutions.part6_lab.hacking",
+                                description="Best-of-n against reward models trained on more or fewer pairs "
+                                            "(the lab's default run trains one, on about 235 pairs).")
+    parser.add_argument("--rm-pairs", type=int, nargs="+", default=[100, 500, 2500], help="the reward models' sizes")
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds (0, 1, ...)")
+    args = parser.parse_args(argv)
+    sizes = run_rm_sizes(list(range(args.seeds)), tuple(args.rm_pairs))
+    figures = {size: {"pairs": [r["pairs"] for r in rows], "held_accuracy": [r["held_accuracy"] for r in rows],
+                      "best_of_n": _mean_curve([r["best_of_n"] for r in rows]),
+                      "peak": _peak([r["best_of_n"] for r in rows])} for size, rows in sizes["sizes"].items()}
+    print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()

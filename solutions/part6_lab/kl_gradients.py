@@ -24,7 +24,7 @@ arXiv:2506.09477), which the numbers check:
     the ratio pi / sg(pi) (TRL 1.16's default `beta` term, use_bias_correction_kl=True), checked at the main scale.
 
     run(seeds, smoke=False, *, two_token_logprobs=..., estimator_surrogate=..., settings=None) -> result
-    summarize(result) -> JSON-ready dict;  plot(result, path=None) -> Figure
+    summarize(result) -> JSON-ready dict (one entry per KL_TERMS row);  plot(result, path=None) -> Figure
 """
 
 from __future__ import annotations
@@ -164,7 +164,10 @@ def exact_sequence_kls(
 # --- the experiment's settings ------------------------------------------------------------------------------------
 
 LABELS = {"k1_loss": "k1 in the loss", "k2_loss": "k2 in the loss", "k3_loss": "k3 in the loss",
-          "exact_token_loss": "exact per-token KL", "k1_reward": "k1 in the reward"}
+          "exact_token_loss": "exact per-token KL", "k1_reward": "k1 in the reward",
+          "k3_ratio_loss": "k3 × ratio in the loss (TRL 1.16's default)"}
+# The experiment's rows: the exercise's terms, and TRL 1.16's default `beta` term (provided: _k3_times_ratio)
+KL_TERMS = KL_LOSSES + ("k3_ratio_loss",)
 
 
 @dataclass
@@ -219,15 +222,18 @@ def _forward_kl_on_policy_states(first, second, ref_first, ref_second) -> torch.
     return forward_first + (first.exp().detach() * forward_second).sum()
 
 
-def _k3_times_ratio(weights, first, second, ref_first, ref_second) -> torch.Tensor:
-    """TRL 1.16's default `beta` term (use_bias_correction_kl=True): each token's k3 times its ratio pi / sg(pi),
-    which is 1 but carries a gradient; the surrogate of its expected gradient, over every completion (rows = every
-    first token, in order). By the theory its gradient is the exact per-token KL's."""
+def _k3_times_ratio(weights, first, second, ref_first, ref_second, first_tokens=None) -> torch.Tensor:
+    """TRL 1.16's default `beta` term (use_bias_correction_kl=True; trl/trainer/grpo_trainer.py, _compute_loss:
+    `per_token_kl * coef_1`, coef_1 = exp(logp - old logp) with the gradient through logp): each token's k3 times
+    its ratio pi / sg(pi), which is 1 but carries a gradient. The surrogate sum_y w(y) L(y) as estimator_surrogate
+    builds it, over the rows first_tokens (default: every first token, in order). By the theory its expected
+    gradient is the exact per-token KL's."""
     def k3_times_ratio(logp, ref_logp):
         return token_kl_estimate(logp, ref_logp, "k3") * (logp - logp.detach()).exp()
 
-    per_token = k3_times_ratio(first, ref_first)[:, None] + k3_times_ratio(second, ref_second)  # [vocab, vocab]
-    return (weights.detach() * per_token).sum()
+    rows = slice(None) if first_tokens is None else first_tokens
+    per_token = k3_times_ratio(first[rows], ref_first[rows])[:, None] + k3_times_ratio(second, ref_second)
+    return (weights.detach() * per_token).sum()  # [rows, vocab] summed
 
 
 def _scale_b(lora_model, b_start: dict, scale: float) -> None:
@@ -277,10 +283,10 @@ def _exact_gradients(lora_model, prompt, reference, two_token_logprobs, estimato
     for kind in KL_LOSSES:
         out[kind] = _flat_grad(estimator_surrogate(weights, first, second, ref_first, ref_second, tokens, kind),
                                params)
+    out["k3_ratio_loss"] = _flat_grad(_k3_times_ratio(weights, first, second, ref_first, ref_second), params)
     if identity:
         out["per_token_forward_on_policy_states"] = _flat_grad(
             _forward_kl_on_policy_states(first, second, ref_first, ref_second), params)
-        out["k3_times_ratio"] = _flat_grad(_k3_times_ratio(weights, first, second, ref_first, ref_second), params)
     out["weights"] = weights
     return out
 
@@ -293,7 +299,7 @@ def _noise(lora_model, prompt, reference, exact, settings, generator, two_token_
     vocab = exact["weights"].shape[0]
     flat = exact["weights"].flatten()
     rows: dict[str, dict[int, list[tuple[float, float]]]] = {k: {n: [] for n in settings.sample_sizes}
-                                                            for k in KL_LOSSES}
+                                                            for k in KL_TERMS}
     for _ in range(settings.repeats):
         draws = torch.multinomial(flat, max(settings.sample_sizes), replacement=True, generator=generator)
         for n in settings.sample_sizes:
@@ -301,9 +307,14 @@ def _noise(lora_model, prompt, reference, exact, settings, generator, two_token_
             first_tokens = counts.sum(dim=1).nonzero().flatten()  # the first tokens that were drawn
             first, second = two_token_logprobs(lora_model, prompt, first_tokens)
             weights = counts[first_tokens] / n
-            for kind in KL_LOSSES:
-                grad = _flat_grad(estimator_surrogate(weights, first, second, ref_first, ref_second[first_tokens],
-                                                      first_tokens, kind), params)
+            for kind in KL_TERMS:
+                if kind == "k3_ratio_loss":
+                    surrogate = _k3_times_ratio(weights, first, second, ref_first, ref_second[first_tokens],
+                                                first_tokens)
+                else:
+                    surrogate = estimator_surrogate(weights, first, second, ref_first, ref_second[first_tokens],
+                                                    first_tokens, kind)
+                grad = _flat_grad(surrogate, params)
                 own = exact[kind]  # k1 in the loss: zero up to rounding, no direction to compare with
                 zero = own.norm() <= 1e-4 * exact["grad_reverse"].norm()
                 rows[kind][n].append((math.nan if zero else _cosine(grad, own),
@@ -361,7 +372,7 @@ def _measure(g: dict) -> dict:
     norm_reverse = g["grad_reverse"].norm().item()
     out = {"reverse_kl": g["reverse_kl"], "forward_kl": g["forward_kl"],
            "cosine_reverse_forward": _cosine(g["grad_reverse"], g["grad_forward"])}
-    for kind in KL_LOSSES:
+    for kind in KL_TERMS:
         zero = g[kind].norm().item() <= 1e-4 * norm_reverse  # k1 in the loss: zero up to rounding
         out[kind] = {"cosine_reverse": None if zero else _cosine(g[kind], g["grad_reverse"]),
                      "cosine_forward": None if zero else _cosine(g[kind], g["grad_forward"]),
@@ -377,7 +388,7 @@ def _identity(g: dict) -> dict:
 
 def _ratio_identity(g: dict) -> dict:
     """k3 times the ratio (TRL 1.16's default) against the exact per-token KL: equal, by the theory."""
-    k3_ratio, rhs = g["k3_times_ratio"], g["exact_token_loss"]
+    k3_ratio, rhs = g["k3_ratio_loss"], g["exact_token_loss"]
     return {"cosine": _cosine(k3_ratio, rhs), "relative_error": ((k3_ratio - rhs).norm() / rhs.norm()).item()}
 
 
@@ -404,7 +415,7 @@ def summarize(result: dict) -> dict:
         return lambda r: r["by_scale"][scale][key] if field is None else r["by_scale"][scale][key][field]
 
     out: dict = {}
-    for kind in KL_LOSSES:
+    for kind in KL_TERMS:
         entry = {}
         for field in ("cosine_reverse", "cosine_forward", "norm_ratio"):
             values = _per_seed(result, at(1.0, kind, field))
@@ -423,7 +434,7 @@ def summarize(result: dict) -> dict:
     out["scale_sweep"] = [
         {"scale": s, "reverse_kl": round(_mean(_per_seed(result, at(s, "reverse_kl"))), 4),
          **{f"cosine_reverse_{kind}": (None if (m := _mean(_per_seed(result, at(s, kind, "cosine_reverse")))) is None
-                                       else round(m, 4)) for kind in KL_LOSSES}}
+                                       else round(m, 4)) for kind in KL_TERMS}}
         for s in result["settings"].scales]
     sizes = list(result["settings"].sample_sizes)
 
@@ -432,7 +443,7 @@ def summarize(result: dict) -> dict:
         return None if any(math.isnan(v) for v in values) else [round(v, 4) for v in values]
 
     out["noise"] = {"n": sizes, **{kind: {"cosine_own": noise(kind, 0), "cosine_reverse": noise(kind, 1)}
-                                   for kind in KL_LOSSES}}
+                                   for kind in KL_TERMS}}
     return out
 
 
@@ -443,8 +454,8 @@ def plot(result: dict, path=None):
     plt = pyplot_for(path)
     settings, seeds = result["settings"], result["seeds"]
     fig, axes = plt.subplots(2, 3, figsize=(17, 9))
-    x = list(range(len(KL_LOSSES)))
-    names = [LABELS[k] for k in KL_LOSSES]
+    x = list(range(len(KL_TERMS)))
+    names = [LABELS[k] for k in KL_TERMS]
     reverse_kl = _mean(_per_seed(result, lambda r: r["by_scale"][1.0]["reverse_kl"]))
 
     def main_scale(kind, field):
@@ -453,7 +464,7 @@ def plot(result: dict, path=None):
     ax = axes[0, 0]  # cosines at the main scale: bar = mean over seeds, dots = seeds
     for offset, field, color, label in ((-0.2, "cosine_reverse", "C0", "reverse"), (0.2, "cosine_forward", "C1",
                                                                                    "forward")):
-        per_seed = [main_scale(kind, field) for kind in KL_LOSSES]
+        per_seed = [main_scale(kind, field) for kind in KL_TERMS]
         ax.bar([i + offset for i in x], [_mean(v) or 0.0 for v in per_seed], width=0.4, color=color, alpha=0.6,
                label=f"cosine with the {label}-KL gradient")
         for i, values in enumerate(per_seed):
@@ -467,7 +478,7 @@ def plot(result: dict, path=None):
     ax.grid(alpha=0.3, axis="y")
 
     ax = axes[0, 1]  # norm ratios at the main scale
-    ratios = [main_scale(kind, "norm_ratio") for kind in KL_LOSSES]
+    ratios = [main_scale(kind, "norm_ratio") for kind in KL_TERMS]
     ax.bar(x, [_mean(v) for v in ratios], color="C2", alpha=0.6)
     for i, values in enumerate(ratios):
         ax.plot([i] * len(values), values, "k.", ms=4)
@@ -487,7 +498,7 @@ def plot(result: dict, path=None):
             ax.plot(seed_kls, values, ".", color=color, alpha=0.35, ms=5)
 
     ax = axes[0, 2]  # cosine with the reverse-KL gradient against the KL
-    for i, kind in enumerate(KL_LOSSES[1:], start=1):
+    for i, kind in enumerate(KL_TERMS[1:], start=1):
         against_kl(ax, lambda m, k=kind: m[k]["cosine_reverse"], f"C{i}", LABELS[kind])
     against_kl(ax, lambda m: m["cosine_reverse_forward"], "k", "the forward-KL gradient itself", ":")
     ax.set_xscale("log")
@@ -498,7 +509,7 @@ def plot(result: dict, path=None):
     ax.grid(alpha=0.3)
 
     ax = axes[1, 0]  # norm ratio against the KL
-    for i, kind in enumerate(KL_LOSSES[1:], start=1):
+    for i, kind in enumerate(KL_TERMS[1:], start=1):
         against_kl(ax, lambda m, k=kind: m[k]["norm_ratio"], f"C{i}", LABELS[kind])
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -511,7 +522,7 @@ def plot(result: dict, path=None):
     sizes = list(settings.sample_sizes)
     for ax, which, title in ((axes[1, 1], 0, "cosine of the N-sample gradient with its own expectation"),
                              (axes[1, 2], 1, "cosine of the N-sample gradient with the reverse-KL gradient")):
-        for i, kind in enumerate(KL_LOSSES):
+        for i, kind in enumerate(KL_TERMS):
             if which == 0 and kind == "k1_loss":
                 continue  # its expectation is 0: no direction to compare with
             per_seed = [[statistics.fmean(c[which] for r in result["runs"] if r["seed"] == seed

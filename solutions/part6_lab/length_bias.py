@@ -101,16 +101,18 @@ def mean_length_by_outcome(
 # sentiment word, positive or negative about equally often before training
 PROMPTS = ("I feel", "I am", "We feel", "We are", "They feel", "They are", "You feel", "You are")
 
-# name -> (loss_type, scale_rewards)
-CONFIGURATIONS = {"grpo": ("grpo", "group"), "dr_grpo": ("dr_grpo", "group"), "dapo": ("dapo", "group"),
-                  "grpo_scale_none": ("grpo", "none")}
+# name -> (loss_type, scale_rewards, weight of the known length term in the reward: the positive control)
+CONFIGURATIONS = {"grpo": ("grpo", "group", 0.0), "dr_grpo": ("dr_grpo", "group", 0.0),
+                  "dapo": ("dapo", "group", 0.0), "grpo_scale_none": ("grpo", "none", 0.0),
+                  "control": ("dr_grpo", "group", 1.0)}
+BASELINE = "dr_grpo"  # every configuration is compared with this one, paired: same seed, same samples
 
 
 @dataclass
 class LengthBiasConfig:
-    """Defaults sized for about 150 s on an idle 2-core CPU (4 configurations x 3 seeds)."""
+    """Defaults sized for about 75 s on an idle 2-core CPU (3 seeds); `LengthBiasConfig.long()` for more power."""
 
-    steps: int = 45
+    steps: int = 30
     n_prompts: int = 4               # prompts per step (drawn from PROMPTS without replacement)
     group_size: int = 8
     max_new_tokens: int = 24         # room for three sentences or so; the brief asks for at least 16
@@ -118,12 +120,38 @@ class LengthBiasConfig:
     lora_rank: int = 4
     lora_alpha: float = 8.0
     window: int = 10                 # "start" and "end": the completions of the first and the last `window` steps
-    push_group_size: int = 32        # the one-update measurement: completions of each of the 8 prompts
-    configurations: tuple[str, ...] = tuple(CONFIGURATIONS)
+    push_group_size: int = 64        # the one-update measurement: completions of each of the 8 prompts
+    control_weight: float = 1.0      # kappa of the positive control's length term (CONFIGURATIONS["control"])
+    configurations: tuple[str, ...] = ("grpo", "dr_grpo", "control")  # trained, with shared random numbers
+    push_configurations: tuple[str, ...] = tuple(CONFIGURATIONS)        # measured by the one-update probe
 
     @classmethod
     def smoke(cls) -> "LengthBiasConfig":
         return cls(steps=2, n_prompts=2, group_size=4, max_new_tokens=16, window=1, push_group_size=4)
+
+    @classmethod
+    def long(cls) -> "LengthBiasConfig":
+        """More samples per update and longer runs, every configuration trained (see the README for its time)."""
+        return cls(steps=60, push_group_size=256, configurations=tuple(CONFIGURATIONS))
+
+
+def length_term_reward(tokenizer, max_new_tokens: int, weight: float):
+    """The positive control's reward: reward_positive_answer r plus a known length term of the shape the theory
+    ascribes to "grpo", weight * (2r - 1) * (1 - L / max_new_tokens), with L the completion's tokens (re-encoded,
+    plus its EOS): a right answer earns more the shorter it is, a wrong one loses less the longer it is."""
+    def reward(prompts: list[str], completions: list[str]) -> list[float]:
+        right = reward_positive_answer(prompts, completions)
+        lengths = [min(len(tokenizer.encode(c)) + 1, max_new_tokens) for c in completions]
+        return [r + weight * (2 * r - 1) * (1 - n / max_new_tokens) for r, n in zip(right, lengths)]
+    return reward
+
+
+def _rewards(model, cfg: LengthBiasConfig, name: str) -> list[RewardFunction]:
+    weight = CONFIGURATIONS[name][2] and cfg.control_weight
+    if not weight:
+        return [RewardFunction("positive_answer", reward_positive_answer)]
+    return [RewardFunction("positive_answer_and_length", length_term_reward(model.tokenizer, cfg.max_new_tokens,
+                                                                            weight))]
 
 
 def _fresh_policy(model, cfg: LengthBiasConfig, seed: int):
@@ -138,57 +166,73 @@ def _stopped_after_answer(texts: list[str], truncated: torch.Tensor) -> torch.Te
     return torch.tensor([t.strip().endswith(".") and t.count(".") == 1 for t in texts]) & ~truncated
 
 
-def _train(model, cfg: LengthBiasConfig, loss_type: str, scale_rewards: str, seed: int, mean_length_by_outcome):
-    """One GRPO run: a fresh LoRA, cfg.steps grpo_steps; per step the completions' lengths and outcomes."""
-    policy, adapters = _fresh_policy(model, cfg, seed)
-    optimizer = torch.optim.AdamW(adapters.parameters(), lr=cfg.lr, weight_decay=0.0)
-    grpo = GRPOConfig(loss_type=loss_type, scale_rewards=scale_rewards, group_size=cfg.group_size,
-                      n_prompts=cfg.n_prompts, max_new_tokens=cfg.max_new_tokens, lr=cfg.lr, beta=0.0, seed=seed)
-    rewards = [RewardFunction("positive_answer", reward_positive_answer)]
-    rng = random.Random(seed)
-    lengths, correct, stopped, curve = [], [], [], []
-    for _ in range(cfg.steps):
-        prompts = rng.sample(PROMPTS, cfg.n_prompts)
-        out = grpo_step(policy, optimizer, rewards, lambda samples: None, prompts, grpo)
-        mask = out.samples.completion_mask
-        right = out.rewards > 0.5
-        curve.append(mean_length_by_outcome(mask, right).tolist())  # [right, wrong], NaN for an outcome absent
-        lengths.append(mask.sum(1))
-        correct.append(right)
-        stopped.append(_stopped_after_answer(out.samples.texts, out.samples.truncated))
-    return {"lengths": torch.stack(lengths), "correct": torch.stack(correct), "stopped": torch.stack(stopped),
-            "curve": curve}  # [steps, batch] each
-
-
-def _stop_push(model, cfg: LengthBiasConfig, seed: int, loss_token_weights) -> dict[str, list[float]]:
-    """Which way one update of each configuration pushes the decision to stop after the answer, measured on a large
-    batch rather than read off noisy training curves.
-
-    From the starting policy (a fresh LoRA, B = 0), cfg.push_group_size completions of each prompt, judged; each
-    configuration's loss on that same batch (on-policy, so grpo_loss is sum of w[i, t] * -A_i * log pi(token), with
-    w from `loss_token_weights`) and its gradient g on the LoRA. The probe: log P(EOS) right after a right first
-    sentence ("I feel happy.", every prompt and positive word) and after a wrong one (every negative word). Returns,
-    per configuration, [right, wrong]: the first-order change of the probe's mean log P(EOS) for an update of norm 1
-    along -g (for scale: a first Adam step at lr 1e-2 moves each of the 4096 numbers of the LoRA's B matrices by about
-    0.01, a norm of about 0.64; A gets no gradient while B = 0).
-    """
-    policy, adapters = _fresh_policy(model, cfg, seed)
-    params = [p for p in adapters.parameters() if p.requires_grad]
-    samples = sample_groups(policy, list(PROMPTS), cfg.push_group_size, cfg.max_new_tokens)
-    rewards = torch.tensor(reward_positive_answer(samples.prompts, samples.texts))
-    logprobs = completion_logprobs(policy, samples)  # [batch, gen], with gradient into the LoRA
-
+def _eos_after_answer(policy, model) -> Float[Tensor, "2"]:
+    """The theory's read-out, teacher-forced: the mean log P(EOS) right after a right first sentence (every prompt
+    and positive word: "I feel happy.") and after a wrong one (every negative word), [right, wrong]; with the
+    gradient into the LoRA when grad is enabled."""
     eos = model.tokenizer.eos_token_id
     probes = []
     for words in (POSITIVE, NEGATIVE):
         ids, attention = tokenize_prompts(model.tokenizer, [f"{p} {w}." for p in PROMPTS for w in words],
                                           model.cfg.device)
-        stop = policy(ids, attention_mask=attention)[:, -1].log_softmax(-1)[:, eos].mean()
-        probes.append(torch.autograd.grad(stop, params, allow_unused=True))
+        probes.append(policy(ids, attention_mask=attention)[:, -1].log_softmax(-1)[:, eos].mean())
+    return torch.stack(probes)
+
+
+def _train(model, cfg: LengthBiasConfig, name: str, seed: int, mean_length_by_outcome):
+    """One GRPO run with shared random numbers: the same initial LoRA (seed), the same prompts and the same sampler
+    random numbers at each step (torch.manual_seed(1000 * seed + step) before the step's sampling) in every
+    configuration, so that two configurations differ only by their loss (or reward) and by where that has led.
+    Per step: the completions' lengths, outcomes and stops; the teacher-forced log P(EOS) after a right and after a
+    wrong first sentence, before the step (and once more at the end)."""
+    loss_type, scale_rewards, _ = CONFIGURATIONS[name]
+    policy, adapters = _fresh_policy(model, cfg, seed)
+    optimizer = torch.optim.AdamW(adapters.parameters(), lr=cfg.lr, weight_decay=0.0)
+    grpo = GRPOConfig(loss_type=loss_type, scale_rewards=scale_rewards, group_size=cfg.group_size,
+                      n_prompts=cfg.n_prompts, max_new_tokens=cfg.max_new_tokens, lr=cfg.lr, beta=0.0, seed=seed)
+    rewards = _rewards(model, cfg, name)
+    rng = random.Random(seed)
+    lengths, correct, stopped, curve, eos = [], [], [], [], []
+    for step in range(cfg.steps):
+        prompts = rng.sample(PROMPTS, cfg.n_prompts)
+        with torch.no_grad():
+            eos.append(_eos_after_answer(policy, model))
+        torch.manual_seed(1000 * seed + step)  # the sampler's random numbers: the same in every configuration
+        out = grpo_step(policy, optimizer, rewards, lambda samples: None, prompts, grpo)
+        mask = out.samples.completion_mask
+        right = torch.tensor(reward_positive_answer(out.samples.prompts, out.samples.texts)) > 0.5
+        curve.append(mean_length_by_outcome(mask, right).tolist())  # [right, wrong], NaN for an outcome absent
+        lengths.append(mask.sum(1))
+        correct.append(right)
+        stopped.append(_stopped_after_answer(out.samples.texts, out.samples.truncated))
+    with torch.no_grad():
+        eos.append(_eos_after_answer(policy, model))
+    return {"lengths": torch.stack(lengths), "correct": torch.stack(correct), "stopped": torch.stack(stopped),
+            "curve": curve, "eos": torch.stack(eos)}  # [steps, batch] each; eos [steps + 1, 2]
+
+
+def _stop_push(model, cfg: LengthBiasConfig, seed: int, loss_token_weights) -> dict[str, list[float]]:
+    """The primary measurement: which way one update of each configuration pushes the decision to stop after the
+    answer, all configurations on the same batch (paired).
+
+    From the starting policy (a fresh LoRA, B = 0), cfg.push_group_size completions of each prompt, judged; each
+    configuration's loss on that same batch (on-policy, so grpo_loss is sum of w[i, t] * -A_i * log pi(token), with
+    w from `loss_token_weights`) and its gradient g on the LoRA. The probe: _eos_after_answer. Returns, per
+    configuration, [right, wrong]: the first-order change of the two log P(EOS) for an update of norm 1 along -g (for
+    scale: a first Adam step at lr 1e-2 moves each of the 4096 numbers of the LoRA's B matrices by about 0.01, a norm
+    of about 0.64; A gets no gradient while B = 0).
+    """
+    policy, adapters = _fresh_policy(model, cfg, seed)
+    params = [p for p in adapters.parameters() if p.requires_grad]
+    samples = sample_groups(policy, list(PROMPTS), cfg.push_group_size, cfg.max_new_tokens)
+    logprobs = completion_logprobs(policy, samples)  # [batch, gen], with gradient into the LoRA
+    probe = _eos_after_answer(policy, model)
+    probes = [torch.autograd.grad(probe[k], params, retain_graph=k == 0, allow_unused=True) for k in (0, 1)]
 
     push = {}
-    for name in cfg.configurations:
-        loss_type, scale_rewards = CONFIGURATIONS[name]
+    for name in cfg.push_configurations:
+        loss_type, scale_rewards, _ = CONFIGURATIONS[name]
+        rewards = torch.tensor(_rewards(model, cfg, name)[0].fn(samples.prompts, samples.texts))
         advantages = group_advantages(rewards, cfg.push_group_size, scale_rewards)
         weights = loss_token_weights(samples.completion_mask, loss_type, cfg.max_new_tokens)
         loss = (weights * -advantages[:, None] * logprobs).sum()
@@ -208,18 +252,19 @@ def _window_means(run: dict, steps: slice, mean_length_by_outcome) -> list[float
 
 def run(seeds: list[int], smoke: bool = False, *, loss_token_weights=loss_token_weights,
         mean_length_by_outcome=mean_length_by_outcome, cfg: LengthBiasConfig | None = None) -> dict:
-    """Every configuration of cfg.configurations, for each seed. Returns the runs and what the figure needs. The
-    exercises are the ones above unless passed (the notebook passes the learner's)."""
+    """The one-update measurement of every configuration of cfg.push_configurations, and a training run of each of
+    cfg.configurations, for each seed. Returns the runs and what the figure needs. The exercises are the ones above
+    unless passed (the notebook passes the learner's)."""
     cfg = cfg or (LengthBiasConfig.smoke() if smoke else LengthBiasConfig())
     model = load_model("tiny")
+    push = [_stop_push(model, cfg, seed, loss_token_weights) for seed in tqdm(seeds, desc="length bias: one update")]
     runs: dict[str, list[dict]] = {}
     bar = tqdm(total=len(cfg.configurations) * len(seeds), desc="length bias: runs")
     for name in cfg.configurations:
-        loss_type, scale_rewards = CONFIGURATIONS[name]
         runs[name] = []
         for seed in seeds:
             bar.set_postfix_str(f"{name}, seed {seed}")
-            result = _train(model, cfg, loss_type, scale_rewards, seed, mean_length_by_outcome)
+            result = _train(model, cfg, name, seed, mean_length_by_outcome)
             window = min(cfg.window, cfg.steps)
             result["start"] = _window_means(result, slice(0, window), mean_length_by_outcome)
             result["end"] = _window_means(result, slice(cfg.steps - window, cfg.steps), mean_length_by_outcome)
@@ -232,7 +277,6 @@ def run(seeds: list[int], smoke: bool = False, *, loss_token_weights=loss_token_
             runs[name].append(result)
             bar.update()
     bar.close()
-    push = [_stop_push(model, cfg, seed, loss_token_weights) for seed in tqdm(seeds, desc="length bias: one update")]
 
     # Each token's weight in the loss against its completion's length, for every loss type, on one real batch: the
     # first step's lengths of the first run (the same batch for each loss type)
@@ -241,7 +285,7 @@ def run(seeds: list[int], smoke: bool = False, *, loss_token_weights=loss_token_
     weights = {loss_type: loss_token_weights(mask, loss_type, cfg.max_new_tokens).max(dim=1).values.tolist()
                for loss_type in ("grpo", "dapo", "dr_grpo")}
     return {"cfg": cfg, "seeds": list(seeds), "runs": runs, "weights": weights, "weight_lengths": lengths.tolist(),
-            "push": {name: [p[name] for p in push] for name in cfg.configurations}}  # name -> per seed [right, wrong]
+            "push": {name: [p[name] for p in push] for name in cfg.push_configurations}}  # per seed [right, wrong]
 
 
 def _number(x: float, digits: int = 2) -> float | None:
@@ -254,31 +298,89 @@ def _mean(values: list[float], digits: int = 2) -> float | None:
     return round(sum(kept) / len(kept), digits) if kept else None
 
 
+# Student's t, the 97.5% quantile by degrees of freedom: a 95% interval from n seeds is mean +- t[n - 1] * SE
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def _t975(df: int) -> float:
+    if df > 30:
+        return 1.96 + 2.5 / df
+    return T_975[max(k for k in T_975 if k <= df)]  # between two entries: the smaller df's, the wider interval
+
+
+def paired_statistics(differences: list[float], digits: int = 4) -> dict:
+    """Mean, standard error and 95% t-interval over seeds of paired differences (one per seed); `positive`: how many
+    seeds are above 0. With one seed (or NaN in the list) there is no standard error: None."""
+    n = len(differences)
+    kept = [d for d in differences if not math.isnan(d)]
+    mean = sum(kept) / len(kept) if kept else math.nan
+    se = math.sqrt(sum((d - mean) ** 2 for d in kept) / (n - 1) / n) if n > 1 and len(kept) == n else math.nan
+    half = _t975(n - 1) * se if not math.isnan(se) else math.nan
+    return {"mean": _number(mean, digits), "standard_error": _number(se, digits),
+            "ci95": None if math.isnan(half) else [round(mean - half, digits), round(mean + half, digits)],
+            "seeds": [_number(d, digits) for d in differences], "positive": sum(d > 0 for d in kept)}
+
+
+def _gap(pair: list[float]) -> float:
+    """right - wrong"""
+    return pair[0] - pair[1]
+
+
 def summarize(result: dict) -> dict:
-    """Per configuration: the mean length of wrong and of right answers at the start and at the end of training (the
-    first and last `window` steps, each seed's completions pooled; the mean over seeds, and each seed's value under
-    "seeds"); the accuracy and the share of right and of wrong answers that stop right after their first sentence
-    over the same windows; and `push_right_minus_wrong`, how much more one update favours stopping after a right
-    answer than after a wrong one (see _stop_push; > 0 is the direction of the length bias)."""
-    figures: dict = {}
-    for name, runs in result["runs"].items():
-        push = result["push"][name]
-        per_seed = {"wrong_start": [r["start"][1] for r in runs], "wrong_end": [r["end"][1] for r in runs],
-                    "right_start": [r["start"][0] for r in runs], "right_end": [r["end"][0] for r in runs],
-                    "accuracy_start": [r["accuracy_start"] for r in runs],
-                    "accuracy_end": [r["accuracy_end"] for r in runs],
-                    "stop_rate_right_start": [r["stop_rate_start"][0] for r in runs],
-                    "stop_rate_wrong_start": [r["stop_rate_start"][1] for r in runs],
-                    "stop_rate_right_end": [r["stop_rate_end"][0] for r in runs],
-                    "stop_rate_wrong_end": [r["stop_rate_end"][1] for r in runs],
-                    "push_right_minus_wrong": [right - wrong for right, wrong in push]}
+    """`paired` (the primary result): grpo's one-update push towards stopping after a right rather than a wrong answer
+    minus dr_grpo's on the same batch, per seed, with its mean, standard error and 95% interval over seeds; the same
+    for every other configuration under `paired_all`. `positive_control`: the same for the control (dr_grpo with a
+    known length term in the reward); `detected` when its 95% interval lies above 0. `training`: paired differences
+    after training with shared random numbers, of the teacher-forced log P(EOS) gap (right - wrong) and of the stop
+    rates' gap (right - wrong, last `window` steps). Then per trained configuration: the mean length of wrong and of
+    right answers at the start and at the end of training (the first and last `window` steps, each seed's
+    completions pooled; the mean over seeds, and each seed's value under "seeds"), the accuracy and the stop rates,
+    and `push_right_minus_wrong` (the one-update push, unpaired)."""
+    cfg, push = result["cfg"], result["push"]
+    paired = {name: paired_statistics([_gap(p) - _gap(b) for p, b in zip(push[name], push[BASELINE])])
+              for name in push if name != BASELINE}
+    figures: dict = {"paired": {"what": f"one update of norm 1: (grpo - {BASELINE}) in d log P(EOS | right answer) "
+                                        "- d log P(EOS | wrong answer), same batch", **paired.get("grpo", {})},
+                     "paired_all": paired}
+    if "control" in paired:
+        figures["positive_control"] = {"weight": cfg.control_weight, **paired["control"],
+                                       "detected": bool(paired["control"]["ci95"] and paired["control"]["ci95"][0] > 0)}
+
+    runs = result["runs"]
+    if BASELINE in runs:
+        training = {}
+        for name in runs:
+            if name == BASELINE:
+                continue
+            eos = [_gap(r["eos"][-1].tolist()) - _gap(b["eos"][-1].tolist()) for r, b in zip(runs[name], runs[BASELINE])]
+            stop = [_gap(r["stop_rate_end"]) - _gap(b["stop_rate_end"]) for r, b in zip(runs[name], runs[BASELINE])]
+            training[name] = {"eos_gap": paired_statistics(eos), "stop_rate_gap": paired_statistics(stop, 3)}
+            ci = training[name]["eos_gap"]["ci95"]
+            training[name]["eos_gap"]["detected"] = bool(ci and ci[0] > 0)
+        training["eos_gap_start"] = _mean([_gap(r["eos"][0].tolist()) for r in runs[BASELINE]], 4)
+        training["eos_gap_end"] = {name: _mean([_gap(r["eos"][-1].tolist()) for r in rs], 4) for name, rs in runs.items()}
+        figures["training"] = training
+        if "control" in training and "positive_control" in figures:
+            figures["positive_control"]["training_detected"] = training["control"]["eos_gap"]["detected"]
+
+    for name, rs in runs.items():
+        per_seed = {"wrong_start": [r["start"][1] for r in rs], "wrong_end": [r["end"][1] for r in rs],
+                    "right_start": [r["start"][0] for r in rs], "right_end": [r["end"][0] for r in rs],
+                    "accuracy_start": [r["accuracy_start"] for r in rs],
+                    "accuracy_end": [r["accuracy_end"] for r in rs],
+                    "stop_rate_right_start": [r["stop_rate_start"][0] for r in rs],
+                    "stop_rate_wrong_start": [r["stop_rate_start"][1] for r in rs],
+                    "stop_rate_right_end": [r["stop_rate_end"][0] for r in rs],
+                    "stop_rate_wrong_end": [r["stop_rate_end"][1] for r in rs],
+                    **({"push_right_minus_wrong": [_gap(p) for p in push[name]]} if name in push else {})}
         figures[name] = {key: _mean(values, 4 if key.startswith("push") else 2) for key, values in per_seed.items()}
         figures[name]["seeds"] = {key: [_number(v, 4 if key.startswith("push") else 2) for v in values]
                                   for key, values in per_seed.items()}
-    cfg = result["cfg"]
     figures["settings"] = {"steps": cfg.steps, "completions_per_step": cfg.n_prompts * cfg.group_size,
                            "max_new_tokens": cfg.max_new_tokens, "window": cfg.window, "lr": cfg.lr,
-                           "push_completions": len(PROMPTS) * cfg.push_group_size, "seeds": result["seeds"]}
+                           "push_completions": len(PROMPTS) * cfg.push_group_size,
+                           "control_weight": cfg.control_weight, "seeds": result["seeds"]}
     return figures
 
 
@@ -292,14 +394,16 @@ def _smooth(values: list[float], width: int) -> list[float]:
 
 
 def plot(result: dict, path=None):
-    """Top row, one panel per configuration: the mean length of right (green) and wrong (red) answers over training,
-    each seed's curve smoothed over `window` steps (thin) and their mean (thick). Bottom row: each token's weight in
-    the loss against its completion's length, per loss type; the one-update push towards stopping after a right
-    rather than a wrong answer; the accuracy; the share of answers that stop after their first sentence, at the end."""
+    """Top row, one panel per trained configuration: the mean length of right (green) and wrong (red) answers over
+    training, each seed's curve smoothed over `window` steps (thin) and their mean (thick). Bottom row: each token's
+    weight in the loss against its completion's length, per loss type; the primary result, one update's push towards
+    stopping after a right rather than a wrong answer, paired against dr_grpo (dots: seeds; bars: 95% intervals); the
+    same read-out during training, paired; the share of answers that stop after their first sentence, at the end."""
     plt = pyplot_for(path)
     cfg, runs = result["cfg"], result["runs"]
     names = list(runs)
-    fig, axes = plt.subplots(2, max(4, len(names)), figsize=(4.2 * max(4, len(names)), 7.5), squeeze=False)
+    columns = max(4, len(names))
+    fig, axes = plt.subplots(2, columns, figsize=(4.2 * columns, 7.5), squeeze=False)
     width = max(1, min(cfg.window, cfg.steps))
     top = 0.0
     for ax, name in zip(axes[0], names):
@@ -310,8 +414,9 @@ def plot(result: dict, path=None):
             mean = [_mean([c[i] for c in curves]) for i in range(len(curves[0]))]
             ax.plot([math.nan if m is None else m for m in mean], color=colour, linewidth=2, label=f"{label} answers")
             top = max([top] + [v for c in curves for v in c if not math.isnan(v)])
-        loss_type, scale = CONFIGURATIONS[name]
-        ax.set_title(f"{name}: loss_type={loss_type!r}, scale_rewards={scale!r}", fontsize=8)
+        loss_type, scale, length_term = CONFIGURATIONS[name]
+        ax.set_title(f"{name}: loss_type={loss_type!r}, scale_rewards={scale!r}"
+                     + (f", length term {cfg.control_weight}" if length_term else ""), fontsize=8)
         ax.set_xlabel("step")
         ax.set_ylabel("mean completion length (tokens)")
         ax.grid(alpha=0.3)
@@ -331,26 +436,33 @@ def plot(result: dict, path=None):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
 
-    ax = axes[1][1]
-    for i, name in enumerate(names):
-        values = [right - wrong for right, wrong in result["push"][name]]
-        ax.bar(i, sum(values) / len(values), color=f"C{i}", alpha=0.6)
-        ax.scatter([i] * len(values), values, color="black", s=12, zorder=3)
-    ax.axhline(0, color="grey", linewidth=0.8)
-    ax.set_xticks(range(len(names)), names, fontsize=8, rotation=15)
-    ax.set_ylabel("change in log P(stop | right) - log P(stop | wrong)")
-    ax.set_title(f"one update of norm 1 ({len(PROMPTS) * cfg.push_group_size} completions; dots: seeds)", fontsize=9)
-    ax.grid(alpha=0.3, axis="y")
+    def paired_panel(ax, differences: dict[str, list[float]], ylabel: str, title: str):
+        for i, (name, values) in enumerate(differences.items()):
+            stats = paired_statistics(values, 6)
+            ax.bar(i, stats["mean"] or 0.0, color=f"C{i}", alpha=0.5)
+            if stats["ci95"]:
+                ax.errorbar(i, stats["mean"], yerr=[[stats["mean"] - stats["ci95"][0]],
+                                                    [stats["ci95"][1] - stats["mean"]]], color="black", capsize=4)
+            ax.scatter([i] * len(values), values, color="black", s=12, zorder=3)
+        ax.axhline(0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(differences)), [f"{n} - {BASELINE}" for n in differences], fontsize=7, rotation=15)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
 
-    ax = axes[1][2]
-    for i, name in enumerate(names):
-        accuracy = [_smooth(r["correct"].float().mean(1).tolist(), width) for r in runs[name]]
-        ax.plot([sum(a[s] for a in accuracy) / len(accuracy) for s in range(cfg.steps)], label=name, color=f"C{i}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("share of right answers")
-    ax.set_title("accuracy (mean over seeds)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    push = result["push"]
+    paired_panel(axes[1][1], {name: [_gap(p) - _gap(b) for p, b in zip(push[name], push[BASELINE])]
+                              for name in push if name != BASELINE},
+                 "change in log P(EOS | right) - log P(EOS | wrong)",
+                 f"one update of norm 1, paired ({len(PROMPTS) * cfg.push_group_size} completions)")
+    if BASELINE in runs:
+        paired_panel(axes[1][2], {name: [_gap(r["eos"][-1].tolist()) - _gap(b["eos"][-1].tolist())
+                                         for r, b in zip(runs[name], runs[BASELINE])]
+                                  for name in runs if name != BASELINE},
+                     "log P(EOS | right) - log P(EOS | wrong), at the end",
+                     f"after {cfg.steps} steps, shared random numbers, paired")
+    else:
+        axes[1][2].axis("off")
 
     ax = axes[1][3]
     for i, name in enumerate(names):
@@ -368,8 +480,9 @@ def plot(result: dict, path=None):
     for ax in axes[1][4:]:
         ax.axis("off")
 
-    fig.suptitle(f"Length of right and wrong answers under each loss aggregation ({len(result['seeds'])} seeds, "
-                 f"{cfg.n_prompts * cfg.group_size} completions per step, up to {cfg.max_new_tokens} tokens)")
+    fig.suptitle(f"Length bias: one update on a shared batch, and training with shared random numbers "
+                 f"({len(result['seeds'])} seeds, {cfg.n_prompts * cfg.group_size} completions per step, up to "
+                 f"{cfg.max_new_tokens} tokens)")
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=100)

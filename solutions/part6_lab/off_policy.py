@@ -4,7 +4,11 @@ tis_grpo_loss), then the experiment that runs on them.
 With num_iterations > 1 the policy moves between updates on the same samples, and the clip starts to fire; when the
 sampler is not the trainer (another dtype, another kernel, weights a few steps behind), the samples are off-policy
 even at num_iterations 1, and truncated importance sampling (Yao et al. 2025) weights each token's loss by
-min(pi_trainer / pi_sampler, C).
+min(pi_trainer / pi_sampler, C). That per-token weight corrects the draw of token t given its prefix, nothing more:
+the prefix, and the later tokens that set the reward and so the advantage, still come from the sampler, so it is
+biased even uncapped. Only the product of the ratios over the completion, pi_trainer(y) / pi_sampler(y), gives the
+on-policy gradient in expectation, at a variance that can grow exponentially with the length; the cap adds a bias
+of its own (Liu, Li et al. 2025, "When Speed Kills Stability", https://richardli.xyz/rl-collapse).
 
 Three measurements, each over seeds, with Part 3's GRPO on the tiny model's additions (a rank-4 LoRA on q and v):
 

@@ -171,13 +171,47 @@ def test_reward_model_batch_layout(tiny_model):
                   what="reward_model_batch", why="one prompt per completion")
 
 
+def test_best_of_n_weights_are_the_chance_of_being_the_best_of_n():
+    """Against a brute force: every n-subset of a pool of 7, the best of each (by rank) counted."""
+    from itertools import combinations
+
+    from solutions.part6_lab import hacking
+
+    for n in (1, 2, 3, 7):
+        counts = torch.zeros(7, dtype=torch.float64)
+        subsets = list(combinations(range(7), n))
+        for subset in subsets:
+            counts[max(subset)] += 1
+        assert_close(hacking.best_of_n_weights(7, n), counts / len(subsets), f"best_of_n_weights(7, {n})")
+    assert_close(torch.tensor(hacking.best_of_n_kl(1)), torch.tensor(0.0), "best-of-1 is the policy: KL 0")
+    assert_close(torch.tensor(hacking.best_of_n_kl(4)), torch.tensor(math.log(4) - 0.75), "log n - (n - 1) / n")
+
+
+def test_best_of_n_curve_on_a_known_pool():
+    """One prompt, answers right ("42") and wrong ("41", "40"): against gold itself best-of-n's gold is the chance
+    that one of n draws is right; against the reverse order, the chance that all n are right."""
+    from solutions.part6_lab import hacking
+
+    pool = [{"prompt": "12+30=", "answers": ["42", "41", "40"], "counts": [2, 1, 1]}]
+    gold = hacking.best_of_n_curve(pool, ref.reward_every_number_right, (1, 2, 4))
+    # P(no right answer among n draws without replacement from 2 right, 2 wrong) = C(2, n) / C(4, n)
+    assert_close(torch.tensor([p["gold"] for p in gold]), torch.tensor([0.5, 1 - 1 / 6, 1.0]),
+                 "best-of-n's gold against the gold itself")
+    reverse = hacking.best_of_n_curve(pool, lambda p, c: [-x for x in ref.reward_every_number_right(p, c)], (1, 2, 4))
+    assert_close(torch.tensor([p["gold"] for p in reverse]), torch.tensor([0.5, 1 / 6, 0.0]),
+                 "best-of-n's gold against the reverse of the gold")
+    noisy = hacking.noisy_gold(1.0, seed=0)
+    assert_equal(noisy(["12+30="], ["42"]), noisy(["12+30="], ["42"]), "the control's noise is fixed per answer")
+
+
 @pytest.mark.slow
 def test_hacking_experiment_smoke():
     from solutions.part6_lab import hacking
 
     result = hacking.run(seeds=[0], smoke=True)
     figures = hacking.summarize(result)
-    for key in ("proxy_start", "proxy_end", "gold_start", "gold_end", "beta_sweep", "buggy_verifier"):
+    for key in ("proxy_start", "proxy_end", "gold_start", "gold_end", "beta_sweep", "buggy_verifier",
+                "rm_heldout_accuracy", "best_of_n", "rl_curve", "control"):
         expect(key in figures, "hacking.summarize", f"the figures lack {key!r}", observed=sorted(figures))
     expect(all({"beta", "kl", "proxy", "gold"} <= set(b) for b in figures["beta_sweep"]), "hacking beta_sweep",
            "each entry needs beta, kl, proxy, gold", observed=figures["beta_sweep"])
@@ -185,4 +219,10 @@ def test_hacking_experiment_smoke():
            "the gold score is an accuracy, in [0, 1]", observed=(figures["gold_start"], figures["gold_end"]))
     expect(all(b["kl"] >= -1e-6 for b in figures["beta_sweep"]), "hacking KL", "an exact KL is never negative",
            observed=[b["kl"] for b in figures["beta_sweep"]])
+    ns = [p["n"] for p in figures["best_of_n"]]
+    expect(ns[0] == 1 and ns == sorted(ns), "hacking best_of_n", "sorted by n from n = 1", observed=ns)
+    expect(all({"n", "kl", "gold", "proxy"} <= set(p) for p in figures["best_of_n"]), "hacking best_of_n",
+           "each point needs n, kl, gold, proxy", observed=figures["best_of_n"])
+    expect(all({"step", "kl", "sqrt_kl", "gold"} <= set(p) for p in figures["rl_curve"]), "hacking rl_curve",
+           "each point needs step, kl, sqrt_kl, gold", observed=figures["rl_curve"])
     hacking.plot(result)

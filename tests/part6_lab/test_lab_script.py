@@ -25,9 +25,11 @@ def test_the_lab_script_reports_every_experiment(tmp_path):
     assert set(hacking) >= {"proxy_start", "proxy_end", "gold_start", "gold_end", "beta_sweep"}, "hacking's keys"
     for point in hacking["beta_sweep"]:
         assert set(point) >= {"beta", "kl", "proxy", "gold"}, f"a beta_sweep entry: {point}"
-    for name in ("grpo", "dr_grpo", "dapo"):  # the loss types compared (and the run settings, under "settings")
+    for name in ("grpo", "dr_grpo", "control"):  # the configurations trained (and the settings, under "settings")
         lengths = figures["length_bias"][name]
         assert set(lengths) >= {"wrong_start", "wrong_end", "right_start", "right_end"}, f"length_bias[{name!r}]"
+    assert set(figures["length_bias"]["paired"]) >= {"mean", "standard_error", "seeds"}, "length_bias.paired"
+    assert isinstance(figures["length_bias"]["positive_control"]["detected"], bool), "length_bias.positive_control"
     ablation = figures["layer_ablation"]
     assert set(ablation) >= {"all", "none", "without"}, "layer_ablation's keys"
     assert len(ablation["without"]) == 4, "one accuracy without each of the tiny model's 4 blocks"

@@ -179,17 +179,49 @@ def test_reward_positive_answer_judges_the_first_word_only():
     assert ref.reward_positive_answer([""] * 6, completions) == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
 
 
+def test_length_term_reward_has_the_sign_the_theory_ascribes_to_grpo():
+    """The positive control's reward favours short right answers and long wrong ones, by a known amount."""
+    from solutions.part6_lab import length_bias
+    from utils.models import load_model
+
+    tokenizer = load_model("tiny").tokenizer
+    reward = length_bias.length_term_reward(tokenizer, 24, 1.0)
+    short_right, long_right, short_wrong, long_wrong = reward(
+        [""] * 4, [" happy.", " happy. The dog is big. The cat is small.", " sad.", " sad. The dog is big. The cat is small."])
+    assert 1.0 < long_right < short_right <= 2.0, (short_right, long_right)
+    assert -1.0 <= short_wrong < long_wrong < 0.0, (short_wrong, long_wrong)
+
+
+def test_paired_statistics_give_a_t_interval_over_seeds():
+    from solutions.part6_lab.length_bias import paired_statistics
+
+    stats = paired_statistics([1.0, 2.0, 3.0])  # mean 2, sd 1, SE 1/sqrt(3), t(2) = 4.303
+    assert stats["mean"] == 2.0 and stats["standard_error"] == round(1 / math.sqrt(3), 4)
+    assert stats["ci95"] == [round(2 - 4.303 / math.sqrt(3), 4), round(2 + 4.303 / math.sqrt(3), 4)]
+    assert stats["positive"] == 3 and stats["seeds"] == [1.0, 2.0, 3.0]
+    assert paired_statistics([0.5])["standard_error"] is None and paired_statistics([0.5])["ci95"] is None
+
+
 @pytest.mark.slow
 def test_length_bias_experiment_smoke():
     from solutions.part6_lab import length_bias
 
-    result = length_bias.run(seeds=[0], smoke=True)
+    result = length_bias.run(seeds=[0, 1], smoke=True)
     figures = length_bias.summarize(result)
-    for name in ("grpo", "dr_grpo", "dapo", "grpo_scale_none"):
+    for name in result["cfg"].configurations:
         assert {"wrong_start", "wrong_end", "right_start", "right_end", "seeds"} <= set(figures[name]), figures[name]
         for key in ("wrong_start", "right_start", "wrong_end", "right_end"):
             value = figures[name][key]
             assert value is None or 1 <= value <= result["cfg"].max_new_tokens, (name, key, value)
-    # the same seed samples the same first batch under every configuration: only the loss differs
+    # shared random numbers: the same initial LoRA and sampler seed, so the first batch is the same in every
+    # configuration (smoke: window 1, so "start" is that batch); only the loss (or the reward) differs
     assert figures["grpo"]["seeds"]["wrong_start"] == figures["dr_grpo"]["seeds"]["wrong_start"]
+    assert figures["control"]["seeds"]["wrong_start"] == figures["dr_grpo"]["seeds"]["wrong_start"]
+    # the primary result and the positive control, paired over the two seeds
+    assert {"mean", "standard_error", "ci95", "seeds"} <= set(figures["paired"]), figures["paired"]
+    assert len(figures["paired"]["seeds"]) == 2
+    assert isinstance(figures["positive_control"]["detected"], bool)
+    # on one batch "dapo" and "dr_grpo" differ by a constant factor: the same update of norm 1
+    assert all(abs(d) < 1e-6 for d in figures["paired_all"]["dapo"]["seeds"]), figures["paired_all"]["dapo"]
+    assert {"eos_gap", "stop_rate_gap"} <= set(figures["training"]["grpo"])
     length_bias.plot(result)
