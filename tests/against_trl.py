@@ -36,14 +36,32 @@ def loss_and_grad(fn, logprobs, *args, **kwargs):
     return loss.detach(), lp.grad
 
 
+# One process: what TRL's _compute_loss asks of its accelerator
+ONE_PROCESS = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda t, reduction="sum": t,
+                              gather=lambda t: t, gather_for_metrics=lambda t: t)
+
+
+def trl_compute_loss(trainer, old_logprobs, ref_logprobs, advantages, mask):
+    """TRL's own GRPOTrainer._compute_loss on a stand-in `trainer` (its model's log-probs are the stand-in's), with
+    the inputs TRL's sampling would have produced for these completions."""
+    from trl import GRPOTrainer
+
+    inputs = {"prompt_ids": torch.zeros(len(mask), 1, dtype=torch.long),
+              "prompt_mask": torch.ones(len(mask), 1, dtype=torch.long),
+              "completion_ids": torch.zeros_like(mask, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": advantages, "num_items_in_batch": mask.sum()}
+    if old_logprobs is not None:
+        inputs["old_per_token_logps"] = old_logprobs
+    if trainer.beta:
+        inputs["ref_per_token_logps"] = ref_logprobs
+    return GRPOTrainer._compute_loss(trainer, None, inputs)
+
+
 def trl_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilon=0.2, epsilon_high=None, beta=0.0,
              loss_type="dapo", max_completion_length=None, use_bias_correction_kl=False):
     """TRL's own GRPOTrainer._compute_loss, called on a stand-in trainer whose model returns `logprobs`."""
-    from trl import GRPOTrainer
-
     gen = mask.shape[1]
-    accelerator = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda t, reduction="sum": t,
-                                  gather=lambda t: t, gather_for_metrics=lambda t: t)
+    accelerator = ONE_PROCESS
     trainer = SimpleNamespace(
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
         loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
@@ -54,15 +72,7 @@ def trl_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilon=
         args=SimpleNamespace(use_bias_correction_kl=use_bias_correction_kl, delta=None, steps_per_generation=1),
         _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, torch.zeros_like(logprobs), None),
     )
-    inputs = {"prompt_ids": torch.zeros(len(mask), 1, dtype=torch.long),
-              "prompt_mask": torch.ones(len(mask), 1, dtype=torch.long),
-              "completion_ids": torch.zeros_like(mask, dtype=torch.long), "completion_mask": mask.long(),
-              "advantages": advantages, "num_items_in_batch": mask.sum()}
-    if old_logprobs is not None:
-        inputs["old_per_token_logps"] = old_logprobs
-    if beta:
-        inputs["ref_per_token_logps"] = ref_logprobs
-    return GRPOTrainer._compute_loss(trainer, None, inputs)
+    return trl_compute_loss(trainer, old_logprobs, ref_logprobs, advantages, mask)
 
 
 def trl_source_lines(method, first: str, last: str) -> str:

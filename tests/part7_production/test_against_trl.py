@@ -17,6 +17,7 @@ import torch
 from solutions import part7_production as ref
 from solutions.part3_grpo import GRPOConfig
 from solutions.production import knobs
+from tests.against_trl import ONE_PROCESS, trl_compute_loss
 from tests.part7_production.common import ACCELERATE_CONFIGS, EXTRAS
 from tests.support import assert_close, assert_equal, expect, run_script
 from utils.checker.layout import ROOT
@@ -124,8 +125,7 @@ def trl_loss_with(args, logprobs, old_logprobs, ref_logprobs, advantages, mask):
     """TRL's own GRPOTrainer._compute_loss on a stand-in trainer whose settings are read from `args` (a
     trl.GRPOConfig) as trl 1.16's GRPOTrainer.__init__ reads them (grpo_trainer.py, "Training arguments" to the
     entropy settings), its model returning `logprobs`; `args` itself is the trainer's `args`."""
-    accelerator = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda t, reduction="sum": t,
-                                  gather=lambda t: t, gather_for_metrics=lambda t: t)
+    accelerator = ONE_PROCESS
     trainer = SimpleNamespace(
         args=args, beta=args.beta, loss_type=args.loss_type, epsilon_low=args.epsilon,
         epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
@@ -139,15 +139,7 @@ def trl_loss_with(args, logprobs, old_logprobs, ref_logprobs, advantages, mask):
         accelerator=accelerator, _metrics={"train": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, torch.zeros_like(logprobs), None),
     )
-    inputs = {"prompt_ids": torch.zeros(len(mask), 1, dtype=torch.long),
-              "prompt_mask": torch.ones(len(mask), 1, dtype=torch.long),
-              "completion_ids": torch.zeros_like(mask, dtype=torch.long), "completion_mask": mask.long(),
-              "advantages": advantages, "num_items_in_batch": mask.sum()}
-    if old_logprobs is not None:
-        inputs["old_per_token_logps"] = old_logprobs
-    if args.beta:
-        inputs["ref_per_token_logps"] = ref_logprobs
-    return trl.GRPOTrainer._compute_loss(trainer, None, inputs)
+    return trl_compute_loss(trainer, old_logprobs, ref_logprobs, advantages, mask)
 
 
 def test_trl_computes_our_trainers_loss_with_the_translated_config(tmp_path):
