@@ -105,3 +105,16 @@ def loop_models(tiny_model, case):
         policy_model, reference = tiny_model, make_lora_model(tiny_model, seed=1)
     torch.manual_seed(7)
     return ref.PolicyWithValueHead(policy_model, d_hidden=16), CountingModel(reference)
+
+
+def gradient_sweep_hint(got, want, label, rule: str) -> str | None:
+    """For a gradient over a sweep of inputs: the positions where it differs from the reference's, each named by
+    label(row, column), then `rule` (when a token gets which gradient). None where they agree or cannot be compared
+    (the comparison itself then says why)."""
+    if not (isinstance(got, torch.Tensor) and got.shape == want.shape):
+        return None
+    bad = ~torch.isclose(got, want, atol=1e-7)
+    if not bad.any():
+        return None
+    where = [label(i, j) for i, j in bad.nonzero().tolist()]
+    return f"the gradient differs at {', '.join(where[:4])}{', ...' if len(where) > 4 else ''}. {rule}"
