@@ -144,12 +144,14 @@ def test_the_names_check_fails_a_notebook_that_uses_an_import_only_solutions_has
         (tmp_path / "source" / "part9_demo.py").write_text(
             "# %% [setup]\n!echo on Colab\nfrom jaxtyping import Float\nfrom torch import Tensor\n"
             f"from utils.contracts import *\nfrom utils.checker.notebook import check\n{imports}\n"
-            "# %% [provided] spread\n\n# %% [exercise] finite_or_nan\n\n# %%\nspread, at_least\n")
+            "# %% [provided] spread\n\n# %% [exercise] finite_or_nan\n"
+            "# marks: difficulty 1 · importance 1 · 5 minutes\n# hint: `math.isfinite`\n\n# %%\nspread, at_least\n")
         (tmp_path / "chapters" / "part9_demo.ipynb").write_text(notebooks.dumps(notebooks.build("part9_demo")))
 
     build(imports="")
     in_spread = "cell 1 (`def spread(x: Float[Tensor, \"batch\"]) -> float:`), line 2: undefined name 'math'"
-    in_exercise = "cell 2 (`def finite_or_nan(x: float) -> float:`), line 3: undefined name 'math'"
+    # cell 2 is the exercise's marks line (markdown); its hint and solution pointer follow the stub
+    in_exercise = "cell 3 (`def finite_or_nan(x: float) -> float:`), line 3: undefined name 'math'"
     found = {variant: undefined_names(cells) for variant, cells in notebook_variants("part9_demo").items()}
     assert found == {"as shipped": [in_spread],  # the exercise's stub raises NotImplementedError: no math in it
                      "with the solutions filled in": [in_spread, in_exercise],

@@ -12,12 +12,27 @@ A source file (`chapters/source/partN_<topic>.py`) is a list of cells, each open
     # %% [setup]             the part's own imports the exercises need (the harness runs these, and the preamble,
                              when testing a notebook)
     # %% [exercise] name     the stub of `name`, made from the part's reference (solutions/partN_<topic>.py, or any
-                             module of the package solutions/partN_<topic>/), then a `check(name)` cell
+                             module of the package solutions/partN_<topic>/), then a `check(name)` cell. Its body
+                             holds the exercise's marks and hints, and nothing else (below)
     # %% [provided] name     the full source of `name` from solutions/ (code the learner reads and runs)
     # %%                     an ordinary code cell (demos, training)
 
 A stub keeps the solution's decorators, signature and docstring and replaces the body with
 `raise NotImplementedError`; a class keeps its class-level statements and has each method stubbed the same way.
+
+An exercise's cell is written once, in its source, as its marks and one to three hints, from the gentlest to the one
+that points at the line that matters (a hint may go on over lines that start with "#" and two or more spaces):
+
+    # %% [exercise] group_advantages
+    # marks: difficulty 2 · importance 3 · 15 minutes
+    # hint: first, the idea
+    # hint: then, more concrete
+    # hint: last, the line that matters,
+    #       without the whole solution
+
+and becomes, in the notebook: a markdown line with its marks, the stub, each hint folded (<details>), a folded
+pointer to the reference solution (its file, and a line that prints it), then the `check(name)` cell, tagged
+"marks", "exercise", "hint", "solution" and "check" (tests/test_hints.py reads them back).
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import ast
 import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from utils.checker.layout import CHAPTERS, ROOT, SOLUTIONS, defined_names
@@ -194,6 +210,97 @@ def stub_source(part: str, name: str) -> str:
     return "\n".join(_stub_lines(lines, node, f"write {name}"))
 
 
+# --- an exercise's marks and hints --------------------------------------------------------------------------
+
+MARKS = re.compile(r"^# marks: difficulty (?P<difficulty>[1-3]) · importance (?P<importance>[1-3]) · "
+                   r"(?P<minutes>[1-9]\d*) minutes$")
+MARKS_EXAMPLE = "# marks: difficulty 2 · importance 3 · 15 minutes"
+HINT = re.compile(r"^# hint: (?P<text>\S.*)$")
+HINT_GOES_ON = re.compile(r"^#  +(?P<text>\S.*)$")  # a hint's next line: "#", two or more spaces, text
+MAX_HINTS = 3
+EXERCISE_HELP = (f"An exercise's cell holds a marks line, {MARKS_EXAMPLE!r} (difficulty and importance from 1 to 3, "
+                 f"the minutes a learner takes), then 1 to {MAX_HINTS} '# hint: ...' lines, the gentlest first and the "
+                 "last pointing at the line that matters (a hint may go on over lines that start with '#' and two or "
+                 "more spaces). Its code comes from solutions/.")
+
+
+@dataclass(frozen=True)
+class ExerciseNotes:
+    """What a learner sees around an exercise's stub besides its docstring."""
+
+    difficulty: int  # 1 to 3: how hard it is to write
+    importance: int  # 1 to 3: how much the rest of the course leans on the idea
+    minutes: int  # what a learner takes to write it
+    hints: tuple[str, ...]  # 1 to MAX_HINTS, gentlest first
+
+
+def exercise_notes(part: str, name: str, text: str) -> ExerciseNotes:
+    """The marks and hints of exercise `name`, from the body of its `# %% [exercise] name` cell in
+    chapters/source/<part>.py. Raises ValueError, naming the file, the exercise and what to write, when they are
+    missing or malformed."""
+    where = f"chapters/source/{part}.py, exercise {name}"
+    marks, hints = None, []
+    for line in text.splitlines():
+        line = line.rstrip()
+        if not line:
+            continue
+        if line.startswith("# marks"):
+            if marks is not None:
+                raise ValueError(f"{where}: two marks lines; keep one, such as {MARKS_EXAMPLE!r}.")
+            marks = MARKS.match(line)
+            if marks is None:
+                raise ValueError(f"{where}: malformed marks line {line!r}; write it as {MARKS_EXAMPLE!r} "
+                                 "(difficulty and importance from 1 to 3, then whole minutes).")
+        elif HINT.match(line):
+            hints.append(HINT.match(line)["text"])
+        elif HINT_GOES_ON.match(line) and hints:
+            hints[-1] += " " + HINT_GOES_ON.match(line)["text"]
+        else:
+            raise ValueError(f"{where}: unexpected line {line!r}. {EXERCISE_HELP}")
+    if marks is None:
+        raise ValueError(f"{where}: no marks line. {EXERCISE_HELP}")
+    if not 1 <= len(hints) <= MAX_HINTS:
+        raise ValueError(f"{where}: {len(hints)} hints, where 1 to {MAX_HINTS} are needed. {EXERCISE_HELP}")
+    return ExerciseNotes(int(marks["difficulty"]), int(marks["importance"]), int(marks["minutes"]), tuple(hints))
+
+
+def _stars(n: int) -> str:
+    return "★" * n + "☆" * (3 - n)
+
+
+def _folded(summary: str, body: str) -> str:
+    """A collapsed block that Jupyter, JupyterLab and Colab render; the blank line after <summary> makes them render
+    the markdown inside it."""
+    return f"<details><summary>{summary}</summary>\n\n{body}\n\n</details>"
+
+
+def solution_file(part: str, name: str) -> Path:
+    """The module of the part's reference that defines `name` (which it must define exactly once)."""
+    _definition(part, name)
+    (_, _, path), = _definitions(part)[name]
+    return path
+
+
+def solution_pointer(part: str, name: str) -> str:
+    """Where the reference of exercise `name` is, and a line that prints it: a pointer, not a copy."""
+    relative = solution_file(part, name).relative_to(SOLUTIONS.parent)
+    module = ".".join(relative.with_suffix("").parts)
+    return _folded("Solution", f"The reference is `{name}` in `{relative.as_posix()}`; look after a real attempt and "
+                               "the hints. To print it here, run this in a new cell:\n\n"
+                               f"```python\nimport inspect, {module} as s; print(inspect.getsource(s.{name}))\n```")
+
+
+def exercise_cells(part: str, name: str, text: str) -> list[tuple[str, str, list[str]]]:
+    """(kind, text, tags) of the cells exercise `name` becomes: its marks, its stub, each hint, the pointer to its
+    solution, and its check."""
+    notes = exercise_notes(part, name, text)
+    marks = (f"**Exercise `{name}`** · difficulty {_stars(notes.difficulty)} · importance "
+             f"{_stars(notes.importance)} · about {notes.minutes} minutes")
+    return ([("markdown", marks, ["marks"]), ("exercise", stub_source(part, name), ["exercise"])]
+            + [("markdown", _folded(f"Hint {i}", hint), ["hint"]) for i, hint in enumerate(notes.hints, 1)]
+            + [("markdown", solution_pointer(part, name), ["solution"]), ("code", f"check({name})", ["check"])])
+
+
 def parse_source(path: Path) -> list[tuple[str, str | None, str]]:
     """(kind, argument, text) of each cell of a source file; kind is markdown/colab/preamble/setup/exercise/provided/
     code."""
@@ -231,10 +338,7 @@ def build(part: str) -> dict:
     cells = []
     for kind, arg, text in parse_source(SOURCES / f"{part}.py"):
         if kind == "exercise":
-            if text:
-                raise ValueError(f"{part}: an '[exercise] {arg}' cell takes its code from solutions/, not the source")
-            cells.append(("exercise", stub_source(part, arg), ["exercise"]))
-            cells.append(("code", f"check({arg})", ["check"]))
+            cells += exercise_cells(part, arg, text)
         elif kind == "provided":
             if text:
                 raise ValueError(f"{part}: a '[provided] {arg}' cell takes its code from solutions/, not the source")

@@ -76,6 +76,14 @@ print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prom
 # `[batch, seq - prefix_len]`. Use `log_softmax` (stable) and `gather`.
 
 # %% [exercise] get_logprobs
+# marks: difficulty 2 · importance 3 · 15 minutes
+# hint: `logits[:, t]` is the model's prediction for token `t + 1`, so the logits that score `tokens[:, prefix_len:]`
+#       start one position earlier and stop one position before the end.
+# hint: Cut the logits to `logits[:, prefix_len - 1:-1]`, turn them into log-probs with `log_softmax` over the
+#       vocabulary, then pick out each actual next token's entry. Raise the `ValueError` first when `prefix_len` is
+#       outside `[1, seq)`.
+# hint: The picking is `.gather(dim=-1, index=tokens[:, prefix_len:, None])`: the index needs the same number of
+#       dimensions as the log-probs, hence the `None`; `.squeeze(-1)` drops it again.
 
 # %% [markdown]
 # ## 2. Sampling one token: temperature and top-k
@@ -91,6 +99,13 @@ print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prom
 # distribution we actually sampled from. Greedy decoding is for evaluation.
 
 # %% [exercise] sample_next_token
+# marks: difficulty 2 · importance 2 · 15 minutes
+# hint: Deal with `temperature == 0` on its own, before any division: greedy decoding is each row's `argmax`.
+# hint: Otherwise divide the logits by the temperature. For top-k, find each row's k-th largest logit
+#       (`logits.topk(top_k, dim=-1).values[:, -1:]`, kept as `[batch, 1]` so it broadcasts) and set every logit below
+#       it to `-inf` (`masked_fill`).
+# hint: `torch.multinomial(logits.softmax(dim=-1), num_samples=1)` draws one id per row; `.squeeze(-1)` makes it
+#       `[batch]`.
 
 # %% [markdown]
 # ## 3. A sampling loop, and why the KV cache matters
@@ -99,6 +114,12 @@ print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prom
 # token, appends it, and repeats. Write it (no EOS handling: it just keeps going).
 
 # %% [exercise] generate_no_cache
+# marks: difficulty 1 · importance 1 · 10 minutes
+# hint: A plain loop, `max_new_tokens` times: run the model on the whole sequence so far, every time (no cache is the
+#       point of the exercise).
+# hint: Only the last position predicts the next token: `model(tokens)[:, -1]` is `[batch, vocab]`, which is what
+#       `sample_next_token` takes, with the temperature and `top_k` passed on.
+# hint: Grow the sequence with `torch.cat([tokens, next_token[:, None]], dim=1)` and return it, prompt included.
 
 # %% [markdown]
 # Each step re-reads the whole sequence, so $n$ new tokens cost $O(n^2)$ token-passes. A **KV cache** keeps every
@@ -143,6 +164,13 @@ print(f"{n_new} new tokens for 32 prompts: {t_loop:.2f} s without a cache, {t_ca
 # Write `completion_logprobs`: the log-prob of every completion token, 0 after the first EOS. Reuse `get_logprobs`.
 
 # %% [exercise] completion_logprobs
+# marks: difficulty 2 · importance 3 · 10 minutes
+# hint: One forward pass over `samples.ids`, and pass `attention_mask=samples.attention_mask`: without it the left
+#       padding is read as text.
+# hint: The completions start at column `samples.prompt_len`, so `get_logprobs(logits, samples.ids,
+#       prefix_len=samples.prompt_len)` gives exactly `[batch, gen]`.
+# hint: Multiply by `samples.completion_mask` to zero everything after each first EOS; the EOS itself is inside the mask
+#       and keeps its log-prob.
 
 # %%
 samples = sample(model, ["This is", "The", "My friend", "12+34="] * 2, max_new_tokens=16)
@@ -167,6 +195,11 @@ print(samples_table(rows))
 # to the residual stream at every position.
 
 # %% [exercise] make_steering_hook
+# marks: difficulty 1 · importance 2 · 5 minutes
+# hint: A factory returns a function: define an inner `hook(resid, hook)` that uses `direction` and `scale` from the
+#       enclosing call, and return the inner function itself (do not call it).
+# hint: What a TransformerLens hook returns replaces the activation: return `resid + scale * direction`; the `[d_model]`
+#       vector broadcasts over batch and positions.
 
 # %% [markdown]
 # Now use it. There are three ways to attach hooks, and the difference matters:
@@ -180,6 +213,13 @@ print(samples_table(rows))
 # the residual stream after block `layer` is steered. It must leave no hook behind.
 
 # %% [exercise] steered_logprobs
+# marks: difficulty 2 · importance 3 · 5 minutes
+# hint: The residual stream after block `layer` is the hook point `f"blocks.{layer}.hook_resid_post"`, and the hook
+#       comes from your `make_steering_hook`.
+# hint: Choose the way of attaching that cannot leave the hook behind, even if the forward pass raises:
+#       `model.run_with_hooks` (or the `with model.hooks(...)` block), never `add_hook`.
+# hint: `logits = model.run_with_hooks(tokens, fwd_hooks=[(name, hook)])`, then `get_logprobs(logits, tokens)` with its
+#       default `prefix_len=1`.
 
 # %% [markdown]
 # The unembedding matrix `model.W_U` maps the final residual stream to logits, so its column for a token is a

@@ -75,6 +75,16 @@ print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prom
 # gradients flow through the residual stream into the model: the value loss trains the shared trunk too.
 
 # %% [exercise] PolicyWithValueHead
+# marks: difficulty 3 · importance 3 · 25 minutes
+# hint: The value head never runs the model itself: a hook on the final residual stream, `f"blocks.{model.cfg.n_layers -
+#       1}.hook_resid_post"`, sees it go by during the model's one forward pass and can hand it to the head.
+# hint: In `__init__`, keep `self.model` and build `self.value_head = nn.Sequential(nn.Linear(d_model, d_hidden),
+#       nn.ReLU(), nn.Linear(d_hidden, 1))`. In `forward`, define a hook that stores
+#       `self.value_head(resid).squeeze(-1)` in a dict from the enclosing scope and returns `None`, so the activation
+#       itself is unchanged.
+# hint: Attach it for this call only: `with self.model.hooks(fwd_hooks=[(hook_name, read_resid)]):` around `logits =
+#       self.model(tokens, attention_mask=attention_mask)`; return the logits and the stored values. No `detach`: the
+#       value loss must reach the shared trunk.
 
 # %% [markdown]
 # That offset is the classic PPO-for-language-models bug, so it gets a function of its own. A sample is
@@ -86,6 +96,11 @@ print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prom
 # from here on, every logit and value at a completion position comes through `completion_slice`.
 
 # %% [exercise] completion_slice
+# marks: difficulty 1 · importance 3 · 10 minutes
+# hint: Completion token `j` sits at position `prompt_len + j` and was chosen by the output one position before it.
+# hint: So keep positions `prompt_len - 1` to `seq - 2`: one slice along dim 1 whose end is `-1` (the last position
+#       chooses a token after the sample). It works for logits and values alike because it leaves the trailing
+#       dimensions alone. Raise the `ValueError` first when `prompt_len` is outside `[1, seq)`.
 
 # %% [markdown]
 # ## 2. Rewards
@@ -103,10 +118,26 @@ print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prom
 #   the attention mask.
 
 # %% [exercise] reward_char_count
+# marks: difficulty 1 · importance 1 · 5 minutes
+# hint: Python's `str.count` does the counting; what is left is the return type.
+# hint: Build one count per text, as a `float`, and turn the list into a tensor: the reward is a float tensor, not an
+#       integer one.
 
 # %% [exercise] reward_sentiment_lexicon
+# marks: difficulty 1 · importance 1 · 10 minutes
+# hint: Lower-case the text and cut it into words without punctuation, so that "Happy." counts as "happy".
+# hint: `re.findall(r"[a-z]+", text.lower())` gives the words; make sets of `POSITIVE` and `NEGATIVE` for fast
+#       membership tests.
+# hint: Each text scores (its words in `POSITIVE`) minus (its words in `NEGATIVE`), counting repeats; return the scores
+#       as a float tensor.
 
 # %% [exercise] reward_classifier
+# marks: difficulty 2 · importance 1 · 10 minutes
+# hint: Tokenise the whole list at once, `padding=True, truncation=True, return_tensors="pt"`: that gives `input_ids`
+#       and `attention_mask`, and the classifier needs both.
+# hint: Move the inputs to the classifier's device (`next(classifier.parameters()).device`) and call
+#       `classifier(**inputs).logits`, `[batch, num_labels]`.
+# hint: The probability is a softmax over the labels: `.softmax(dim=-1)[:, positive_label]`, then `.float().cpu()`.
 
 # %% [provided] load_sentiment_classifier
 
@@ -118,6 +149,11 @@ print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prom
 # reward function: raise a `ValueError` that says so.
 
 # %% [exercise] normalize_rewards
+# marks: difficulty 1 · importance 2 · 5 minutes
+# hint: Refuse bad input first: if `torch.isfinite(rewards).all()` is false, raise a `ValueError` that points at the
+#       reward function.
+# hint: `(rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)`: with equal rewards the numerator is exactly
+#       0, so the result is 0, not NaN.
 
 # %%
 texts = samples.texts
@@ -144,6 +180,14 @@ print(samples_table([{"periods": a.item(), "lexicon": b.item(), "text": t} for a
 # Advantages and returns are *targets*: return them detached.
 
 # %% [exercise] compute_advantages
+# marks: difficulty 3 · importance 3 · 35 minutes
+# hint: First place the reward: it arrives at each row's last valid token, index `completion_mask.sum(1) - 1`, and every
+#       other token's reward is 0. A row with no valid token raises the `ValueError`.
+# hint: The TD error is `delta_t = r_t + gamma * V_{t+1} - V_t`, with `V_{t+1}` taken as 0 from the last valid token on:
+#       shift `values` left by one, zero the shifted values outside the mask (shifted the same way), pad a 0 at the end,
+#       and mask the deltas.
+# hint: Loop `t` from `gen - 1` down to 0 with a running sum, `running = deltas[:, t] + gamma * lam * running`, and
+#       store it in `advantages[:, t]`. Returns are `advantages + values`; mask both.
 
 # %% [markdown]
 # ## 4. The KL penalty to the reference model
@@ -168,10 +212,22 @@ print(samples_table([{"periods": a.item(), "lexicon": b.item(), "text": t} for a
 # Here, as in ARENA, we add $\beta$ times the *exact* KL to the loss. Write all three; then compare them.
 
 # %% [exercise] kl_exact
+# marks: difficulty 2 · importance 3 · 10 minutes
+# hint: `KL(p || q) = sum_v p(v) (log p(v) - log q(v))`: you need both whole distributions, as log-probs, at every
+#       position.
+# hint: `log_softmax` both logits over the last dimension, multiply `logprobs.exp()` by the difference of the two, sum
+#       over the vocabulary (`dim=-1`), then multiply by the mask.
 
 # %% [exercise] kl_k1
+# marks: difficulty 1 · importance 2 · 5 minutes
+# hint: k1 is the sampled token's log-ratio, policy minus reference, in that order: it estimates the KL of the policy
+#       from the reference.
+# hint: Subtract, then zero it outside the mask by multiplying by `completion_mask`.
 
 # %% [exercise] kl_k3
+# marks: difficulty 1 · importance 2 · 5 minutes
+# hint: Here `r` is reference over policy, so `log r = ref_logprobs - logprobs`: the other way round from k1.
+# hint: Compute `log r` once; k3 is `log_r.exp() - 1 - log_r`, times the mask.
 
 # %% [markdown]
 # How good are the estimators? Make a "policy" that differs from the reference by steering it with Part 0's hook
@@ -328,10 +384,27 @@ print(samples_table([{"loss term": name, **{f"d/d logit {i}": round(v, 4) for i,
 #   produced them. The advantages are constants here — detach them.
 
 # %% [exercise] entropy
+# marks: difficulty 1 · importance 2 · 20 minutes
+# hint: `H = -sum_v p(v) log p(v)`: get `log p` with `log_softmax` (stable) and `p` as its `exp`.
+# hint: Sum over the vocabulary (`dim=-1`) to get `[batch, gen]`, keep the minus sign, and multiply by
+#       `completion_mask`.
 
 # %% [exercise] value_loss
+# marks: difficulty 2 · importance 2 · 15 minutes
+# hint: Start without the clip: `0.5 * masked_mean((values - returns) ** 2, completion_mask)`, with `returns` detached
+#       (a target, not something to train).
+# hint: With `clip` set, the clipped value is `old_values + (values - old_values).clamp(-clip, clip)`, `old_values`
+#       detached too; its squared error against the returns is the second candidate.
+# hint: Take the larger of the two squared errors per token (`torch.maximum`) before the masked mean: the pessimistic
+#       choice, as in the clipped surrogate.
 
 # %% [exercise] clipped_surrogate
+# marks: difficulty 2 · importance 3 · 10 minutes
+# hint: The ratio `p_new / p_old` is `exp(logprobs - old_logprobs)`; the old log-probs and the advantages are constants:
+#       detach them.
+# hint: Two candidates per token: `ratio * A` and `ratio.clamp(1 - clip_eps, 1 + clip_eps) * A`.
+# hint: Keep the smaller (`torch.minimum`) per token, then `masked_mean` over the valid tokens. Return the objective, to
+#       maximise, not its negative.
 
 # %% [markdown]
 # The optimiser *minimises*, so the terms we want large (the surrogate objective, the entropy) enter with a minus
@@ -347,6 +420,13 @@ print(samples_table([{"loss term": name, **{f"d/d logit {i}": round(v, 4) for i,
 # `clip_eps`.
 
 # %% [exercise] ppo_loss
+# marks: difficulty 2 · importance 3 · 15 minutes
+# hint: Each term is one call of a function you already wrote; the entropy and the KL come per token and still need
+#       averaging over the valid tokens with `masked_mean`.
+# hint: `clipped_surrogate` takes `clip_eps`; `value_loss` takes `old_values` and `clip_value` as its `old_values` and
+#       `clip`.
+# hint: `loss = -objective + vf_coef * v_loss - ent_coef * ent + kl_coef * kl`; return it with the four unweighted terms
+#       as `.item()` floats under `"objective"`, `"value_loss"`, `"entropy"`, `"kl"`.
 
 # %% [markdown]
 # ## 6. Minibatches and the optimiser
@@ -360,8 +440,19 @@ print(samples_table([{"loss term": name, **{f"d/d logit {i}": round(v, 4) for i,
 # then decays linearly to a fraction of the peak.
 
 # %% [exercise] get_minibatch_indices
+# marks: difficulty 1 · importance 2 · 5 minutes
+# hint: Refuse a batch that does not split evenly: `n % minibatch_size != 0` raises the `ValueError`.
+# hint: `torch.randperm(n, generator=generator)` shuffles every index once (all randomness from the generator), and
+#       `.split(minibatch_size)` cuts the permutation; return a list.
 
 # %% [exercise] make_optimizer
+# marks: difficulty 2 · importance 2 · 15 minutes
+# hint: AdamW takes a list of parameter groups, each a dict with its own `"params"` and `"lr"`: one for `policy.model`,
+#       one for `policy.value_head`, each keeping only parameters with `requires_grad`.
+# hint: `torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)` multiplies every group's lr by `multiplier(step)`.
+#       During warm-up it rises linearly and reaches 1 at its end: `(step + 1) / warmup_steps`.
+# hint: After warm-up: `progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)`, capped at 1, and
+#       `multiplier = 1 - (1 - final_lr_fraction) * progress`.
 
 # %% [markdown]
 # ## 7. The loop: rollout, then learning, repeated
@@ -400,6 +491,16 @@ print(samples_table([{"loss term": name, **{f"d/d logit {i}": round(v, 4) for i,
 # and let gradients flow into what must stay fixed.
 
 # %% [exercise] rollout
+# marks: difficulty 3 · importance 3 · 35 minutes
+# hint: Everything inside one `with torch.no_grad():`. Sample from `policy.model` (the adapted model in Part 2), then
+#       one `policy(samples.ids, samples.attention_mask)` for logits and values, and one `reference(samples.ids,
+#       attention_mask=samples.attention_mask)` for the reference's logits.
+# hint: Both log-probs come from `get_logprobs(..., samples.prompt_len)`; logits and values go through
+#       `completion_slice`. Multiply every `[batch, gen]` tensor by `samples.completion_mask`, but keep the reference's
+#       cut logits unmasked.
+# hint: Rewards from `reward_fn(samples.texts)`: store the raw ones, and hand `normalize_rewards` of them (when
+#       `cfg.normalize_rewards`) to `compute_advantages` with `cfg.gamma` and `cfg.lam`. The KL is `kl_exact` of the two
+#       cut logits. Fill `ReplayMemory` in its field order.
 
 # %% [markdown]
 # ### The learning phase
@@ -432,6 +533,17 @@ print(samples_table([{"loss term": name, **{f"d/d logit {i}": round(v, 4) for i,
 #   `max_grad_norm` tells you how much the clipping is doing.
 
 # %% [exercise] learn
+# marks: difficulty 3 · importance 3 · 45 minutes
+# hint: Two nested loops: `for _ in range(cfg.epochs)`, then `for mb in memory.minibatches(cfg.minibatch_size,
+#       generator)`. In each, a forward pass `policy(mb["ids"], mb["attention_mask"])` with gradients, and the new
+#       log-probs with `get_logprobs` at `mb["prompt_len"]`.
+# hint: `ppo_loss` gets the cut logits and values, the memory's `mb["logprobs"]` as the old log-probs, `mb["values"]` as
+#       `old_values` with `cfg.clip_value`, and the advantages `masked_whiten`ed when `cfg.normalize_advantages`. Then
+#       `zero_grad`, `backward`, `nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)`, `optimizer.step()`,
+#       `scheduler.step()`.
+# hint: The diagnostics come from this step's forward pass, under `no_grad`: clip fraction = masked mean of `(exp(new -
+#       old) - 1).abs() > cfg.clip_eps`; approx-KL = masked mean of `kl_k3(mb["logprobs"], logprobs, mask)`; the grad
+#       norm is what `clip_grad_norm_` returned. Collect per step, return the means.
 
 # %% [markdown]
 # ### The trainer

@@ -55,6 +55,13 @@ from utils.sampling import Samples, sample
 # `forward` maps `[..., d_in]` to `[..., d_out]`. Keep `A`, `B` and `scale` as attributes with those names.
 
 # %% [exercise] LoRA
+# marks: difficulty 2 · importance 3 · 20 minutes
+# hint: `A` and `B` are `nn.Parameter`s, `A` of shape `[rank, d_in]` and `B` of shape `[d_out, rank]`; `B` starts at
+#       zero so that the adapted model starts as the base model; `scale` is a plain float, `alpha / rank`.
+# hint: Create `A` empty, then initialise it in place with `nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))`, as
+#       `nn.Linear` initialises its weight.
+# hint: `forward` is two thin matmuls and the scale, `(x @ self.A.T) @ self.B.T * self.scale`: going through the rank
+#       first never builds the `[d_out, d_in]` matrix.
 
 # %% [markdown]
 # ## 2. LoRA as forward hooks
@@ -78,6 +85,15 @@ from utils.sampling import Samples, sample
 # %% [provided] make_adapters
 
 # %% [exercise] lora_hooks
+# marks: difficulty 3 · importance 3 · 30 minutes
+# hint: For each key `"L{layer}_{target}"` of `adapters`, recover the layer and the target (`key[1:].split("_", 1)`),
+#       then the two hook names `f"blocks.{layer}.{TARGETS[target][0]}"` (the input) and `...[1]` (the output).
+# hint: The two hooks share a small store made inside the loop (a dict): the input hook saves `x` there and returns
+#       `None` (flatten a 4-d per-head input with `x.flatten(-2)`); the output hook returns `out + adapter(saved x)`,
+#       reshaped with `.view(out.shape)`.
+# hint: A function defined in a loop sees the loop variables' *last* values when it runs: bind them as default
+#       arguments, `def add_update(out, hook, stash=stash, adapter=adapter)`. Return the list of `(name, fn)` pairs, two
+#       per adapter, and add nothing to the model.
 
 # %% [markdown]
 # Three ways to use the hooks, as in Part 0: `model.run_with_hooks(tokens, fwd_hooks=hooks)` for one forward pass;
@@ -125,6 +141,10 @@ print(samples_table([{"prompt": p, "base": b, "with random B": a}
 # %% [provided] LoRAModel
 
 # %% [exercise] policy_and_reference_logprobs
+# marks: difficulty 1 · importance 3 · 10 minutes
+# hint: Both come from Part 0's `completion_logprobs`; only the model you hand it changes.
+# hint: `lora_model` itself is the policy (its `forward` adds the hooks); `lora_model.base`, called directly, runs with
+#       no hooks and is the reference.
 
 # %% [markdown]
 # ## 4. Freezing
@@ -134,6 +154,10 @@ print(samples_table([{"prompt": p, "base": b, "with random B": a}
 # frozen), and it returns the trainable and total parameter counts (`count_parameters`).
 
 # %% [exercise] freeze_base
+# marks: difficulty 1 · importance 2 · 5 minutes
+# hint: `nn.Module.requires_grad_(flag)` sets the flag on every parameter of a module at once.
+# hint: `model.requires_grad_(False)`, then `adapters.requires_grad_(True)`; return `(count_parameters(adapters),
+#       count_parameters(model))`.
 
 # %%
 trainable, total = freeze_base(model, adapters)
@@ -153,8 +177,18 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 # %% [provided] base_weight
 
 # %% [exercise] merge_lora
+# marks: difficulty 2 · importance 2 · 10 minutes
+# hint: For each adapter, `base_weight(model, key)` gives the weight to change and whether it is stored `[d_in, d_out]`
+#       (GPT-2's Conv1D).
+# hint: The update is `adapter.scale * (adapter.B @ adapter.A)`, of shape `[d_out, d_in]`: transpose it for a weight
+#       stored `[d_in, d_out]`.
+# hint: Change the weight in place, `weight += sign * delta`: the same Parameter object stays in the model (the stub's
+#       `@torch.no_grad()` allows the in-place add).
 
 # %% [exercise] unmerge_lora
+# marks: difficulty 1 · importance 1 · 5 minutes
+# hint: Taking an update out is merging it with the opposite sign.
+# hint: `merge_lora` already has a `sign` argument: call it with `sign=-1.0`.
 
 # %% [markdown]
 # ## 6. Saving and loading an adapter
@@ -168,8 +202,24 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 # reads the metadata.)
 
 # %% [exercise] save_adapter
+# marks: difficulty 2 · importance 2 · 15 minutes
+# hint: `safetensors.torch.save_file(tensors, path, metadata=...)` writes a dict of tensors; its metadata is a dict of
+#       strings.
+# hint: The tensors are `adapters.state_dict()`, each detached, on the CPU and contiguous. The rank is any adapter's
+#       `A.shape[0]` and alpha is `scale * rank`, both written with `str(...)`.
+# hint: Make the missing folders first: `Path(path).parent.mkdir(parents=True, exist_ok=True)`.
 
 # %% [exercise] load_adapter
+# marks: difficulty 3 · importance 2 · 55 minutes
+# hint: Check in the order things can fail, and change nothing until every check has passed: the path exists and is a
+#       file; it opens as safetensors; its metadata has rank and alpha equal to the adapters'; its tensors have the
+#       adapters' names and shapes.
+# hint: Open it inside a `try`: `with safe_open(str(path), framework="pt") as f: meta = f.metadata() or {}`, and turn
+#       any failure into a `ValueError` naming the file (`why_unreadable(path, error)` says why). Compare
+#       `int(meta["rank"])` with `A.shape[0]` and `float(meta["alpha"])` with `scale * rank` (`math.isclose`).
+# hint: `load_file(str(path), device=...)` gives the tensors; compare `{name: shape}` with the adapters' `state_dict()`
+#       and list the missing, unexpected and wrongly shaped names in the error. Only then
+#       `adapters.load_state_dict(tensors)`, and return `adapters`.
 
 # %% [markdown]
 # ## 7. PPO with LoRA

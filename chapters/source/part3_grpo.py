@@ -60,8 +60,17 @@ from utils.sampling import Samples, sample
 # `completion_loss_mask` to apply it (`samples.truncated` says which rows were cut).
 
 # %% [exercise] sample_groups
+# marks: difficulty 1 · importance 2 · 10 minutes
+# hint: Repeat each prompt `group_size` times with a prompt's copies side by side (row `i` answers `prompts[i //
+#       group_size]`), then let `sample` do the rest.
+# hint: `[p for p in prompts for _ in range(group_size)]` keeps the copies together (`prompts * group_size` would
+#       interleave them). Refuse `group_size < 2` with a `ValueError` before sampling.
 
 # %% [exercise] completion_loss_mask
+# marks: difficulty 1 · importance 2 · 10 minutes
+# hint: Start from `samples.completion_mask`; only with `mask_truncated_completions` is anything taken out.
+# hint: `samples.truncated` is `[batch]`: broadcast it over the tokens with `[:, None]` and keep `mask &
+#       ~samples.truncated[:, None]`, a new tensor (leave the samples' own mask as it is).
 
 # %% [markdown]
 # ## 2. Rewards, composed
@@ -72,8 +81,16 @@ from utils.sampling import Samples, sample
 # easy to earn. (Reward functions take `(prompts, completions)` and return a list, as in TRL.)
 
 # %% [exercise] reward_exact_answer
+# marks: difficulty 2 · importance 2 · 15 minutes
+# hint: Read `a` and `b` from the prompt: strip it, drop the trailing `=`, split at `+`. Where that fails (no `+`, or a
+#       part that is not digits) the prompt is not an addition: `None`.
+# hint: `parse_answer(completion)` returns the number, or `None` for anything but a bare number; the reward is `1.0`
+#       when it equals `int(a) + int(b)`, else `0.0`.
 
 # %% [exercise] reward_format
+# marks: difficulty 1 · importance 1 · 5 minutes
+# hint: `parse_answer` already decides what a bare number is: it returns `None` for anything else.
+# hint: One float per completion: `1.0` where `parse_answer(c) is not None`, else `0.0`; the prompts are not used.
 
 # %% [markdown]
 # Real set-ups combine several rewards. `compose_rewards` takes `RewardFunction`s (a name, a callable, a weight)
@@ -89,6 +106,15 @@ from utils.sampling import Samples, sample
 # %% [provided] RewardFunction
 
 # %% [exercise] compose_rewards
+# marks: difficulty 3 · importance 2 · 35 minutes
+# hint: One function at a time: check its list's length (raise naming the function), make it a tensor with NaN for
+#       `None`, store it under its name, and add `weight * reward` to the total with the NaNs counted as 0
+#       (`torch.nan_to_num`).
+# hint: Keep a boolean `judged` vector, or-ing in `~rewards.isnan()` for each function; at the end `torch.where(judged,
+#       total, torch.nan)` makes the completions nobody judged NaN.
+# hint: For the `async def` ones (`inspect.iscoroutinefunction(f.fn)`), write a coroutine that returns `await
+#       asyncio.gather(*(f.fn(prompts, completions) for f in async_fns))`, run it once with `run_sync(...)`, and use its
+#       results, by name, in the same loop as the plain functions.
 
 # %% [markdown]
 # ## 3. Group-relative advantages
@@ -113,6 +139,15 @@ from utils.sampling import Samples, sample
 # too (`GRPOTrainer._generate_and_score_completions`, where it marks an `unscorable_mask`).
 
 # %% [exercise] group_advantages
+# marks: difficulty 3 · importance 3 · 45 minutes
+# hint: After the `ValueError` checks (1-D, whole groups, no inf, a known `scale`), view the rewards as `[n_groups,
+#       group_size]`: every mean and std is then along `dim=1`, and NaN rewards are left out of both.
+# hint: `groups.nanmean(dim=1, keepdim=True)` gives the means. For the `"group"` std without the NaNs, stand each NaN at
+#       its group's mean (it then adds nothing to the squared deviations), take `.std(dim=1)`, and rescale Bessel's `G -
+#       1` to `scored - 1` with `sqrt((G - 1) / (scored - 1))`. `"batch"` divides by the std of all non-NaN rewards;
+#       `"none"` by nothing.
+# hint: Finish with the exact zeros: a group whose scored rewards are all equal (its largest scored reward <= its
+#       smallest) gets 0 on every row (`masked_fill`), and a NaN reward gets 0 (`nan_to_num(nan=0.0)`).
 
 # %%
 rewards = torch.tensor([1.0, 0.0, 0.0, 0.0,   1.0, 1.0, 1.0, 0.0,   1.0, 1.0, 1.0, 1.0])
@@ -133,6 +168,9 @@ print(samples_table([{"rewards": str(rewards[i:i + 4].tolist()),
 # reference computation is **none**: write `reference_logprobs` to return `None` then, without a forward pass.
 
 # %% [exercise] reference_logprobs
+# marks: difficulty 1 · importance 3 · 10 minutes
+# hint: With `beta == 0` return `None` before touching the model: no forward pass is the whole point.
+# hint: Otherwise the reference is the base without hooks: `completion_logprobs(lora_model.base, samples)`.
 
 # %% [markdown]
 # ## 5. The GRPO loss
@@ -168,6 +206,16 @@ print(samples_table([{"rewards": str(rewards[i:i + 4].tolist()),
 # `loss_type`, or `beta != 0` without `ref_logprobs`, raises a ValueError.
 
 # %% [exercise] grpo_loss
+# marks: difficulty 3 · importance 3 · 40 minutes
+# hint: Settle the defaults first: raise for an unknown `loss_type`, or `beta != 0` without `ref_logprobs`;
+#       `epsilon_high` falls back on `epsilon` only when it is `None` (0.0 is a value); `old_logprobs=None` means
+#       `logprobs.detach()`.
+# hint: Per token: `ratio = exp(logprobs - old_logprobs)`, the advantages broadcast as `advantages[:, None]`, and
+#       `-torch.minimum(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon_high) * A)`; with `beta`, add `beta * k3` (Part
+#       1's `kl_k3`), times `ratio` when `use_bias_correction_kl`.
+# hint: Aggregate with the mask as floats `m`: `"grpo"` is `((l * m).sum(1) / m.sum(1).clamp(min=1)).mean()`; `"bnpo"`
+#       and `"dapo"` are `(l * m).sum() / m.sum().clamp(min=1)`; `"dr_grpo"` divides the sum by `batch *
+#       (max_completion_length or gen)`.
 
 # %% [markdown]
 # ### What the KL term does to the gradient
@@ -244,6 +292,16 @@ for label, g in (("beta * k3", expected_gradient()),
 # %% [provided] GRPOStepOutput
 
 # %% [exercise] grpo_step
+# marks: difficulty 3 · importance 3 · 45 minutes
+# hint: Follow the docstring's five steps in order, each a call of what you wrote above: `sample_groups(model, ...)`,
+#       `compose_rewards(reward_functions, samples.prompts, samples.texts)`, `group_advantages` (moved to the samples'
+#       device), `completion_loss_mask`.
+# hint: `reference(samples)` only if `cfg.beta != 0`, else `None`. Old log-probs only if `cfg.num_iterations > 1`: once,
+#       before any update, under `torch.no_grad()`, with `completion_logprobs(model, samples)`.
+# hint: Each update: `get_logprobs(model(samples.ids, attention_mask=samples.attention_mask), samples.ids,
+#       samples.prompt_len)`, `grpo_loss(..., max_completion_length=cfg.max_new_tokens)`, then `zero_grad`, `backward`,
+#       `clip_grad_norm_(model.adapters.parameters(), cfg.max_grad_norm)`, `step`. Keep each update's
+#       `logprobs.detach()`; the output's loss is the last one's `.item()`.
 
 # %% [markdown]
 # `GRPOTrainer` runs the step function you give it (`grpo_step=`: **yours**) and keeps the bookkeeping: it logs the

@@ -70,6 +70,14 @@ from utils.sampling import Samples, sample
 # %% [provided] ReferenceSettings
 
 # %% [exercise] reference_kind
+# marks: difficulty 2 · importance 3 · 40 minutes
+# hint: Ask the questions in the order the text gives and return as soon as one decides: a negative `beta` raises, and
+#       `beta == 0` returns `("none", False)` before any other check.
+# hint: With `beta > 0`, refuse the contradictions next: `retraining_adapter` without `lora`; a `lora_sync` not in
+#       `LORA_SYNCS`; and when `sync_every > 0`, `precomputed`, or a `sync_alpha` outside `(0, 1]`.
+# hint: Then the kind: `"old_adapter"` when re-training an adapter, or for `lora and sync_every and lora_sync ==
+#       "reference_only"`; else `"hooks_removed"` for LoRA and `"frozen_copy"` without. The second element is
+#       `settings.precomputed`, passed through.
 
 # %% [markdown]
 # ## 2. Re-training an adapter
@@ -84,8 +92,18 @@ from utils.sampling import Samples, sample
 # (`old_adapter_logprobs`). It costs one adapter's memory, not a model's.
 
 # %% [exercise] frozen_adapter_copy
+# marks: difficulty 1 · importance 2 · 5 minutes
+# hint: A copy that shares no tensor: `copy.deepcopy`, not a new `ModuleDict` around the same modules (that would share
+#       every parameter).
+# hint: `copy.deepcopy(adapters)`, then `.requires_grad_(False)` on the copy, and return the copy.
 
 # %% [exercise] old_adapter_logprobs
+# marks: difficulty 2 · importance 3 · 5 minutes
+# hint: The reference is the base with the *old* adapters' hooks on: Part 2's `lora_hooks` builds hooks from any
+#       `ModuleDict` of adapters, not only the training ones.
+# hint: Inside `with lora_model.base.hooks(fwd_hooks=lora_hooks(lora_model.base, old_adapters)):`, call
+#       `completion_logprobs` on `lora_model.base`, not on `lora_model` (whose forward would add the training adapters'
+#       hooks as well).
 
 # %% [markdown]
 # ## 3. Precomputed reference log-probs
@@ -101,6 +119,12 @@ from utils.sampling import Samples, sample
 # for `"frozen_copy"` the plain model itself, not yet fine-tuned. Compute them without gradients.
 
 # %% [exercise] precompute_reference_logprobs
+# marks: difficulty 2 · importance 2 · 15 minutes
+# hint: One list entry per batch of `dataset`, each one `completion_logprobs` call on the right model; the stub's
+#       decorator keeps it free of gradients.
+# hint: Which model per kind: `"hooks_removed"` is `model.base` (no hooks); `"old_adapter"` is
+#       `old_adapter_logprobs(model, model.adapters, batch)` (before training, the current adapter is the old one);
+#       `"frozen_copy"` is `model` itself. Any other kind, `"none"` included, raises a `ValueError`.
 
 # %% [markdown]
 # ## 4. Syncing the reference
@@ -131,8 +155,18 @@ from utils.sampling import Samples, sample
 # per sync (α = 1 simply copies the policy's adapter).
 
 # %% [exercise] sync_full
+# marks: difficulty 1 · importance 2 · 10 minutes
+# hint: Walk the two models' parameters side by side: `zip(reference.parameters(), policy.parameters())` (the same
+#       architecture, the same order).
+# hint: `p_ref.lerp_(p_pol, alpha)` computes `p_ref + alpha * (p_pol - p_ref)` in place; only the reference's tensors
+#       change.
 
 # %% [exercise] sync_lora
+# marks: difficulty 2 · importance 3 · 10 minutes
+# hint: Per adapter: the base takes `alpha` of the update, `B` keeps the rest, so that base + update is unchanged.
+# hint: `delta = alpha * adapter.scale * (adapter.B @ adapter.A)`, added in place to `base_weight(lora_model.base,
+#       key)`'s weight, transposed for a weight stored `[d_in, d_out]` (as in Part 2's `merge_lora`).
+# hint: Then shrink `B` in place, `adapter.B.mul_(1 - alpha)`, after `delta` was computed from the old `B`.
 
 # %% [provided] sync_old_adapter
 

@@ -73,6 +73,9 @@ print(samples_table([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in tr
 # divide by the number of masked tokens (at least 1, so that an empty row gives 0, not NaN).
 
 # %% [exercise] sequence_logps
+# marks: difficulty 1 · importance 2 · 10 minutes
+# hint: Multiply the log-probs by the mask (as floats) and sum over the tokens: that is the sequence's log-prob.
+# hint: With `average`, divide by `mask.sum(dim=1).clamp(min=1)`: the clamp makes an empty row 0 / 1 = 0, not NaN.
 
 # %% [markdown]
 # ## 3. The DPO loss
@@ -92,6 +95,13 @@ print(samples_table([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in tr
 # quite stops pushing, which is how DPO can over-fit a preference. Reject an unknown `loss_type` with a ValueError.
 
 # %% [exercise] dpo_loss
+# marks: difficulty 2 · importance 3 · 30 minutes
+# hint: Compute the margin `d` once, the policy's log-ratio to the reference on the chosen answer minus the same on the
+#       rejected one; each loss type is then one expression in `beta` and `d`.
+# hint: Refuse before computing: the four tensors must share one shape and be 1-D (a `[batch, 1]` would broadcast into
+#       wrong pairs), and `loss_type` must be in `DPO_LOSS_TYPES`.
+# hint: `"sigmoid"`: `-F.logsigmoid(beta * d)` (finite where `log(sigmoid(...))` is not); `"hinge"`: `torch.relu(1 -
+#       beta * d)`; `"ipo"`: `(d - 1 / (2 * beta)) ** 2`. Then `.mean()` over the pairs.
 
 # %%
 margins = torch.linspace(-20, 40, 121)
@@ -113,6 +123,13 @@ plot_curves(curves, list(DPO_LOSS_TYPES), title="loss against the margin d (beta
 # decision: it asks Part 4's `reference_kind`, which answers `("hooks_removed", precomputed)`.
 
 # %% [exercise] precompute_reference_logps
+# marks: difficulty 2 · importance 2 · 20 minutes
+# hint: Walk the triples `batch_size` at a time; each slice becomes one `preference_batch(lora_model.tokenizer, slice,
+#       lora_model.cfg.device)`: its chosen rows first, then its rejected rows.
+# hint: Score each batch through `lora_model.base` (no hooks) with `completion_logprobs`, then `sequence_logps(...,
+#       batch.completion_mask, average)`.
+# hint: `.chunk(2)` splits each batch's sequence log-probs into chosen and rejected; collect both per batch and
+#       `torch.cat` each list at the end.
 
 # %% [markdown]
 # ## 5. One DPO step, and training with it
@@ -145,6 +162,15 @@ plot_curves(curves, list(DPO_LOSS_TYPES), title="loss against the margin d (beta
 # the forward passes and the order of the operations.
 
 # %% [exercise] dpo_step
+# marks: difficulty 3 · importance 3 · 35 minutes
+# hint: One `preference_batch` of the triples; the policy's token log-probs are `completion_logprobs(lora_model,
+#       batch)`, with gradients; `sequence_logps` with `average = cfg.loss_type == "ipo"`, then `.chunk(2)` into chosen
+#       and rejected.
+# hint: When `ref_logps` is `None`, `precompute_reference_logps(lora_model, triples, average)` is the implicit reference
+#       (the base, no hooks, no gradients); otherwise use the pair you were given as it is.
+# hint: `nll = -masked_mean(token_logps[:n], batch.completion_mask[:n])` over the `n` chosen rows; `loss = dpo_loss(...)
+#       + cfg.sft_weight * nll`; then `zero_grad`, `backward`, `clip_grad_norm_(lora_model.adapters.parameters(),
+#       cfg.max_grad_norm)`, `step`. Return the tensors detached.
 
 # %% [markdown]
 # `DPOTrainer` builds 512 pairs from the train split, draws 32 of them per step, and hands them to **your**
@@ -226,6 +252,14 @@ print(sample(no_sft.model, [addition_prompt(a, b) for a, b in addition_pairs("he
 # completion with no scored sibling has no baseline at all, and gets 0 too. TRL's `RLOOTrainer` does exactly this.
 
 # %% [exercise] rloo_advantages
+# marks: difficulty 3 · importance 3 · 30 minutes
+# hint: View the rewards as `[n_groups, G]`. The mean of the *others* is `(group sum - own reward) / (G - 1)`; with NaNs
+#       around, use the `nansum` and the number of scored rewards in place of `G`. Check the shape, `group_size >= 2`
+#       and inf first.
+# hint: `scored = (~groups.isnan()).sum(dim=1, keepdim=True)`, `baseline = (groups.nansum(dim=1, keepdim=True) - groups)
+#       / (scored - 1)`. A NaN reward, or one with no scored sibling (0 / 0), comes out NaN: it becomes 0 at the end.
+# hint: With `normalize`, standardise over the non-NaN advantages only: `(adv - valid.mean()) / (valid.std() + 1e-4)`.
+#       Last, `nan_to_num(nan=0.0)`.
 
 # %%
 rewards = torch.tensor([1.0, 0.0, 0.0, 0.0,   1.0, 1.0, 1.0, 0.0,   1.0, 1.0, 1.0, 1.0])
@@ -243,6 +277,9 @@ print(samples_table([{"rewards": str(rewards[i:i + 4].tolist()),
 # k1 term can be negative; its expectation is the KL. Since it is now part of a reward, it carries no gradient.
 
 # %% [exercise] kl_penalized_rewards
+# marks: difficulty 1 · importance 3 · 5 minutes
+# hint: The sequence's k1 is the sum over its masked tokens of `logprobs - ref_logprobs`, negative terms included.
+# hint: `rewards - beta * kl`, then `.detach()`: a reward carries no gradient.
 
 # %% [markdown]
 # ## 8. The RLOO loss
@@ -258,6 +295,11 @@ print(samples_table([{"rewards": str(rewards[i:i + 4].tolist()),
 # the ratio is 1, well inside the clip range. They part only from the second update on the same samples.
 
 # %% [exercise] rloo_loss
+# marks: difficulty 2 · importance 3 · 10 minutes
+# hint: PPO's clipped surrogate with one ratio per sequence: `ratio = exp(seq_logprobs - old_seq_logprobs)`, where
+#       `None` means `seq_logprobs.detach()`, and `epsilon_high` falls back on `epsilon` only when it is `None`.
+# hint: `-torch.minimum(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon_high) * A).mean()`: the minus sign because the
+#       optimiser minimises.
 
 # %% [markdown]
 # ## 9. RLOO against GRPO

@@ -95,6 +95,13 @@ from solutions.part6_lab import (FIRST_TOKENS_IN_RANGE, FIRST_TOKENS_IN_VOCABULA
 # attention mask; no padding here).
 
 # %% [exercise] two_token_logprobs
+# marks: difficulty 2 · importance 1 · 20 minutes
+# hint: One batch of shape `[rows, pos + 1]`: the prompt on every row (`prompt.expand(rows, -1)`), then `first_tokens`
+#       as a last column; `None` means `torch.arange(model.cfg.d_vocab)`.
+# hint: One forward pass. Only the last two positions matter: position -2 predicts the first token (the same in every
+#       row), position -1 the second.
+# hint: `model(batch)[:, -2:].log_softmax(dim=-1)`; `first` is row 0 at the first of those two positions, `second` every
+#       row at the second. No `no_grad`: the caller decides.
 
 # %% [markdown]
 # ### The per-token estimators
@@ -105,6 +112,10 @@ from solutions.part6_lab import (FIRST_TOKENS_IN_RANGE, FIRST_TOKENS_IN_VOCABULA
 # `torch.exp(ref - logp) - (ref - logp) - 1`: the ratio is ref/π, not π/ref.
 
 # %% [exercise] token_kl_estimate
+# marks: difficulty 1 · importance 2 · 15 minutes
+# hint: Compute `log_ratio = logp - ref_logp` once; each estimator is one expression in it.
+# hint: k1 is `log_ratio`, k2 is `log_ratio ** 2 / 2`, and k3 is `torch.exp(-log_ratio) - 1 + log_ratio` (its ratio is
+#       ref over π, hence the minus).
 
 # %% [markdown]
 # ### The surrogate whose gradient is the expected gradient
@@ -122,6 +133,17 @@ from solutions.part6_lab import (FIRST_TOKENS_IN_RANGE, FIRST_TOKENS_IN_VOCABULA
 #   sequence's log-probs $\log\pi(y)$ = `first[first_tokens[i]] + second[i, b]`. Its value is not a KL; its gradient is.
 
 # %% [exercise] estimator_surrogate
+# marks: difficulty 3 · importance 1 · 25 minutes
+# hint: Lay everything out as `[rows, vocab]`, one entry per completion `(first_tokens[i], b)`; the answer is `(w *
+#       L).sum()` with `w = weights.detach()`. Token 1's log-probs are `first[first_tokens]` and
+#       `ref_first[first_tokens]`; add `[:, None]` so they broadcast over the columns `b`.
+# hint: For `"k1_loss"`, `"k2_loss"`, `"k3_loss"`: `L` is `token_kl_estimate` of token 1 plus that of token 2 (`second`,
+#       `ref_second`), with the estimator `kind.removesuffix("_loss")`. For `"exact_token_loss"`: the whole-vocabulary
+#       KL at the prompt (one number, over `first`) plus the KL at each row's second state (over `second`, summed on
+#       `dim=-1` with `keepdim=True`).
+# hint: For `"k1_reward"`: the sequence log-probs are token 1's (with `[:, None]`, as above) plus `second`, and the same
+#       for the reference; `L = (logp - ref_logp).detach() * logp`. The `detach` is the whole idea: the KL acts as a
+#       reward, and only `log π` carries the gradient.
 
 # %% [markdown]
 # And the true gradients come from the exact KLs over all 126,736 completions:
@@ -224,6 +246,10 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 # `[pairs, 1]` against a `[pairs]` would broadcast into every chosen against every rejected.
 
 # %% [exercise] bradley_terry_loss
+# marks: difficulty 1 · importance 2 · 20 minutes
+# hint: Check the shapes first: both 1-D and equal, or a `ValueError` that shows the two shapes.
+# hint: `-F.logsigmoid(chosen_scores - rejected_scores).mean()`: `logsigmoid` stays finite where `log(sigmoid(x))` gives
+#       `-inf`.
 
 # %% [markdown]
 # The reward model's rows are laid out like Part 5's preference pairs: BOS and the prompt, **left**-padded; then the
@@ -235,6 +261,12 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 # %% [provided] reward_model_batch
 
 # %% [exercise] last_token_scores
+# marks: difficulty 2 · importance 2 · 15 minutes
+# hint: Refuse first: a row whose mask has no 1 (`attention_mask.bool().any(dim=1)` false somewhere) raises a
+#       `ValueError`.
+# hint: Find each row's last real position without assuming where the padding is: each position's index where the mask
+#       is 1 and -1 elsewhere (`torch.where` with `torch.arange(seq)`), then the max along the row.
+# hint: `scores.gather(1, last[:, None]).squeeze(1)` reads one score per row.
 
 # %% [markdown]
 # Now the reward model's forward pass, the TransformerLens way: a hook keeps the activation at
@@ -245,6 +277,12 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 # function wraps your function in `no_grad` itself).
 
 # %% [exercise] reward_model_scores
+# marks: difficulty 2 · importance 2 · 15 minutes
+# hint: The same pattern as Part 1's value head: a hook that stores the activation it sees and returns `None`, active
+#       only inside `with model.hooks(fwd_hooks=[("ln_final.hook_normalized", keep)]):`.
+# hint: Inside, run `model(ids, attention_mask=attention_mask)` (its logits are not needed). Outside, apply `head` to
+#       the stored `[batch, seq, d_model]` tensor, `squeeze(-1)` it to `[batch, seq]`, and read it with
+#       `last_token_scores`. No `no_grad`, no `detach`.
 
 # %% [markdown]
 # The buggy verifier. Its author wanted to be lenient about words around the answer ("68.", "68 is it") and wrote
@@ -345,6 +383,12 @@ from utils.data import POSITIVE
 # gradient with respect to the log-probs, on-policy, with every advantage $-1$.
 
 # %% [exercise] loss_token_weights
+# marks: difficulty 2 · importance 2 · 25 minutes
+# hint: Start from the mask as floats: each weight is that divided by the right denominator, so padding stays 0 by
+#       itself. Raise for a `loss_type` not in `LOSS_TYPES`.
+# hint: `"grpo"`: divide by `B` times the row's count (`sum(dim=1, keepdim=True)`, so it broadcasts); `"bnpo"` and
+#       `"dapo"`: by the total count; `"dr_grpo"`: by `B * (max_completion_length or mask.shape[1])`.
+# hint: Clamp each count to at least 1 (`.clamp(min=1.0)`), so that an empty row or batch gives 0 / 1 = 0, not NaN.
 
 # %%
 mask = torch.arange(8)[None] < torch.tensor([2, 8, 4])[:, None]  # three completions of 2, 8 and 4 tokens
@@ -364,6 +408,10 @@ for loss_type in ("grpo", "dapo", "dr_grpo"):
 # the curve), not an error.
 
 # %% [exercise] mean_length_by_outcome
+# marks: difficulty 1 · importance 1 · 10 minutes
+# hint: Lengths first, `mask.sum(dim=1).float()`; then boolean indexing: `lengths[correct]` and `lengths[~correct]`.
+# hint: Guard each outcome with `.any()`: for one with no row use `torch.tensor(float("nan"))`; then
+#       `torch.stack([right, wrong])`.
 
 # %% [markdown]
 # **What the theory predicts, and where to look.** On-policy, `grpo_loss`'s gradient is
@@ -466,6 +514,10 @@ from utils.sampling import Samples, sample
 # is for looking at. A bare model has no `.base`, and compared with itself it would give 0 everywhere: refuse it.
 
 # %% [exercise] token_log_ratios
+# marks: difficulty 1 · importance 2 · 20 minutes
+# hint: Refuse a bare model first: `hasattr(lora_model, "base")` tells a LoRAModel from one.
+# hint: `completion_logprobs(lora_model, samples)` is the policy's, `completion_logprobs(lora_model.base, samples)` the
+#       reference's; subtract and multiply by `samples.completion_mask`.
 
 # %% [markdown]
 # ### Per block
@@ -477,6 +529,13 @@ from utils.sampling import Samples, sample
 # does not have: it would select nothing, silently.
 
 # %% [exercise] lora_on_blocks
+# marks: difficulty 2 · importance 2 · 15 minutes
+# hint: Check the blocks first: each must be an `int` (a `bool` is not a block) from 0 to `n_layers - 1`, or a
+#       `ValueError` that lists them.
+# hint: Keys look like `"L2_q"`: the block is `int(key[1:].split("_", 1)[0])`. Keep the adapters whose block is among
+#       `blocks`.
+# hint: `nn.ModuleDict({key: adapter for ... if ...})` holds the same modules, copies nothing; return
+#       `LoRAModel(lora_model.base, that_dict)`.
 
 # %% [markdown]
 # ### Per head
@@ -490,6 +549,13 @@ from utils.sampling import Samples, sample
 # `with model.hooks(fwd_hooks=...):` works on both, and a LoRAModel adds its own hooks inside its forward.
 
 # %% [exercise] answer_attention
+# marks: difficulty 3 · importance 1 · 20 minutes
+# hint: One hook per block on `f"blocks.{layer}.attn.hook_pattern"`, all in one `with model.hooks(fwd_hooks=[...]):`
+#       around a single `model(samples.ids, attention_mask=samples.attention_mask)`.
+# hint: Each hook keeps the query rows from `prompt_len - 1` on, `gen` of them: `pattern[:, :, start:start + gen]`. Make
+#       the hooks with a factory, `keep(layer)`, so that each one writes its own layer's slot.
+# hint: `torch.stack` the kept patterns into `[layer, batch, head, gen, seq]` and zero the rows after each first EOS by
+#       multiplying with `samples.completion_mask[None, :, None, :, None]`.
 
 # %% [markdown]
 # The experiment (`solutions/part6_lab/policy_shift.py`), with your three functions, for each seed in `SEEDS`:
@@ -585,6 +651,12 @@ policy_shift.plot(policy_shift_result);
 # picks the unclipped term), and a token whose advantage is 0 has none to take.
 
 # %% [exercise] clip_fraction
+# marks: difficulty 2 · importance 2 · 20 minutes
+# hint: A token counts only where the clip takes its gradient away: ratio below `1 - epsilon` with a negative advantage,
+#       or above `1 + epsilon_high` with a positive one (`epsilon_high=None` means `epsilon`).
+# hint: `advantages[:, None]` gives each row's advantage to all its tokens; combine the conditions with `&` and `|`, and
+#       with the mask.
+# hint: Divide the count of clipped real tokens by `mask.sum().clamp(min=1)`: an empty mask gives 0.
 
 # %% [markdown]
 # Now the weights. Write `truncated_importance_weights`: from the trainer's and the sampler's log-probs of the same
@@ -592,6 +664,10 @@ policy_shift.plot(policy_shift_result);
 # padding. Capped from above only: a token the sampler liked more than the trainer keeps its small weight.
 
 # %% [exercise] truncated_importance_weights
+# marks: difficulty 1 · importance 2 · 5 minutes
+# hint: The weight is a constant: detach both log-probs before the `exp`.
+# hint: `torch.exp(trainer - sampler).clamp(max=cap)`, capped above only; then `torch.where(mask, weights, 0.0)` for the
+#       padding.
 
 # %% [markdown]
 # And the loss that takes them: Part 3's `grpo_loss` with $\beta = 0$ and `loss_type="dapo"`, each token's clipped
@@ -599,6 +675,12 @@ policy_shift.plot(policy_shift_result);
 # `weights=None` is the uncorrected loss.
 
 # %% [exercise] tis_grpo_loss
+# marks: difficulty 2 · importance 2 · 15 minutes
+# hint: Start from Part 3's clipped per-token term: `ratio = exp(logprobs - old)` with `old = logprobs.detach()` when
+#       `None`, and `-torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon_high) * A)` with `A = advantages[:,
+#       None]`.
+# hint: Multiply each token's term by `weights.detach()` when there are weights; then the `"dapo"` aggregation,
+#       `(per_token * mask).sum() / mask.sum().clamp(min=1)`.
 
 # %% [markdown]
 # The experiment (`solutions/part6_lab/off_policy.py`), with your three functions, on Part 3's additions (8 prompts ×

@@ -80,6 +80,13 @@ from utils.sampling import tokenize_prompts
 # going to a file).
 
 # %% [exercise] fuse_qkv
+# marks: difficulty 3 · importance 1 · 35 minutes
+# hint: Go through the targets in `c_attn`'s order, `QKV`, keeping those present (refuse any other key first). `A` is
+#       the `torch.cat` of their A's, detached: `[R, d_model]`.
+# hint: `B` starts as zeros of `[3 * d_out, R]`. Adapter `t` writes the rows from `QKV.index(t) * d_out`, `d_out` of
+#       them, and reads the columns of its own A: keep a column offset that grows by each adapter's rank.
+# hint: `B[row:row + d_out, column:column + rank] = adapters[t].B.detach() * (adapters[t].scale / scale)`, `scale` being
+#       the first present adapter's; return `(A, B, scale)`.
 
 # %% [markdown]
 # And back. A `c_attn` LoRA that peft trained has **one** A, read by q, k and v alike, and a dense B: it has no
@@ -88,6 +95,13 @@ from utils.sampling import tokenize_prompts
 # matters: three course adapters are three independent LoRAs, and training q must not move k's A.
 
 # %% [exercise] split_qkv
+# marks: difficulty 2 · importance 1 · 30 minutes
+# hint: Each of q, k, v gets the whole rank `R`: its own copy of `A`, and the third of `B`'s rows that writes its output
+#       (q first). Refuse a `B` whose number of rows is not a multiple of 3.
+# hint: Build each with `LoRA(d_model, d_out, rank=R, alpha=scale * R)`, moved to `A`'s device and dtype, and fill it
+#       under `torch.no_grad()` with `lora.A.copy_(A)` and `lora.B.copy_(B[i * d_out:(i + 1) * d_out])`.
+# hint: `copy_` gives each adapter its own tensor (assigning `A` itself would share it). Then set `lora.scale = scale`:
+#       `alpha / rank` recomputed can differ in the last bit.
 
 # %% [markdown]
 # ## 2. The folder, both ways
@@ -101,6 +115,14 @@ from utils.sampling import tokenize_prompts
 # (the config carries the scale).
 
 # %% [exercise] peft_state_dict
+# marks: difficulty 2 · importance 1 · 30 minutes
+# hint: Group the adapters by the Hugging Face module they update first: key `"L{layer}_{target}"` goes to
+#       `f"transformer.h.{layer}.{HF_MODULES[target]}"`, collecting `{target: adapter}` per module (q, k and v all land
+#       on `attn.c_attn`).
+# hint: A `c_attn` module's dict goes through `fuse_qkv`; any other module holds one adapter, whose `A` and `B` go as
+#       they are, detached.
+# hint: The keys are `f"{PEFT_PREFIX}{module}.lora_A.weight"` and `....lora_B.weight`; store the tensors
+#       `.cpu().contiguous()`.
 
 # %% [markdown]
 # The rest is bookkeeping, provided. `export_peft_adapter` writes your `peft_state_dict` and the config: `r` and
@@ -237,6 +259,14 @@ Markdown(tabulate(knob_rows(), headers="keys", tablefmt="github"))
 # `TRL_SETTINGS` (`{name: (value, why)}`). It needs no TRL: it only makes a dict. The run below trains TRL with it.
 
 # %% [exercise] to_trl_config
+# marks: difficulty 2 · importance 2 · 20 minutes
+# hint: Read the table above row by row: most knobs are copied under TRL's name (`learning_rate` is `cfg.lr`,
+#       `num_generations` is `cfg.group_size`, `max_completion_length` is `cfg.max_new_tokens`, ...).
+# hint: The ones that are not copies: `max_steps = steps * num_iterations`; `per_device_train_batch_size = n_prompts *
+#       group_size // world_size` (refuse a `world_size` that does not divide it); `reward_weights` is `[1.0,
+#       format_weight]` on `"addition"`, `[1.0]` on `"periods"`; `use_cpu`, `report_to`, `logging_steps=1`, and
+#       `output_dir` as a `str`.
+# hint: End the dict with every fixed setting: `**{name: value for name, (value, _) in TRL_SETTINGS.items()}`.
 
 # %% [markdown]
 # peft's side is shorter: the same rank and alpha, and the modules that hold our targets.
