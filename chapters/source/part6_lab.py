@@ -306,8 +306,10 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 #   exact verifier, and the KL to the reference: the exact per-token KL over the whole vocabulary, summed over each
 #   completion (its expectation is the sequence-level KL).
 #
-# `python -m solutions.part6_lab.hacking --rm-pairs 100 500 2500` runs best-of-n against reward models of those sizes
-# (a longer run, not part of the lab's default).
+# `python -m solutions.part6_lab --rm-pairs 100 500 2500` runs best-of-n against reward models trained on that many
+# pairs (a longer run, about 5 minutes, not part of the lab's default). Over seeds 0, 1, 2 their held-out accuracy
+# was 77-82%, 88-92% and 94-100%, and the peak of best-of-n's mean gold moved out and up: n = 8 (39%), 16 (54%),
+# 32 (73%). Seed by seed the peaks of the two larger ones overlap (n = 16 to 32, and 16 to 64).
 
 # %%
 from solutions.part6_lab import hacking
@@ -319,7 +321,9 @@ print("reward model:", hacking_figures["reward_model"])
 print("best-of-n:", [{k: p[k] for k in ("n", "kl", "gold")} for p in hacking_figures["best_of_n"]])
 print("its peak:", hacking_figures["best_of_n_peak"])
 print("the control's peaks:", [(c["sigma"], c["peak"]["n"], c["peak"]["gold"]) for c in hacking_figures["control"]])
-print("GRPO, beta = 0:", [{k: p[k] for k in ("step", "sqrt_kl", "gold")} for p in hacking_figures["rl_curve"]])
+rl_curve = hacking_figures["rl_curve"]
+print("GRPO, beta = 0:", [{k: p[k] for k in ("step", "sqrt_kl", "gold")} for p in rl_curve["points"]])
+print("... its peak, seed by seed:", rl_curve["peak"])
 print(hacking_figures["buggy_verifier"])
 print([{k: b[k] for k in ("beta", "kl", "proxy", "gold")} for b in hacking_figures["beta_sweep"]])
 hacking.plot(hacking_result);
@@ -336,9 +340,16 @@ hacking.plot(hacking_result);
 #   score the reward model gets most wrong.
 # - **The control says why.** With proxy = gold + σ·noise fixed per answer, the peak comes earlier and lower as σ
 #   grows: n = 32 (66%) at σ = 0.5, n = 8 (38%) at σ = 1, n = 4 (28%) at σ = 2.
-# - **GRPO (middle)** raised gold from 17.7% to 25.0% after 5 steps in all three seeds, then wandered between 17% and
-#   23% while the KL stayed near 1 to 1.6 nats: in 40 steps RL did not reach the falling side of the curve that
-#   best-of-n shows. `beta` 0, 0.5 and 2 ended at KL 1.58, 0.39 and 0.05 with gold 21.9%, 26.3% and 19.5%.
+# - **GRPO (middle)** moved gold from 17.7% (14% to 20% by seed) to 25.0% after 5 steps (23% to 30%), then
+#   wandered between 17% and 23%, ending at 21.9%, while the proxy climbed and the KL stayed near 1 to 2 nats. Is
+#   that a peak? An evaluation scores 128 completions, so its standard error is up to 0.04 (a success rate p measured
+#   on N samples has standard error $\sqrt{p(1-p)/N}$): no seed's rise or fall is larger than twice the noise of a
+#   difference, and `rl_curve["peak"]` says so seed by seed. RL here shows a proxy that climbs while gold does not,
+#   not Gao et al.'s peak. Longer runs, higher learning rates and RL against the synthetic control (outside this
+#   notebook's budget; the README lists them) showed the peak's two halves, a rise in some seeds and a collapse once
+#   the policy found the proxy's flaw (one seed learnt to answer nothing), but never the whole shape in every seed.
+#   `beta` 0, 0.5 and 2 ended at KL 1.58, 0.39 and 0.05 with gold 21.9%, 26.3% and 19.5%: `beta` holds the KL, and
+#   the golds are within the noise of each other.
 # - **The buggy verifier (right).** `all([])` is True, so a completion with no number passes. GRPO finds it: the buggy
 #   reward goes from 19% to 99.7% while the gold score goes to 0% in every seed. The fix is one condition,
 #   `numbers and all(...)`; better, judge with the strict verifier (Part 3's `reward_exact_answer`).
@@ -429,13 +440,20 @@ for loss_type in ("grpo", "dapo", "dr_grpo"):
 # **The design.** (1) The primary result, one update: from the starting policy, 512 completions (64 for each of the 8
 # prompts), every configuration's loss on *that same batch* built from your `loss_token_weights`, and the first-order
 # change its update (of norm 1) makes to the read-out; per seed, the paired difference against `"dr_grpo"`, then its
-# mean, standard error and 95% t-interval over seeds. (2) Training with shared random numbers: `"grpo"`, `"dr_grpo"` and
-# the control, 30 steps of Part 3's `grpo_step` (4 prompts × 8 completions, up to 24 tokens, `lr` 1e-2, `beta` 0), the
-# same initial LoRA and the same sampler seed at each step in each, so that the runs differ by their loss alone; the
-# read-out and the stop rates by outcome at the end, paired. (3) A positive control: `"dr_grpo"` with a known length
-# term in the reward, $r + \kappa(2r-1)(1 - L/24)$ with $\kappa = 1$ (`length_term_reward`): by the same identity its
-# push is $\kappa(2r(w)-1)\nabla E[1 - L/24 \mid w]$, the direction the theory gives `"grpo"`. A design that cannot
-# see the control cannot be trusted to see the bias.
+# mean, standard error and 95% t-interval over 10 seeds (one sampling pass and a few backward passes each: cheap).
+# One correction to the read-out: in this LoRA, a push to stop after *any* sentence moves the right − wrong gap too
+# (the gradient of the gap and that of the mean $\log P(	ext{EOS})$ over all 160 contexts have a cosine between
+# −0.57 and +0.65, depending on the seed's initial LoRA), and how much of such a uniform push an update carries
+# depends on how many right and wrong answers of its batch happened to stop. So the read-out takes the gap's gradient
+# with its component along the uniform one removed: how much more an update raises stopping after a right answer
+# *than* after a wrong one, which is what the theory predicts. (2) Training with shared random numbers: `"grpo"`,
+# `"dr_grpo"` and the control, 30 steps of Part 3's `grpo_step` (4 prompts × 8 completions, up to 24 tokens, `lr`
+# 1e-2, `beta` 0), the same initial LoRA and the same sampler seed at each step in each, so that the runs differ by
+# their loss alone; the raw read-out and the stop rates by outcome at the end, paired (3 seeds). (3) A positive
+# control: `"dr_grpo"` with a known length term of `"grpo"`'s own shape in the reward, $r + \kappa(2r-1)\,3/L$ with
+# $\kappa = 1$ (`length_term_reward`; 3 tokens is the shortest answer): by the same identity its push is
+# $\kappa(2r(w)-1)\nabla E[3/L \mid w]$, the direction the theory gives `"grpo"`. A design that cannot see the
+# control cannot be trusted to see the bias.
 
 # %%
 from solutions.part6_lab import length_bias
@@ -454,33 +472,34 @@ for name in length_bias_result["cfg"].configurations:
 length_bias.plot(length_bias_result);
 
 # %% [markdown]
-# What to look for (`python -m solutions.part6_lab --only length_bias`, seeds 0, 1, 2, on one torch thread and on
-# two, `RLHF_THREADS=1` / `2`; the one-update figures are the same on both to the digits shown):
+# What to look for (`python -m solutions.part6_lab --only length_bias`: seeds 0, 1, 2 trained and 0 to 9 measured by
+# the one update; and the same from seeds 10, 11, 12, so 10 to 19; each on one torch thread and on two,
+# `RLHF_THREADS=1` / `2`; the one-update figures are the same on both to the digits shown):
 #
-# - **The primary result has the predicted sign and no significance.** One update, `"grpo"` − `"dr_grpo"`: +0.0057
-#   (seeds +0.0096, +0.0075, +0.0000), standard error 0.0029, 95% interval −0.0068 to +0.0182. Seeds 3 and 4 added
-#   (512 completions each) give +0.0053 and −0.0022: 4 of 5 positive, +0.0040 ± 0.0022, interval −0.002 to +0.010.
-#   `"grpo"` with `scale_rewards="none"` is within 0.0002 of `"grpo"`; `"dapo"` − `"dr_grpo"` is 0 exactly.
-# - **The positive control is not detected either.** The known length term ($\kappa = 1$): +0.0005 (−0.0022, +0.0038,
-#   −0.0002), interval −0.0071 to +0.0080, so `detected` is false. With $\kappa$ = 0.25, 0.5, 1 and 2 on the same
-#   five batches each seed's value grows in proportion to $\kappa$, its sign fixed by the batch: the noise is the
-#   batch's, not the control's size, and only more completions per update reduce it. A design that misses a term as
-#   large as correctness itself has no power here, and its null on `"grpo"` says nothing.
-# - **Training with shared random numbers does not rescue it.** The runs share their first batch, but the samples part
-#   within a few steps, and the read-out after 30 steps, `"grpo"` − `"dr_grpo"`, is +0.015 (+0.063, −0.032, +0.012)
-#   on one thread and −0.001 (−0.040, +0.037, +0.000) on two; the control −0.036 to +0.004. The stop rates by
-#   outcome at the end (stopping after a right answer minus after a wrong one, paired) lean the predicted way in all
-#   six `"grpo"` runs, +0.027 (+0.010, +0.019, +0.052) and +0.032 (+0.008, +0.021, +0.068), intervals −0.05 to +0.11.
-# - **What a length term in the reward does do is move the length of everything.** The control ended at 8.2–9.1
-#   tokens for right and for wrong answers alike (`"dr_grpo"`: 16.3–17.1): rewarding short right answers shortened
-#   the wrong ones too, because one set of weights decides when to stop after either. Right and wrong lengths stayed
-#   within about a token of each other in every run.
+# - **The positive control is detected.** The known term ($\kappa = 1$, shape $3/L$): +0.0010 ± 0.0003 (95% interval
+#   +0.0004 to +0.0016) on seeds 0–9 and +0.0017 ± 0.0002 (+0.0012 to +0.0023) on seeds 10–19, every seed positive,
+#   so `detected` is true. The design can see a push of one or two thousandths.
+# - **So is the primary result.** One update, `"grpo"` − `"dr_grpo"`: +0.0028 ± 0.0007 (+0.0012 to +0.0044) on
+#   seeds 0–9 and +0.0045 ± 0.0007 (+0.0029 to +0.0060) on seeds 10–19, 20 of 20 seeds positive: 2.6 to 2.8 times
+#   the control's push. `"dapo"` − `"dr_grpo"` is 0 exactly, as the arithmetic above says.
+# - **Why it was not detected before.** Three seeds (t(2) = 4.30 makes an interval wide), the raw gap as read-out (its
+#   uniform part is batch noise: the control on the raw gap is −0.0002 to +0.0031 on seeds 0–9, not detected), and a
+#   control of the wrong shape: $(2r-1)(1 - L/24)$ spreads its weight over every length, while the read-out sees
+#   stopping after the first sentence. The read-out was chosen on seeds 0–9; seeds 10–19 are the check.
+# - **Training with shared random numbers does not show it.** The runs share their first batch, but the samples part
+#   within a few steps. After 30 steps, `"grpo"` − `"dr_grpo"` in the raw gap is +0.015 / −0.001 on seeds 0–2 (one /
+#   two threads) and +0.19 / −0.005 on seeds 10–12, every interval across 0; the stop rate after a right answer minus
+#   after a wrong one leans the predicted way on seeds 0–2 (+0.027 / +0.032, all six positive) and not on seeds
+#   10–12 (+0.008 / −0.003). The control is not detected in training either.
+# - **Lengths drift, right and wrong together.** Over 30 steps the mean lengths move by 3 to 6 tokens in a direction
+#   that changes with the seeds (under `"grpo"`: 16.0 → 12.5 on seeds 0–2, 13.4 → 17.3 on seeds 10–12), and right
+#   and wrong answers stay within about a token of each other: one set of weights decides when to stop after either.
 #
-# So: the sign Liu et al. predict is there in 4 of 5 seeds of the one-update measurement, and this laptop design
-# cannot tell it from zero. Their responses run to thousands of tokens, so $1/L$ spans orders of magnitude and the push compounds
-# over hundreds of steps; here lengths span 3 to 24. More power means more completions per update (the issue that
-# asked for this measurement reports 5 of 5 seeds positive at 384 per prompt, +0.0053 ± 0.0009) and more seeds:
-# `length_bias.run(list(range(10)), cfg=length_bias.LengthBiasConfig.long(), ...)`.
+# So: the push Liu et al. predict is there, measured where it acts (one update, paired, against a control that shows
+# the design can see it), and it is small: a few thousandths of a nat per update, lost in the drift of a 30-step run
+# with lengths of 3 to 24 tokens. Their responses run to thousands of tokens, so $1/L$ spans orders of magnitude and
+# the push compounds over hundreds of steps. More power, in about 8 minutes (20 seeds of 1,024 completions each,
+# every configuration, 60 training steps): `length_bias.run([0, 1, 2], cfg=length_bias.LengthBiasConfig.long(), ...)`.
 
 # %% [markdown]
 # ## 4. The policy shift, through hooks
@@ -644,6 +663,14 @@ policy_shift.plot(policy_shift_result);
 # Demystifying RL Collapse from the Training-Inference Mismatch", https://richardli.xyz/rl-collapse) compare token-
 # and sequence-level weights, truncated and masked.
 #
+# TRL 1.16's `GRPOTrainer` (when vLLM samples) uses the sequence-level weight by default, and masks rather than caps
+# it: `vllm_importance_sampling_mode="sequence_mask"` with `vllm_importance_sampling_clip_max=3.0` (the older name
+# `vllm_importance_sampling_cap` is deprecated) gives every token of a completion the weight
+# $\pi_\text{trainer}(y)/\pi_\text{sampler}(y)$, the exponential of the *sum* of its tokens' log-ratios, when that
+# is at most 3, and 0 when it is above (no lower bound unless `vllm_importance_sampling_clip_min` is set). Dropping
+# the completions above the cap is a bias of its own, like the cap's; what it buys is that no completion's weight
+# exceeds 3.
+#
 # First, the diagnostic every PPO-style trainer logs. Write `clip_fraction`: the share of the real tokens (mask
 # True) whose gradient the clip takes away, as TRL's `GRPOTrainer` counts its `clip_ratio/region_mean` (and Part 3's
 # `GRPOTrainer.clip_ratios`): ratio $< 1-\epsilon$ where the advantage is negative, or $> 1+\epsilon_\text{high}$ where
@@ -683,6 +710,12 @@ policy_shift.plot(policy_shift_result);
 #       `(per_token * mask).sum() / mask.sum().clamp(min=1)`.
 
 # %% [markdown]
+# TRL's default, provided: each completion's sequence ratio on every one of its tokens, or 0 on all of them when the
+# ratio is above the cap. It goes into your `tis_grpo_loss` as `weights`, as your truncated weights do.
+
+# %% [provided] sequence_mask_weights
+
+# %% [markdown]
 # The experiment (`solutions/part6_lab/off_policy.py`), with your three functions, on Part 3's additions (8 prompts ×
 # 8 completions a step, a rank-4 LoRA on q and v, `lr` 3e-3), each setting over the seeds in `SEEDS`:
 #
@@ -692,8 +725,16 @@ policy_shift.plot(policy_shift_result);
 #   token it drew; the trainer (the bridge, float32, LoRA as hooks) scores the same tokens. Samplers: the lean
 #   decoder and TransformerLens's `generate`, both in float32; the lean decoder in bfloat16 (weights and
 #   activations, as an inference engine would run); and the lean decoder with the LoRA of 4 steps before;
-# - **TIS:** GRPO whose samples come from weights 4 steps stale (asynchronous RL), uncorrected and with your TIS
-#   weights ($C = 2$), against an on-policy control. Same seeds, prompts and starting LoRA in all three.
+# - **the sweep:** GRPO whose samples come from weights that trail the trainer's by 0, 1, 2, 4 or 8 steps
+#   (asynchronous RL), under each of six corrections: `none` (the samples trained as if on-policy); your TIS weights
+#   with $C$ = 1, 2 or 5 (`tis_token_cap1`, `tis_token_cap2`, `tis_token_cap5`); TRL 1.16's sequence mask with
+#   $C = 3$ (`sequence_mask_cap3`); and `sampler_as_old`, no weight but the sampler's log-probs as the "old" policy of
+#   the clipped ratio, $\pi_\theta/\pi_\text{sampler}$, as a PPO that does not recompute $\pi_\text{old}$ with the
+#   trainer would. Each run (24 steps, 8 prompts × 8 completions) is summarised by the **area under its held-out
+#   accuracy curve** (greedy accuracy on 135 held-out additions at steps 0, 4, ..., 24; trapezoids, divided by the 24
+#   steps: the run's mean accuracy). Same seeds, prompts and starting LoRA in every cell. At lag 0 the corrections
+#   still run: the sampler's log-probs differ from the trainer's by float rounding only, every weight is 1 and every
+#   ratio 1 to about 1e-6, so the six lag-0 runs should agree closely. That is a check of the set-up.
 
 # %%
 from solutions.part6_lab import off_policy
@@ -703,6 +744,9 @@ off_policy_result = off_policy.run(SEEDS, SMOKE, clip_fraction=clip_fraction,
                                    tis_grpo_loss=tis_grpo_loss)
 off_policy_figures = off_policy.summarize(off_policy_result)
 print({n: f["mean"] for n, f in off_policy_figures["clip_fraction"].items()}, off_policy_figures["gap"])
+for correction in off_policy.CORRECTIONS:  # held-out accuracy AUC (mean accuracy over the run) at each sampler lag
+    print(f"{correction:>18}: " + "  ".join(f"lag {e['lag']} {e['auc']:.3f}" for e in off_policy_figures["sweep"]
+                                           if e["correction"] == correction))
 off_policy.plot(off_policy_result);
 
 # %% [markdown]
@@ -715,18 +759,38 @@ off_policy.plot(off_policy_result);
 #   steps (standard deviations 0.01, 0.05 and 0.08 over seeds). They did buy a clip that has work to do.
 # - **Our sampler is the trainer, to float rounding.** The lean decoder and TransformerLens's `generate` give each
 #   token they drew a log-prob within 7e-6 of the trainer's (mean 4e-7): different kernels, a KV cache, the LoRA
-#   merged or as hooks, and the same function. The same decoder in bfloat16 is off by 0.007 on average and 0.11 at
-#   worst, a probability 12% off. Weights 4 steps stale: 0.10 on average and 1.36 at worst, a factor of almost 4.
-# - **A stale sampler hurt, and TIS helped.** Trained on samples from weights 4 steps old, uncorrected, held-out
-#   accuracy fell from 42% to 14% at its lowest (9% to 22% over seeds, around step 10) and ended at 43%
-#   (28% to 53%). With TIS it fell to 37% at its lowest (28% to 42%) and ended at 57% (56% to 58%); the on-policy
-#   control ended at 63% (61% to 65%). In the stale runs 1% to 3% of the tokens had a ratio above the cap of 2.
-#   Three seeds and one lag: a large effect, not a measured law. Per-token TIS reweights each token's draw given its
-#   prefix; the prefixes, and the later tokens that set the reward and so the advantage, stay the stale sampler's.
-#   It did not close the gap to the on-policy run.
+#   merged or as hooks, and the same function. The same decoder in bfloat16 is off by 0.006 on average and 0.07 at
+#   worst, a probability 7% off. Weights 4 steps stale: 0.08 on average and 1.53 at worst, a factor of 4.6.
+# - **The lag-0 check holds.** At lag 0 the six corrections gave the same AUC in every seed, to the 4 digits reported
+#   (the largest difference between them, `lag0_auc_spread`, is 0): with weights and ratios of 1 to about 1e-6, they
+#   trained the same runs.
+# - **A stale sampler costs accuracy, more with every step of lag.** Uncorrected, the AUC (the mean held-out accuracy
+#   over the 24 steps) fell from 0.536 on-policy (0.518 to 0.545 over the three seeds) to 0.497 at lag 1 (0.485 to
+#   0.509), 0.440 at 2 (0.409 to 0.456), 0.350 at 4 (0.324 to 0.401) and 0.235 at 8 (0.208 to 0.271), below the 0.437
+#   the model starts from on these 135 additions: each lag's range lies below the one before. The mean |log-ratio| per
+#   token between trainer and sampler grew with it (0.04, 0.11, 0.28, 0.63).
+# - **Every correction helped, and the weights did not close the gap at large lags.** Paired with the uncorrected run
+#   of the same seed (same prompts, same starting LoRA), every correction raised the AUC at every lag from 1 to 8, in
+#   every seed. Token-level TIS helped more with a higher cap (in the means, at every lag): at lag 4, 0.441 (cap 1),
+#   0.480 (cap 2) and 0.509 (cap 5); at lag 8, 0.385 (0.256 to 0.453), 0.461 (0.420 to 0.485) and 0.483 (0.454 to
+#   0.514), all below the on-policy 0.536. TRL's sequence mask (cap 3) landed between caps 1 and 5 (0.472 at lag 4,
+#   0.448 at lag 8), though it masked few completions (3.1% at most, at lag 8): most of its effect is the weights of
+#   the completions it keeps. Cap 1 only ever lowers a weight, and it helped least.
+# - **The sampler as PPO's old policy did best.** `sampler_as_old` had the highest AUC of the six at every lag from 1
+#   to 8, in every seed, and kept the mean at the on-policy level at every lag: 0.549 (lag 1), 0.574 (lag 2), 0.557
+#   (lag 4), 0.539 at lag 8 (0.515 to 0.562), against 0.536 on-policy. Paired with the on-policy run of the same seed
+#   it was higher in seeds 1 and 2 and lower in seed 0 at every lag (by 0.001 to 0.041): level with on-policy within
+#   the seeds' spread, not shown to be better. Its gradient is each token's uncapped ratio
+#   $\pi_\theta/\pi_\text{sampler}$ inside the clip range, and none for a token whose ratio has left it in the
+#   direction its advantage pushes: a trust region around the sampler, not only a reweighting. Why it held up where
+#   the weights alone did not, this experiment does not separate.
 #
-# The bfloat16 sampler's gap is a tenth of the stale one's, and we did not train with it (bfloat16 decoding is about
-# ten times slower than float32 on a CPU). Yao et al. report that such gaps do matter at scale, over long runs.
+# Three seeds, 24 steps, one task and one model: the effect of the lag, and of correcting at all, held in every seed,
+# but these are short runs of a tiny model; per-token TIS's bias (the prefixes and the later tokens stay the
+# sampler's) and the sequence weight's variance are not measured separately here. The numbers were the same with 1 and
+# 2 threads (`RLHF_THREADS=1` / `2`). The bfloat16 sampler's gap is less than a tenth of the 4-step-stale one's, and
+# we did not train with it (bfloat16 decoding is about ten times slower than float32 on a CPU). Yao et al. report that
+# such gaps do matter at scale, over long runs.
 
 # %% [markdown]
 # ## What to take away
@@ -755,10 +819,10 @@ off_policy.plot(off_policy_result);
 #   L-token answer the weight 1/(B L), so a long wrong answer is penalised less per token; `"dr_grpo"` and `"dapo"`
 #   give every token of a batch one weight (and on one batch they are the same update).
 # - **A design is only as good as its positive control** (section 3): one update of `grpo` against `dr_grpo` on the
-#   same 512 completions moved log P(stop after a right answer) − log P(stop after a wrong one) the predicted way in 4
-#   of 5 seeds (+0.0040 ± 0.0022, 95% interval −0.002 to +0.010), but the same design missed a known length term as
-#   large as correctness itself, so neither result is evidence of absence. Measure a mechanism where it acts, and
-#   check that the measurement can see it.
+#   same 512 completions pushes towards stopping after a right rather than a wrong answer in 20 of 20 seeds (+0.0028
+#   and +0.0045 on two sets of 10, intervals above 0), and the same design detects a known length term of `grpo`'s
+#   shape a third that size; with 3 seeds, the raw read-out and a control of another shape it detected neither.
+#   Measure a mechanism where it acts, and check that the measurement can see it.
 # - **Hooks make "what did RL change?" cheap** (section 4). With the LoRA as hooks it is one module run with
 #   different hooks: the log-ratio to the reference per token, the LoRA block by block, the attention before and
 #   after, with no second copy of the model.
@@ -768,7 +832,10 @@ off_policy.plot(off_policy_result);
 #   instead of 82.2%), yet no block alone gets near all of them together.
 # - **The clip fires only off-policy** (section 5). With `num_iterations` 1 the ratio is exactly 1 and the clip
 #   fraction 0; with 2 and 4, 1.9% and 6.2% of the tokens are clipped (3 seeds), all of it in the later updates.
-# - **On-policy is a claim about the sampler** (section 5). Our lean decoder matches the trainer to 7e-6 in
-#   log-prob; in bfloat16 it is 0.11 off at worst, and weights 4 steps stale 1.36. Trained on 4-step-stale samples,
-#   held-out accuracy fell to 14% before recovering to 43%; truncated importance sampling (weights min(π/π_sampler,
-#   2)) kept its lowest at 37% (28% to 42%) and ended at 57%, against 63% on-policy.
+# - **On-policy is a claim about the sampler** (section 5). Our lean decoder matches the trainer to 7e-6 in log-prob;
+#   in bfloat16 it is 0.07 off at worst, and weights 4 steps stale 1.53. The held-out accuracy AUC fell with every
+#   step of sampler lag, from 0.536 on-policy to 0.235 at 8 steps (3 seeds). Every correction recovered part of it, in
+#   every seed; per-token TIS more with a higher cap (cap 5: 0.483 at lag 8), TRL's default sequence mask (cap 3)
+#   0.448; only the sampler as PPO's old policy stayed at the on-policy level (0.539, within the seeds' spread).
+#   Per-token weights correct each token's draw given its prefix, not the prefixes nor the later tokens that set the
+#   reward.

@@ -9,7 +9,8 @@ which runs on them:
                      beta sweep
     length_bias      completion lengths of right and wrong answers under each loss aggregation
     policy_shift     what RL changed, seen through hooks: per-token log-ratios, the LoRA block by block, attention
-    off_policy       num_iterations and the clip; sampler-vs-trainer log-probs; truncated importance sampling
+    off_policy       num_iterations and the clip; sampler-vs-trainer log-probs; a sweep of sampler lag x
+                     correction (none, token-level TIS, TRL's sequence mask, the sampler as PPO's old policy)
 
 Each experiment module has the same three entry points:
 
@@ -24,6 +25,7 @@ Run the package as a script for every experiment with its defaults (at most 10 m
     python -m solutions.part6_lab                 # all five experiments, 3 seeds each, plots in lab_*.png
     python -m solutions.part6_lab --json          # ... ending with a JSON line of the figures
     python -m solutions.part6_lab --only kl_gradients hacking
+    python -m solutions.part6_lab --rm-pairs 100 500 2500   # hacking's longer variant: reward models of 3 sizes
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from solutions.part6_lab.kl_gradients import (FIRST_TOKENS_IN_RANGE, FIRST_TOKEN
                                               exact_sequence_kls, token_kl_estimate, two_token_logprobs)
 from solutions.part6_lab.length_bias import (LOSS_TYPES, loss_token_weights,  # noqa: F401 (re-exported)
                                              mean_length_by_outcome, reward_positive_answer)
-from solutions.part6_lab.off_policy import (clip_fraction, tis_grpo_loss,  # noqa: F401 (re-exported)
-                                            truncated_importance_weights)
+from solutions.part6_lab.off_policy import (clip_fraction, sequence_mask_weights,  # noqa: F401 (re-exported)
+                                            tis_grpo_loss, truncated_importance_weights)
 from solutions.part6_lab.policy_shift import (answer_attention, lora_on_blocks,  # noqa: F401 (re-exported)
                                               token_log_ratios)
 from utils import cli
@@ -48,7 +50,8 @@ from utils.contracts import SEEDS
 from utils.logger import print_figures
 
 # What the notebook shows as [provided] code; every other function here is an exercise
-PROVIDED = ("exact_sequence_kls", "reward_model_batch", "reward_every_number_right", "reward_positive_answer")
+PROVIDED = ("exact_sequence_kls", "reward_model_batch", "reward_every_number_right", "reward_positive_answer",
+            "sequence_mask_weights")
 
 EXPERIMENTS = ("kl_gradients", "hacking", "length_bias", "policy_shift", "off_policy")
 
@@ -64,11 +67,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plots", default="lab", help="prefix of the saved figures, e.g. lab_hacking.png "
                                                        "('' for none)")
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
+    parser.add_argument("--rm-pairs", type=cli.at_least(1), nargs="+", metavar="PAIRS",
+                        help="instead of the experiments: best-of-n against reward models trained on this many pairs "
+                             "each, e.g. 100 500 2500 (hacking's longer variant)")
     args = parser.parse_args(argv)
 
     smoke = bool(os.environ.get("RLHF_SMOKE"))
     seeds = list(range(args.seeds if args.seeds is not None else 2 if smoke else 3))
     figures: dict = {"seeds": seeds, "smoke": smoke}
+    if args.rm_pairs:
+        from solutions.part6_lab.hacking import rm_sizes_figures
+        figures.update(rm_sizes_figures(seeds, args.rm_pairs))
+        print_figures(figures, args.json)
+        return figures
     start = time.perf_counter()
     for name in args.only or EXPERIMENTS:
         experiment = importlib.import_module(f"{__name__}.{name}")

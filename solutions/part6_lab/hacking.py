@@ -18,7 +18,9 @@ The "H" of RLHF is a reward model learned from human preferences. Here the prefe
    "Scaling Laws for Reward Model Overoptimization"); and the same with a synthetic proxy, gold + sigma * noise fixed
    per answer, as a control.
 4. GRPO (Part 3's trainer, with a LoRA) against the reward model, beta = 0, with the gold score (the exact verifier
-   on the same samples, weight 0, logged only) against sqrt(KL) along the run.
+   on the same samples, weight 0, logged only) against sqrt(KL) along the run. rl_peak says where gold peaks in each
+   seed's run and whether the peak is real: a rise from the start and a fall to the end, each larger than twice the
+   standard error of the difference of two evaluations (from their number of samples).
 5. The same GRPO against a verifier with a plausible bug (reward_every_number_right: `all` of no numbers is
    True), exploited; the fixed verifier is the exact one, logged as the gold score.
 6. beta as the leash: GRPO against the same reward model with the KL term at each of `betas`; at the end of each run,
@@ -148,8 +150,8 @@ def reward_model_scores(
 
 @dataclass
 class HackingConfig:
-    """Defaults: three seeds in about 140 s of CPU time with one thread (so under 200 s on an idle 2-core machine);
-    `HackingConfig.smoke()` takes a few seconds a seed."""
+    """Defaults: three seeds in about 150 s of CPU time with one thread (152 s on 2026-11-25; 119 s of wall time on
+    an idle 2-core machine); `HackingConfig.smoke()` takes a few seconds a seed."""
 
     rm_prompts: int = 300                 # train additions whose samples make the preference pairs
     rm_group: int = 8                     # answers sampled per prompt; a pair is one right and one wrong answer
@@ -479,7 +481,7 @@ def _peak(curves: list[list[dict]]) -> dict:
             "n_per_seed": [max(curve, key=lambda p: p["gold"])["n"] for curve in curves]}
 
 
-def _rl_curve(runs: list[list[dict]]) -> list[dict]:
+def _rl_points(runs: list[list[dict]]) -> list[dict]:
     """The beta = 0 runs' evaluations -> one point per evaluation step: means over seeds of KL, sqrt(KL) (Gao et al.'s
     x axis), gold and proxy, with each seed's KL and gold."""
     return [{"step": evals[0]["step"], "kl": round(_mean(e["kl"] for e in evals), 4),
@@ -489,9 +491,49 @@ def _rl_curve(runs: list[list[dict]]) -> list[dict]:
             for evals in zip(*runs)]
 
 
+def gold_standard_error(gold: float, samples: int) -> float:
+    """The standard error of a gold score (a fraction of right answers) measured on `samples` completions:
+    sqrt(p (1 - p) / samples). With the prompts fixed, answers to easier and harder prompts only lower the variance
+    of the mean, so this is an upper bound on the sampling noise of one evaluation."""
+    return math.sqrt(max(gold * (1.0 - gold), 0.0) / samples)
+
+
+def rl_peak(runs: list[list[dict]], samples: int, margin: float = 2.0) -> dict:
+    """Where gold peaks along each seed's run (`runs`: each seed's evaluations, {step, kl, gold}, in step order),
+    and whether the peak is real: gold at the peak above the start, and at the end below the peak, each by more
+    than `margin` standard errors of the difference of two evaluations of `samples` completions each.
+
+    Returns: {"eval_samples", "margin", "standard_error" (the largest of any one evaluation of these runs),
+    "per_seed": [{"start", "peak", "end": {step, sqrt_kl, gold}, "rises", "falls"}], "peak_in_every_seed", "mean": the
+    peak of the curve of means over seeds, and gold at its start and end}. The peak is the first evaluation with the
+    largest gold; the highest of several noisy evaluations is biased upwards, which the margin has to cover too.
+    """
+    def point(e: dict) -> dict:
+        return {"step": e["step"], "sqrt_kl": round(max(e["kl"], 0.0) ** 0.5, 4), "gold": round(e["gold"], 4)}
+
+    def beyond_noise(high: float, low: float) -> bool:
+        noise = math.hypot(gold_standard_error(high, samples), gold_standard_error(low, samples))
+        return high - low > margin * noise
+
+    per_seed = []
+    for evals in runs:
+        top = max(evals, key=lambda e: e["gold"])  # max() keeps the first of equal values
+        per_seed.append({"start": point(evals[0]), "peak": point(top), "end": point(evals[-1]),
+                         "rises": beyond_noise(top["gold"], evals[0]["gold"]),
+                         "falls": beyond_noise(top["gold"], evals[-1]["gold"])})
+    mean = _rl_points(runs)
+    top = max(mean, key=lambda p: p["gold"])
+    largest = max(gold_standard_error(e["gold"], samples) for evals in runs for e in evals)
+    return {"eval_samples": samples, "margin": margin, "standard_error": round(largest, 4),
+            "per_seed": per_seed, "peak_in_every_seed": all(s["rises"] and s["falls"] for s in per_seed),
+            "mean": {"step": top["step"], "sqrt_kl": top["sqrt_kl"], "gold": top["gold"], "gold_start": mean[0]["gold"],
+                     "gold_end": mean[-1]["gold"]}}
+
+
 def summarize(result: dict) -> dict:
     """The figures: the over-optimised run's (beta = 0) proxy and gold at its start and end, means over seeds (and
-    per seed); the beta sweep (KL, proxy, gold at the end, means over seeds); the buggy verifier's run; the reward
+    per seed), and its curve (rl_curve: the points, means over seeds with each seed's values, and rl_peak's verdict on
+    them); the beta sweep (KL, proxy, gold at the end, means over seeds); the buggy verifier's run; the reward
     model's pair accuracy."""
     seeds = result["per_seed"]
     over = [s["runs"][0.0]["evals"] for s in seeds]
@@ -514,7 +556,8 @@ def summarize(result: dict) -> dict:
         "best_of_n_peak": _peak([s["best_of_n"] for s in seeds]),
         "control": [{"sigma": sigma, "best_of_n": _mean_curve([s["control"][sigma] for s in seeds]),
                      "peak": _peak([s["control"][sigma] for s in seeds])} for sigma in result["config"]["sigmas"]],
-        "rl_curve": _rl_curve([s["runs"][0.0]["evals"] for s in seeds]),
+        "rl_curve": {"points": _rl_points(over),
+                     "peak": rl_peak(over, result["config"]["eval_prompts"] * result["config"]["eval_group"])},
         "proxy_start": round(_mean(per_seed["proxy_start_per_seed"]), 4),
         "proxy_end": round(_mean(per_seed["proxy_end_per_seed"]), 4),
         "gold_start": round(_mean(per_seed["gold_start_per_seed"]), 4),
@@ -592,23 +635,40 @@ def plot(result: dict, path=None):
     return fig
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """The longer variant, behind its own command: best-of-n against reward models of several sizes."""
-    import json
+def rm_sizes_figures(seeds: list[int], pairs=(100, 500, 2500)) -> dict:
+    """run_rm_sizes' figures: for each size, the pairs made, the held-out pair accuracy and best-of-n's peak (n, KL,
+    gold), per seed and over seeds, and the mean curve; and the seconds it took."""
+    import time
 
+    start = time.perf_counter()
+    figures: dict = {}
+    for size, rows in run_rm_sizes(seeds, tuple(pairs))["sizes"].items():
+        figures[f"rm_pairs_{size}"] = {
+            "pairs": [r["pairs"] for r in rows], "held_accuracy": [r["held_accuracy"] for r in rows],
+            "peak": _peak([r["best_of_n"] for r in rows]),
+            "peak_per_seed": [{k: p[k] for k in ("n", "kl", "gold")} for p in
+                              (max(r["best_of_n"], key=lambda p: p["gold"]) for r in rows)],
+            "best_of_n": _mean_curve([r["best_of_n"] for r in rows])}
+    figures["rm_sizes_seconds"] = round(time.perf_counter() - start, 1)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The longer variant, behind its own command (also `python -m solutions.part6_lab --rm-pairs ...`)."""
     from utils import cli
+    from utils.contracts import SEEDS
+    from utils.logger import print_figures
 
     parser = cli.ArgumentParser(prog="python -m solutions.part6_lab.hacking",
                                 description="Best-of-n against reward models trained on more or fewer pairs "
                                             "(the lab's default run trains one, on about 235 pairs).")
-    parser.add_argument("--rm-pairs", type=int, nargs="+", default=[100, 500, 2500], help="the reward models' sizes")
-    parser.add_argument("--seeds", type=int, default=3, help="how many seeds (0, 1, ...)")
+    parser.add_argument("--rm-pairs", type=cli.at_least(1), nargs="+", default=[100, 500, 2500],
+                        help="the reward models' sizes, in training pairs")
+    parser.add_argument("--seeds", type=cli.at_least(1, SEEDS.why), default=3, help="how many seeds (0, 1, ...)")
+    parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
     args = parser.parse_args(argv)
-    sizes = run_rm_sizes(list(range(args.seeds)), tuple(args.rm_pairs))
-    figures = {size: {"pairs": [r["pairs"] for r in rows], "held_accuracy": [r["held_accuracy"] for r in rows],
-                      "best_of_n": _mean_curve([r["best_of_n"] for r in rows]),
-                      "peak": _peak([r["best_of_n"] for r in rows])} for size, rows in sizes["sizes"].items()}
-    print(json.dumps(figures))
+    figures = {"seeds": list(range(args.seeds)), **rm_sizes_figures(list(range(args.seeds)), args.rm_pairs)}
+    print_figures(figures, args.json)
     return figures
 
 

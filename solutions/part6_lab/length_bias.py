@@ -15,8 +15,23 @@ feel" the tiny model writes a sentiment word, a full stop, and then zero to thre
 before EOS, 3 to 24+ tokens. The exact verifier (`reward_positive_answer`) judges the first word only (positive:
 right), so that a right or a wrong answer can have any length, and the length is the policy's free choice.
 
-Each configuration (loss_type, scale_rewards) trains a fresh LoRA with Part 3's grpo_step for the same steps on the
-same prompts, for each seed; the lengths and the outcomes of every sampled completion are kept.
+The primary result is one update, paired: from a fresh LoRA, one batch of completions, every configuration's loss on
+that same batch, and the first-order change its update (of norm 1) makes to a teacher-forced read-out, how much more
+likely EOS becomes right after a right first sentence ("I feel happy.") than after a wrong one, with the part of
+that change a uniform push on stopping would make taken out (see _stop_push: in this LoRA such a uniform push moves
+the raw right - wrong gap too, by a batch-dependent amount that hid everything else). Per seed, the difference
+against "dr_grpo"; over 10 seeds (the run's seeds, continued), its mean, standard error and 95% t-interval. A
+positive control shows the design can see a known effect: "dr_grpo" with a length term of "grpo"'s own shape added
+to the reward (`length_term_reward`); `positive_control.detected` says whether its interval lies above 0. Then
+training with shared random numbers: each trained configuration runs Part 3's grpo_step from the same initial LoRA,
+on the same prompts, with the same sampler seed at each step, for each of the run's seeds; the lengths, outcomes and
+stops of every sampled completion are kept, and the read-out after training is paired the same way.
+
+What the evidence supports (README, "Part 6 in numbers"; seeds 0-9 and 10-19, one and two threads): one update of
+"grpo" pushes towards stopping after a right rather than a wrong answer more than "dr_grpo" does (+0.0028 and +0.0045,
+95% intervals above 0, 20 of 20 seeds positive), 2.6 to 2.8 times the push of the positive control, which is
+detected on both seed sets. Training for 30 steps does not show it: the read-out and the stop rates after training
+differ between grpo and dr_grpo by amounts whose intervals include 0, lost in a length drift of several tokens.
 
     run(seeds, smoke=False, *, loss_token_weights=..., mean_length_by_outcome=..., cfg=None) -> result
     summarize(result) -> JSON-ready dict;  plot(result, path=None) -> Figure
@@ -106,11 +121,13 @@ CONFIGURATIONS = {"grpo": ("grpo", "group", 0.0), "dr_grpo": ("dr_grpo", "group"
                   "dapo": ("dapo", "group", 0.0), "grpo_scale_none": ("grpo", "none", 0.0),
                   "control": ("dr_grpo", "group", 1.0)}
 BASELINE = "dr_grpo"  # every configuration is compared with this one, paired: same seed, same samples
+SHORTEST = 3  # the shortest answer, in tokens: " happy", ".", EOS
 
 
 @dataclass
 class LengthBiasConfig:
-    """Defaults sized for about 75 s on an idle 2-core CPU (3 seeds); `LengthBiasConfig.long()` for more power."""
+    """Defaults sized for about 110 s of one CPU thread, 90 s on 2 idle cores (3 seeds trained, 10 measured by the
+    one-update probe); `LengthBiasConfig.long()` for more power."""
 
     steps: int = 30
     n_prompts: int = 4               # prompts per step (drawn from PROMPTS without replacement)
@@ -121,28 +138,40 @@ class LengthBiasConfig:
     lora_alpha: float = 8.0
     window: int = 10                 # "start" and "end": the completions of the first and the last `window` steps
     push_group_size: int = 64        # the one-update measurement: completions of each of the 8 prompts
+    push_seeds: int = 10             # ... over this many seeds: the run's seeds, continued (0-9 for seeds 0, 1, 2)
     control_weight: float = 1.0      # kappa of the positive control's length term (CONFIGURATIONS["control"])
-    configurations: tuple[str, ...] = ("grpo", "dr_grpo", "control")  # trained, with shared random numbers
-    push_configurations: tuple[str, ...] = tuple(CONFIGURATIONS)        # measured by the one-update probe
+    configurations: tuple[str, ...] = ("grpo", "dr_grpo", "control")        # trained, with shared random numbers
+    push_configurations: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "control")  # measured by the one-update probe
 
     @classmethod
     def smoke(cls) -> "LengthBiasConfig":
-        return cls(steps=2, n_prompts=2, group_size=4, max_new_tokens=16, window=1, push_group_size=4)
+        return cls(steps=2, n_prompts=2, group_size=4, max_new_tokens=16, window=1, push_group_size=4, push_seeds=2)
 
     @classmethod
     def long(cls) -> "LengthBiasConfig":
-        """More samples per update and longer runs, every configuration trained (see the README for its time)."""
-        return cls(steps=60, push_group_size=256, configurations=tuple(CONFIGURATIONS))
+        """More samples per update, more seeds, longer runs, every configuration trained and measured (see the
+        README for its time)."""
+        return cls(steps=60, push_group_size=128, push_seeds=20, configurations=tuple(CONFIGURATIONS),
+                   push_configurations=tuple(CONFIGURATIONS))
+
+
+def push_seeds_for(seeds: list[int], count: int) -> list[int]:
+    """The seeds of the one-update measurement: `seeds`, continued past their largest until there are `count` of them
+    (seeds 0, 1, 2 and count 10: 0 to 9; seeds 10, 11, 12: 10 to 19), or `seeds` themselves when there are more."""
+    extra = max(0, count - len(seeds))
+    return list(seeds) + [max(seeds) + 1 + k for k in range(extra)]
 
 
 def length_term_reward(tokenizer, max_new_tokens: int, weight: float):
     """The positive control's reward: reward_positive_answer r plus a known length term of the shape the theory
-    ascribes to "grpo", weight * (2r - 1) * (1 - L / max_new_tokens), with L the completion's tokens (re-encoded,
-    plus its EOS): a right answer earns more the shorter it is, a wrong one loses less the longer it is."""
+    ascribes to "grpo" (the policy gradient of A / L rather than A), weight * (2r - 1) * SHORTEST / L, with L the
+    completion's tokens (re-encoded, plus its EOS; max_new_tokens for a completion cut there): a right answer earns
+    `weight` more at the shortest length (3 tokens) and less the longer it is, a wrong one loses `weight` at the
+    shortest and less the longer it is."""
     def reward(prompts: list[str], completions: list[str]) -> list[float]:
         right = reward_positive_answer(prompts, completions)
-        lengths = [min(len(tokenizer.encode(c)) + 1, max_new_tokens) for c in completions]
-        return [r + weight * (2 * r - 1) * (1 - n / max_new_tokens) for r, n in zip(right, lengths)]
+        lengths = [min(len(tokenizer.encode(c, add_special_tokens=False)) + 1, max_new_tokens) for c in completions]
+        return [r + weight * (2 * r - 1) * SHORTEST / max(n, 1) for r, n in zip(right, lengths)]
     return reward
 
 
@@ -217,17 +246,28 @@ def _stop_push(model, cfg: LengthBiasConfig, seed: int, loss_token_weights) -> d
 
     From the starting policy (a fresh LoRA, B = 0), cfg.push_group_size completions of each prompt, judged; each
     configuration's loss on that same batch (on-policy, so grpo_loss is sum of w[i, t] * -A_i * log pi(token), with
-    w from `loss_token_weights`) and its gradient g on the LoRA. The probe: _eos_after_answer. Returns, per
-    configuration, [right, wrong]: the first-order change of the two log P(EOS) for an update of norm 1 along -g (for
-    scale: a first Adam step at lr 1e-2 moves each of the 4096 numbers of the LoRA's B matrices by about 0.01, a norm
-    of about 0.64; A gets no gradient while B = 0).
+    w from `loss_token_weights`) and its gradient g on the LoRA. The probe: _eos_after_answer, [right, wrong]. Returns,
+    per configuration, [right, wrong, differential]: the first-order change of the two log P(EOS) for an update of
+    norm 1 along -g (for scale: a first Adam step at lr 1e-2 moves each of the 4096 numbers of the LoRA's B matrices
+    by about 0.01, a norm of about 0.64; A gets no gradient while B = 0), and the change of right - wrong along the
+    part of its gradient that is orthogonal to the gradient of stopping everywhere, (right + wrong) / 2.
+
+    Why the differential read-out: in this LoRA a push to stop after *any* sentence moves right - wrong too, by an
+    amount whose sign depends on the seed's initial A (the two gradients' cosine ranged from -0.57 to +0.65 over seeds
+    0-9); how much such a uniform push an update carries depends on how many right and how many wrong answers of the
+    batch happened to stop, so it is batch noise, and it hid a known length term (the positive control). The theory's
+    prediction is differential: more stopping after a right answer *than* after a wrong one.
     """
     policy, adapters = _fresh_policy(model, cfg, seed)
     params = [p for p in adapters.parameters() if p.requires_grad]
     samples = sample_groups(policy, list(PROMPTS), cfg.push_group_size, cfg.max_new_tokens)
     logprobs = completion_logprobs(policy, samples)  # [batch, gen], with gradient into the LoRA
     probe = _eos_after_answer(policy, model)
-    probes = [torch.autograd.grad(probe[k], params, retain_graph=k == 0, allow_unused=True) for k in (0, 1)]
+    right, wrong = (torch.autograd.grad(probe[k], params, retain_graph=k == 0) for k in (0, 1))
+    gap = [r - w for r, w in zip(right, wrong)]
+    common = [(r + w) / 2 for r, w in zip(right, wrong)]
+    along = sum((g * c).sum() for g, c in zip(gap, common)) / sum((c ** 2).sum() for c in common).clamp(min=1e-30)
+    differential = [g - along * c for g, c in zip(gap, common)]  # the gap's gradient, uniform stopping taken out
 
     push = {}
     for name in cfg.push_configurations:
@@ -236,10 +276,10 @@ def _stop_push(model, cfg: LengthBiasConfig, seed: int, loss_token_weights) -> d
         advantages = group_advantages(rewards, cfg.push_group_size, scale_rewards)
         weights = loss_token_weights(samples.completion_mask, loss_type, cfg.max_new_tokens)
         loss = (weights * -advantages[:, None] * logprobs).sum()
-        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        norm = torch.sqrt(sum((g ** 2).sum() for g in grads if g is not None))
-        push[name] = [(-sum((p * g).sum() for p, g in zip(probe, grads) if p is not None and g is not None)
-                       / norm.clamp(min=1e-12)).item() for probe in probes]
+        grads = torch.autograd.grad(loss, params, retain_graph=True)
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads)).clamp(min=1e-12)
+        push[name] = [(-sum((p * g).sum() for p, g in zip(direction, grads)) / norm).item()
+                      for direction in (right, wrong, differential)]
     return push
 
 
@@ -252,12 +292,15 @@ def _window_means(run: dict, steps: slice, mean_length_by_outcome) -> list[float
 
 def run(seeds: list[int], smoke: bool = False, *, loss_token_weights=loss_token_weights,
         mean_length_by_outcome=mean_length_by_outcome, cfg: LengthBiasConfig | None = None) -> dict:
-    """The one-update measurement of every configuration of cfg.push_configurations, and a training run of each of
-    cfg.configurations, for each seed. Returns the runs and what the figure needs. The exercises are the ones above
-    unless passed (the notebook passes the learner's)."""
+    """The one-update measurement of every configuration of cfg.push_configurations for each of
+    push_seeds_for(seeds, cfg.push_seeds) (it is cheap: one sampling pass and a few backward passes per seed), and a
+    training run of each of cfg.configurations for each of `seeds`. Returns the runs and what the figure needs. The
+    exercises are the ones above unless passed (the notebook passes the learner's)."""
     cfg = cfg or (LengthBiasConfig.smoke() if smoke else LengthBiasConfig())
     model = load_model("tiny")
-    push = [_stop_push(model, cfg, seed, loss_token_weights) for seed in tqdm(seeds, desc="length bias: one update")]
+    push_seeds = push_seeds_for(list(seeds), cfg.push_seeds)
+    push = [_stop_push(model, cfg, seed, loss_token_weights)
+            for seed in tqdm(push_seeds, desc="length bias: one update")]
     runs: dict[str, list[dict]] = {}
     bar = tqdm(total=len(cfg.configurations) * len(seeds), desc="length bias: runs")
     for name in cfg.configurations:
@@ -285,7 +328,8 @@ def run(seeds: list[int], smoke: bool = False, *, loss_token_weights=loss_token_
     weights = {loss_type: loss_token_weights(mask, loss_type, cfg.max_new_tokens).max(dim=1).values.tolist()
                for loss_type in ("grpo", "dapo", "dr_grpo")}
     return {"cfg": cfg, "seeds": list(seeds), "runs": runs, "weights": weights, "weight_lengths": lengths.tolist(),
-            "push": {name: [p[name] for p in push] for name in cfg.push_configurations}}  # per seed [right, wrong]
+            "push_seeds": push_seeds,  # push: per push seed, [right, wrong, differential]
+            "push": {name: [p[name] for p in push] for name in cfg.push_configurations}}
 
 
 def _number(x: float, digits: int = 2) -> float | None:
@@ -300,7 +344,8 @@ def _mean(values: list[float], digits: int = 2) -> float | None:
 
 # Student's t, the 97.5% quantile by degrees of freedom: a 95% interval from n seeds is mean +- t[n - 1] * SE
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+         20: 2.086, 25: 2.060, 30: 2.042}
 
 
 def _t975(df: int) -> float:
@@ -322,6 +367,11 @@ def paired_statistics(differences: list[float], digits: int = 4) -> dict:
             "seeds": [_number(d, digits) for d in differences], "positive": sum(d > 0 for d in kept)}
 
 
+def detected(stats: dict) -> bool:
+    """Whether paired_statistics' 95% interval lies entirely above 0 (False without an interval)."""
+    return bool(stats["ci95"] and stats["ci95"][0] > 0)
+
+
 def _gap(pair: list[float]) -> float:
     """right - wrong"""
     return pair[0] - pair[1]
@@ -329,23 +379,32 @@ def _gap(pair: list[float]) -> float:
 
 def summarize(result: dict) -> dict:
     """`paired` (the primary result): grpo's one-update push towards stopping after a right rather than a wrong answer
-    minus dr_grpo's on the same batch, per seed, with its mean, standard error and 95% interval over seeds; the same
-    for every other configuration under `paired_all`. `positive_control`: the same for the control (dr_grpo with a
-    known length term in the reward); `detected` when its 95% interval lies above 0. `training`: paired differences
+    (the differential read-out of _stop_push) minus dr_grpo's on the same batch, per push seed, with its mean,
+    standard error and 95% interval over the seeds and `detected` (the interval lies above 0); the same for every
+    other configuration under `paired_all`, and under `paired_raw_gap` with the raw read-out (log P(EOS | right) -
+    log P(EOS | wrong), uniform stopping left in). `positive_control`: the control (dr_grpo with a known length term
+    in the reward) paired the same way; `detected` when its 95% interval lies above 0. `training`: paired differences
     after training with shared random numbers, of the teacher-forced log P(EOS) gap (right - wrong) and of the stop
     rates' gap (right - wrong, last `window` steps). Then per trained configuration: the mean length of wrong and of
     right answers at the start and at the end of training (the first and last `window` steps, each seed's
     completions pooled; the mean over seeds, and each seed's value under "seeds"), the accuracy and the stop rates,
-    and `push_right_minus_wrong` (the one-update push, unpaired)."""
+    and `push_differential` (the one-update push, unpaired)."""
     cfg, push = result["cfg"], result["push"]
-    paired = {name: paired_statistics([_gap(p) - _gap(b) for p, b in zip(push[name], push[BASELINE])])
-              for name in push if name != BASELINE}
-    figures: dict = {"paired": {"what": f"one update of norm 1: (grpo - {BASELINE}) in d log P(EOS | right answer) "
-                                        "- d log P(EOS | wrong answer), same batch", **paired.get("grpo", {})},
-                     "paired_all": paired}
+    paired, raw = {}, {}
+    for name in push:
+        if name != BASELINE:
+            paired[name] = paired_statistics([p[2] - b[2] for p, b in zip(push[name], push[BASELINE])])
+            paired[name]["detected"] = detected(paired[name])
+            raw[name] = paired_statistics([_gap(p) - _gap(b) for p, b in zip(push[name], push[BASELINE])])
+    figures: dict = {"paired": {"what": f"one update of norm 1: (grpo - {BASELINE}) in the change of log P(EOS | "
+                                        "right answer) - log P(EOS | wrong answer), uniform stopping taken out, "
+                                        f"same batch of {len(PROMPTS) * cfg.push_group_size} completions",
+                                **paired.get("grpo", {})},
+                     "paired_all": paired, "paired_raw_gap": raw, "push_seeds": result["push_seeds"]}
     if "control" in paired:
-        figures["positive_control"] = {"weight": cfg.control_weight, **paired["control"],
-                                       "detected": bool(paired["control"]["ci95"] and paired["control"]["ci95"][0] > 0)}
+        figures["positive_control"] = {"weight": cfg.control_weight,
+                                       "length_term": f"{cfg.control_weight} * (2r - 1) * {SHORTEST} / L",
+                                       **paired["control"]}
 
     runs = result["runs"]
     if BASELINE in runs:
@@ -356,8 +415,8 @@ def summarize(result: dict) -> dict:
             eos = [_gap(r["eos"][-1].tolist()) - _gap(b["eos"][-1].tolist()) for r, b in zip(runs[name], runs[BASELINE])]
             stop = [_gap(r["stop_rate_end"]) - _gap(b["stop_rate_end"]) for r, b in zip(runs[name], runs[BASELINE])]
             training[name] = {"eos_gap": paired_statistics(eos), "stop_rate_gap": paired_statistics(stop, 3)}
-            ci = training[name]["eos_gap"]["ci95"]
-            training[name]["eos_gap"]["detected"] = bool(ci and ci[0] > 0)
+            for key in ("eos_gap", "stop_rate_gap"):
+                training[name][key]["detected"] = detected(training[name][key])
         training["eos_gap_start"] = _mean([_gap(r["eos"][0].tolist()) for r in runs[BASELINE]], 4)
         training["eos_gap_end"] = {name: _mean([_gap(r["eos"][-1].tolist()) for r in rs], 4) for name, rs in runs.items()}
         figures["training"] = training
@@ -373,13 +432,14 @@ def summarize(result: dict) -> dict:
                     "stop_rate_wrong_start": [r["stop_rate_start"][1] for r in rs],
                     "stop_rate_right_end": [r["stop_rate_end"][0] for r in rs],
                     "stop_rate_wrong_end": [r["stop_rate_end"][1] for r in rs],
-                    **({"push_right_minus_wrong": [_gap(p) for p in push[name]]} if name in push else {})}
+                    **({"push_differential": [p[2] for p in push[name]]} if name in push else {})}
         figures[name] = {key: _mean(values, 4 if key.startswith("push") else 2) for key, values in per_seed.items()}
         figures[name]["seeds"] = {key: [_number(v, 4 if key.startswith("push") else 2) for v in values]
                                   for key, values in per_seed.items()}
     figures["settings"] = {"steps": cfg.steps, "completions_per_step": cfg.n_prompts * cfg.group_size,
                            "max_new_tokens": cfg.max_new_tokens, "window": cfg.window, "lr": cfg.lr,
                            "push_completions": len(PROMPTS) * cfg.push_group_size,
+                           "push_seeds": result["push_seeds"],
                            "control_weight": cfg.control_weight, "seeds": result["seeds"]}
     return figures
 
@@ -451,10 +511,11 @@ def plot(result: dict, path=None):
         ax.grid(alpha=0.3, axis="y")
 
     push = result["push"]
-    paired_panel(axes[1][1], {name: [_gap(p) - _gap(b) for p, b in zip(push[name], push[BASELINE])]
+    paired_panel(axes[1][1], {name: [p[2] - b[2] for p, b in zip(push[name], push[BASELINE])]
                               for name in push if name != BASELINE},
-                 "change in log P(EOS | right) - log P(EOS | wrong)",
-                 f"one update of norm 1, paired ({len(PROMPTS) * cfg.push_group_size} completions)")
+                 "change in log P(EOS | right) - log P(EOS | wrong),\nuniform stopping taken out",
+                 f"one update of norm 1, paired ({len(PROMPTS) * cfg.push_group_size} completions, "
+                 f"{len(result['push_seeds'])} seeds)")
     if BASELINE in runs:
         paired_panel(axes[1][2], {name: [_gap(r["eos"][-1].tolist()) - _gap(b["eos"][-1].tolist())
                                          for r, b in zip(runs[name], runs[BASELINE])]

@@ -1,14 +1,16 @@
 """Part 6, experiment 5: on- and off-policy. The exercises (clip_fraction, truncated_importance_weights,
-tis_grpo_loss), then the experiment that runs on them.
+tis_grpo_loss) and one provided piece (sequence_mask_weights), then the experiment that runs on them.
 
 With num_iterations > 1 the policy moves between updates on the same samples, and the clip starts to fire; when the
 sampler is not the trainer (another dtype, another kernel, weights a few steps behind), the samples are off-policy
-even at num_iterations 1, and truncated importance sampling (Yao et al. 2025) weights each token's loss by
+even at num_iterations 1. Truncated importance sampling (Yao et al. 2025) weights each token's loss by
 min(pi_trainer / pi_sampler, C). That per-token weight corrects the draw of token t given its prefix, nothing more:
 the prefix, and the later tokens that set the reward and so the advantage, still come from the sampler, so it is
 biased even uncapped. Only the product of the ratios over the completion, pi_trainer(y) / pi_sampler(y), gives the
-on-policy gradient in expectation, at a variance that can grow exponentially with the length; the cap adds a bias
-of its own (Liu, Li et al. 2025, "When Speed Kills Stability", https://richardli.xyz/rl-collapse).
+on-policy gradient in expectation, at a variance that can grow exponentially with the length; a cap (or a mask)
+adds a bias of its own (Liu, Li et al. 2025, "When Speed Kills Stability", https://richardli.xyz/rl-collapse).
+TRL 1.16's GRPO (with vLLM) uses that product by default, masked rather than capped:
+vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max 3.0 (`sequence_mask_weights` below).
 
 Three measurements, each over seeds, with Part 3's GRPO on the tiny model's additions (a rank-4 LoRA on q and v):
 
@@ -20,19 +22,25 @@ Three measurements, each over seeds, with Part 3's GRPO on the tiny model's addi
   the weights, a KV cache, fused attention) or TransformerLens's `generate` (through every hook); both in float32,
   and the lean decoder in bfloat16 (weights and activations), as an inference engine next to a float32 trainer; and
   a sampler whose weights lag `LAG` steps behind the trainer's, as in asynchronous RL.
-- tis: GRPO whose samples come from the lagged sampler, with no correction (each sample's tokens trained as if
-  on-policy) and with truncated importance sampling (each token's loss weighted by min(pi_trainer / pi_sampler, C),
-  Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"), against an on-policy
-  control; the same seeds, prompts and starting adapters for all three.
+- sweep: GRPO whose samples come from a sampler whose weights trail the trainer's by each lag of `Sweep.lags`
+  (0, 1, 2, 4, 8 steps), under each correction of CORRECTIONS: none; per-token TIS capped at 1, 2 or 5; TRL 1.16's
+  sequence mask (cap 3); the sampler's log-probs as PPO's "old" in the clipped ratio. Each run is summarised by the
+  area under its held-out accuracy curve (`accuracy_auc`: trapezoids between the evaluations, divided by the steps
+  they span, so a mean accuracy over the run). The same seeds, prompts and starting adapters in every cell. At lag 0
+  every correction runs too: the sampler's log-probs differ from the trainer's by float rounding only (about 1e-6),
+  so the six lag-0 runs should agree closely, and that is a check.
 
-    run(seeds, smoke=False, *, clip_fraction=..., truncated_importance_weights=..., tis_grpo_loss=...) -> result
+    run(seeds, smoke=False, *, clip_fraction=..., truncated_importance_weights=..., tis_grpo_loss=...,
+        sweep=None) -> result
     summarize(result) -> JSON-ready dict;  plot(result, path=None) -> Figure
+
+More seeds for the same sweep: `python -m solutions.part6_lab --only off_policy --seeds 5`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from jaxtyping import Bool, Float
@@ -110,19 +118,79 @@ def tis_grpo_loss(
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
+# --- provided: TRL 1.16's default correction ------------------------------------------------------------------------
+
+@contract(finite=("trainer_logprobs", "sampler_logprobs"),
+          cap=above(0.0, "a completion keeps its weight while pi_trainer(y) / pi_sampler(y) <= cap"))
+def sequence_mask_weights(
+    trainer_logprobs: Float[Tensor, "batch gen"],
+    sampler_logprobs: Float[Tensor, "batch gen"],
+    mask: Bool[Tensor, "batch gen"],
+    cap: float = 3.0,
+) -> Float[Tensor, "batch gen"]:
+    """Returns: on every real token of a completion, its sequence ratio pi_trainer(y) / pi_sampler(y) =
+    exp(sum over its real tokens of trainer_logprobs - sampler_logprobs) when that ratio is at most `cap`, else 0
+    (the whole completion masked out); detached, 0 where `mask` is False.
+
+    TRL 1.16's GRPOTrainer with vllm_importance_sampling_mode="sequence_mask" (its default, with
+    vllm_importance_sampling_clip_max 3.0 and no lower bound): see `_generate_and_score_completions`, where it forms
+    the ratio from the summed log-ratio and masks it (trl/trainer/grpo_trainer.py, lines 2659-2707 of 1.16.0), and
+    `_compute_loss`, where it multiplies each token's loss by it (lines 3146-3147). A kept completion is weighted by
+    its ratio, not by 1; its tokens' ratios in the clipped objective stay pi_theta / pi_trainer-at-sampling.
+    """
+    log_ratio = (trainer_logprobs.detach() - sampler_logprobs.detach()) * mask   # padding adds nothing to the sum
+    ratio = torch.exp(log_ratio.sum(1, keepdim=True))                             # [batch, 1]: one per completion
+    kept = torch.where(ratio <= cap, ratio, 0.0)                                  # inf (overflow) is above any cap
+    return torch.where(mask, kept.expand_as(mask), 0.0)
+
+
 # --- the experiment -----------------------------------------------------------------------------------------------
 
 ITERATIONS = (1, 2, 4)     # num_iterations compared
 CLIP_STEPS = 16            # GRPO steps per run of the clip comparison
-TIS_STEPS = 30             # GRPO steps per run of the TIS comparison
-LAG = 4                    # the stale sampler's weights are those of LAG steps before the trainer's
-CAP = 2.0                  # truncated importance sampling's C
-EVAL_EVERY = 5             # held-out accuracy every EVAL_EVERY steps of the TIS runs, on every HELD_OUT_EVERY-th
-HELD_OUT_EVERY = 3         # held-out addition (270 of the 810)
+LAG = 4                    # the gap table's stale sampler: the weights of LAG steps before the trainer's
 GAP_PROMPTS = 32           # prompts x group_size (8) completions drawn by each sampler for the gap table
-SMOKE = dict(clip_steps=2, tis_steps=2, eval_every=2, gap_prompts=2, held_out_every=40)
-ARMS = ("on-policy", "stale, no correction", "stale + TIS")
+SMOKE = dict(clip_steps=2, gap_prompts=2)
 SAMPLERS = ("lean float32", "bridge float32", "lean bfloat16", f"lean, {LAG} steps stale")
+
+# The corrections of the sweep, each what it does to GRPO's loss (tis_grpo_loss) on the sampler's completions:
+# (kind, cap). "token": each token's term weighted by min(pi_trainer / pi_sampler, cap) (truncated_importance_weights);
+# "sequence_mask": each completion's terms by its sequence ratio, or 0 above the cap (sequence_mask_weights);
+# "old": no weight, the ratio in the clip taken against the sampler, pi_theta / pi_sampler, as a PPO that keeps the
+# sampler's log-probs as pi_old (no recomputation by the trainer) would.
+CORRECTIONS = {
+    "none": ("none", None),                         # the sampler's completions trained as if on-policy
+    "tis_token_cap1": ("token", 1.0),
+    "tis_token_cap2": ("token", 2.0),
+    "tis_token_cap5": ("token", 5.0),
+    "sequence_mask_cap3": ("sequence_mask", 3.0),   # TRL 1.16's default
+    "sampler_as_old": ("old", None),
+}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The lag x correction sweep: every cell trains one GRPO run per seed (beta 0, num_iterations 1)."""
+
+    lags: tuple[int, ...] = (0, 1, 2, 4, 8)        # steps the sampler's weights trail the trainer's (0: its own)
+    corrections: tuple[str, ...] = tuple(CORRECTIONS)
+    steps: int = 24                                # GRPO steps per run
+    n_prompts: int = 8                             # prompts per step, each with group_size 8 completions
+    eval_every: int = 4                            # held-out accuracy at step 0, every eval_every steps, and the end
+    held_out_every: int = 6                        # on every held_out_every-th held-out addition (135 of the 810)
+
+    def __post_init__(self):
+        unknown = set(self.corrections) - set(CORRECTIONS)
+        if unknown:
+            raise ValueError(f"Sweep: unknown corrections {sorted(unknown)}; choose from {list(CORRECTIONS)}")
+        if not self.lags or min(self.lags) < 0:
+            raise ValueError(f"Sweep: lags must be steps >= 0 (got {self.lags})")
+        if self.steps < 1 or self.eval_every < 1 or self.n_prompts < 1 or self.held_out_every < 1:
+            raise ValueError(f"Sweep: steps, n_prompts, eval_every and held_out_every must be >= 1 (got {self})")
+
+
+SWEEP = Sweep()                                               # the lab's default run
+SMOKE_SWEEP = Sweep(steps=2, n_prompts=4, eval_every=2, held_out_every=40)
 
 
 def config(seed: int, smoke: bool, **overrides) -> GRPOConfig:
@@ -220,12 +288,28 @@ def run_clip(seed: int, num_iterations: int, base, smoke: bool, *, clip_fraction
     return {"clip": clip, "reward": reward}
 
 
-# --- 2 and 3. The sampler's log-probs, and truncated importance sampling -----------------------------------------
+# --- 2 and 3. The sampler's log-probs, and the lag x correction sweep --------------------------------------------
 
-def tis_step(trainer: GRPOTrainer, updates: dict, correct: bool, *, truncated_importance_weights,
-             tis_grpo_loss) -> dict:
+def correction_terms(correction: str, trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                     mask: torch.Tensor, *, truncated_importance_weights) -> tuple[torch.Tensor | None,
+                                                                                   torch.Tensor | None]:
+    """(old_logprobs, weights) to hand to tis_grpo_loss for `correction` (a key of CORRECTIONS)."""
+    kind, cap = CORRECTIONS[correction]
+    if kind == "token":
+        return None, truncated_importance_weights(trainer_logprobs, sampler_logprobs, mask, cap)
+    if kind == "sequence_mask":
+        return None, sequence_mask_weights(trainer_logprobs, sampler_logprobs, mask, cap)
+    if kind == "old":
+        return sampler_logprobs, None
+    return None, None
+
+
+def sweep_step(trainer: GRPOTrainer, updates: dict, correction: str, *, clip_fraction, truncated_importance_weights,
+               tis_grpo_loss) -> dict:
     """One GRPO step (num_iterations 1, beta 0) on samples drawn with the weight updates `updates` (the trainer's own,
-    or stale ones); with `correct`, each token's loss is weighted by its truncated importance weight."""
+    or stale ones), its loss corrected by `correction`. Logs what the sampler-trainer mismatch looked like, whatever
+    the correction: the mean |log-ratio| per token, the share of tokens whose ratio is above 2, of completions whose
+    sequence ratio is above 3 (those TRL's default masks), and of tokens the clip of pi_theta / pi_sampler takes."""
     cfg, model = trainer.cfg, trainer.model
     prompts = [p for p in trainer.next_prompts() for _ in range(cfg.group_size)]
     samples, sampler_lp = sample_with_logprobs(model, prompts, cfg.max_new_tokens, cfg.temperature, updates=updates)
@@ -233,41 +317,54 @@ def tis_step(trainer: GRPOTrainer, updates: dict, correct: bool, *, truncated_im
     advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)
     mask = completion_loss_mask(samples)
     logprobs = get_logprobs(model(samples.ids, attention_mask=samples.attention_mask), samples.ids, samples.prompt_len)
-    weights = truncated_importance_weights(logprobs.detach(), sampler_lp, mask, CAP)
-    loss = tis_grpo_loss(logprobs, None, advantages, mask, weights if correct else None, cfg.epsilon,
-                         cfg.epsilon_high)
+    old, weights = correction_terms(correction, logprobs.detach(), sampler_lp, mask,
+                                    truncated_importance_weights=truncated_importance_weights)
+    loss = tis_grpo_loss(logprobs, old, advantages, mask, weights, cfg.epsilon, cfg.epsilon_high)
     trainer.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.adapters.parameters(), cfg.max_grad_norm)
     trainer.optimizer.step()
-    log_ratio = (logprobs.detach() - sampler_lp)[mask]
-    return {"reward": rewards.nanmean().item(), "gap": log_ratio.abs().mean().item(),
-            "capped": (log_ratio > math.log(CAP)).float().mean().item(), "weight": weights[mask].mean().item()}
+    log_ratio = (logprobs.detach() - sampler_lp) * mask                               # [batch, gen]
+    return {"reward": rewards.nanmean().item(), "gap": log_ratio[mask].abs().mean().item(),
+            "tokens_over_2": (log_ratio[mask] > math.log(2)).float().mean().item(),
+            "sequences_over_3": (log_ratio.sum(1) > math.log(3)).float().mean().item(),
+            "clipped_vs_sampler": float(clip_fraction(torch.exp(log_ratio), advantages, mask, cfg.epsilon,
+                                                      cfg.epsilon_high))}
 
 
-def run_tis(seed: int, arm: str, base, smoke: bool, held_out, *, truncated_importance_weights,
-            tis_grpo_loss) -> tuple[dict, GRPOTrainer, dict]:
-    """One GRPO run of `arm` (one of ARMS): its log, its trainer, and its weight updates of LAG steps before the
-    end."""
-    steps = SMOKE["tis_steps"] if smoke else TIS_STEPS
-    every = SMOKE["eval_every"] if smoke else EVAL_EVERY
-    trainer = GRPOTrainer(config(seed, smoke, steps=steps), model=base)
-    history = [trainer.model.weight_updates()]  # the policy's weight updates after 0, 1, ... steps
-    log = {"accuracy": [], "accuracy_steps": [], "reward": [], "gap": [], "capped": [], "weight": []}
-    for step in range(steps + 1):
-        if step % every == 0 or step == steps:
+def accuracy_auc(steps: list[int], accuracy: list[float]) -> float:
+    """The area under the held-out accuracy curve (trapezoids between the evaluations at `steps`) divided by the steps
+    it spans: the run's mean accuracy over its steps, read linearly between evaluations (one evaluation: itself)."""
+    if len(steps) == 1:
+        return accuracy[0]
+    area = sum((s1 - s0) * (a0 + a1) / 2 for s0, s1, a0, a1 in zip(steps, steps[1:], accuracy, accuracy[1:]))
+    return area / (steps[-1] - steps[0])
+
+
+def run_sweep(seed: int, lag: int, correction: str, base, sweep: Sweep, smoke: bool, held_out, *, clip_fraction,
+              truncated_importance_weights, tis_grpo_loss) -> tuple[dict, GRPOTrainer, dict]:
+    """One GRPO run whose sampler trails the trainer by `lag` steps (the starting weights until there are that many),
+    corrected by `correction`: its log, its trainer, and its weight updates of LAG steps before the end (for the gap
+    table)."""
+    trainer = GRPOTrainer(config(seed, smoke, steps=sweep.steps, n_prompts=sweep.n_prompts), model=base)
+    keep = max(lag, LAG) + 1
+    history = [trainer.model.weight_updates()]  # the policy's weight updates after the last `keep` steps, oldest first
+    log = {"accuracy": [], "accuracy_steps": [], "reward": [], "gap": [], "tokens_over_2": [], "sequences_over_3": [],
+           "clipped_vs_sampler": []}
+    for step in range(sweep.steps + 1):
+        if step % sweep.eval_every == 0 or step == sweep.steps:
             log["accuracy"].append(addition_accuracy(trainer.model, held_out))
             log["accuracy_steps"].append(step)
-        if step == steps:
+        if step == sweep.steps:
             break
-        stale = arm != "on-policy"
-        updates = history[max(0, len(history) - 1 - LAG)] if stale else history[-1]
-        for key, value in tis_step(trainer, updates, arm == "stale + TIS",
-                                   truncated_importance_weights=truncated_importance_weights,
-                                   tis_grpo_loss=tis_grpo_loss).items():
+        updates = history[max(0, len(history) - 1 - lag)]
+        for key, value in sweep_step(trainer, updates, correction, clip_fraction=clip_fraction,
+                                     truncated_importance_weights=truncated_importance_weights,
+                                     tis_grpo_loss=tis_grpo_loss).items():
             log[key].append(value)
-        history = history[-LAG:] + [trainer.model.weight_updates()]
-    return log, trainer, history[0]
+        history = (history + [trainer.model.weight_updates()])[-keep:]
+    log["auc"] = accuracy_auc(log["accuracy_steps"], log["accuracy"])
+    return log, trainer, history[max(0, len(history) - 1 - LAG)]
 
 
 def measure_gaps(trainer: GRPOTrainer, stale_updates: dict, n_prompts: int) -> dict:
@@ -287,25 +384,31 @@ def measure_gaps(trainer: GRPOTrainer, stale_updates: dict, n_prompts: int) -> d
 
 
 def run(seeds: list[int], smoke: bool = False, *, clip_fraction=clip_fraction,
-        truncated_importance_weights=truncated_importance_weights, tis_grpo_loss=tis_grpo_loss) -> dict:
-    """For each seed: the clip runs (each num_iterations of ITERATIONS) and the TIS runs (each arm of ARMS), and the
-    sampler-trainer gaps on the on-policy run's policy. The exercises are the ones above unless passed (the notebook
-    passes the learner's)."""
+        truncated_importance_weights=truncated_importance_weights, tis_grpo_loss=tis_grpo_loss,
+        sweep: Sweep | None = None) -> dict:
+    """For each seed: the clip runs (each num_iterations of ITERATIONS), the sweep's runs (each lag x correction of
+    `sweep`; default SWEEP, SMOKE_SWEEP in the smoke setting), and the sampler-trainer gaps on the policy of the
+    lag-0 uncorrected run. The exercises are the ones above unless passed (the notebook passes the learner's)."""
+    sweep = sweep or (SMOKE_SWEEP if smoke else SWEEP)
     base = load_model("tiny")
-    held_out = addition_pairs("held_out")[::SMOKE["held_out_every"] if smoke else HELD_OUT_EVERY]
-    result = {"seeds": list(seeds), "smoke": smoke, "clip": {}, "tis": {arm: [] for arm in ARMS}, "gap": []}
+    held_out = addition_pairs("held_out")[::sweep.held_out_every]
+    result = {"seeds": list(seeds), "smoke": smoke, "clip": {}, "gap": [], "sweep_settings": sweep,
+              "sweep": {c: {lag: [] for lag in sweep.lags} for c in sweep.corrections}}
+    gap_run = (min(sweep.lags), sweep.corrections[0])  # the gap table's policy: the least stale run's, first correction
     jobs = [("clip", ni, seed) for ni in ITERATIONS for seed in seeds] + \
-           [("tis", arm, seed) for arm in ARMS for seed in seeds]
+           [("sweep", (lag, c), seed) for lag in sweep.lags for c in sweep.corrections for seed in seeds]
     for kind, setting, seed in tqdm(jobs, desc="off_policy runs"):
         if kind == "clip":
             result["clip"].setdefault(setting, []).append(run_clip(seed, setting, base, smoke,
                                                                    clip_fraction=clip_fraction))
             continue
-        log, trainer, stale = run_tis(seed, setting, base, smoke, held_out,
-                                      truncated_importance_weights=truncated_importance_weights,
-                                      tis_grpo_loss=tis_grpo_loss)
-        result["tis"][setting].append(log)
-        if setting == "on-policy":  # the gap table, on the policy this seed trained (and its weights LAG steps back)
+        lag, correction = setting
+        log, trainer, stale = run_sweep(seed, lag, correction, base, sweep, smoke, held_out,
+                                        clip_fraction=clip_fraction,
+                                        truncated_importance_weights=truncated_importance_weights,
+                                        tis_grpo_loss=tis_grpo_loss)
+        result["sweep"][correction][lag].append(log)
+        if setting == gap_run:  # the gap table, on the policy this seed trained (and its weights LAG steps back)
             result["gap"].append(measure_gaps(trainer, stale, SMOKE["gap_prompts"] if smoke else GAP_PROMPTS))
     return result
 
@@ -329,25 +432,52 @@ def _tail(values: list[float], k: int = 5) -> float:
     return sum(values) / len(values)
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def summarize(result: dict) -> dict:
+    """The figures: clip fraction and reward per num_iterations; the gap table; and `sweep`, one entry per lag and
+    correction: auc (the mean over seeds of each run's accuracy_auc), its std and per-seed values, auc_minus_none
+    (per seed, this cell's AUC minus the uncorrected run's at the same lag and seed: the seeds share prompts and
+    starting adapters), the final accuracy, and the mismatch the runs saw (mean |log-ratio| per token, the share of
+    completions whose sequence ratio was above 3)."""
     clip = {str(ni): {"clip_fraction": _spread([sum(sum(u) / len(u) for u in run["clip"]) / len(run["clip"])
                                                 for run in runs]),
                       "reward_end": _spread([_tail(run["reward"]) for run in runs])}
             for ni, runs in result["clip"].items()}
     gaps = {name: {"max": max(g[name]["max"] for g in result["gap"]),
                    "mean": _spread([g[name]["mean"] for g in result["gap"]])} for name in SAMPLERS}
-    tis = {arm: {"accuracy_start": _spread([run["accuracy"][0] for run in runs]),
-                 "accuracy_end": _spread([run["accuracy"][-1] for run in runs]),
-                 "accuracy_lowest": _spread([min(run["accuracy"]) for run in runs]),
-                 "reward_end": _spread([_tail(run["reward"]) for run in runs]),
-                 "gap_mean": _spread([sum(run["gap"]) / len(run["gap"]) for run in runs]),
-                 "capped_fraction": _spread([sum(run["capped"]) / len(run["capped"]) for run in runs])}
-           for arm, runs in result["tis"].items()}
+    cells, sweep = result["sweep"], []
+    for lag in result["sweep_settings"].lags:
+        for correction, by_lag in cells.items():
+            runs = by_lag[lag]
+            auc = _spread([run["auc"] for run in runs])
+            entry = {"lag": lag, "correction": correction, "auc": auc["mean"], "std": auc["std"],
+                     "auc_per_seed": auc["per_seed"],
+                     "accuracy_end": _digits(_mean([run["accuracy"][-1] for run in runs])),
+                     "gap_mean": _digits(_mean([_mean(run["gap"]) for run in runs]), 3),
+                     "sequences_over_3": _digits(_mean([_mean(run["sequences_over_3"]) for run in runs]), 3)}
+            if "none" in cells:
+                entry["auc_minus_none"] = [_digits(run["auc"] - none["auc"])
+                                           for run, none in zip(runs, cells["none"][lag])]
+            sweep.append(entry)
+    lag0 = [e for e in sweep if e["lag"] == 0]
+    # the lag-0 check: per seed, the largest AUC difference between corrections (they differ by float rounding only)
+    lag0_spread = max(max(e["auc_per_seed"][i] for e in lag0) - min(e["auc_per_seed"][i] for e in lag0)
+                      for i in range(len(result["seeds"]))) if 0 in result["sweep_settings"].lags else None
+    settings = result["sweep_settings"]
     return {"clip_fraction": {ni: c["clip_fraction"] for ni, c in clip.items()},
             "reward_end": {ni: c["reward_end"] for ni, c in clip.items()},
             "gap": {name: {"max": _digits(g["max"], 3), "mean": _digits(g["mean"]["mean"], 3)}
                     for name, g in gaps.items()},
-            "tis": tis, "lag": LAG, "cap": CAP, "seeds": result["seeds"]}
+            "sweep": sweep, "lag0_auc_spread": None if lag0_spread is None else _digits(lag0_spread),
+            "sweep_settings": {"steps": settings.steps, "n_prompts": settings.n_prompts,
+                               "eval_every": settings.eval_every,
+                               "held_out": len(addition_pairs("held_out")[::settings.held_out_every]),
+                               "auc": "trapezoid area under held-out accuracy vs step, divided by the steps: a "
+                                      "mean accuracy over the run"},
+            "gap_lag": LAG, "seeds": result["seeds"]}
 
 
 def _band(ax, runs: list[list[float]], x=None, label=None, color=None):
@@ -355,7 +485,7 @@ def _band(ax, runs: list[list[float]], x=None, label=None, color=None):
     t = torch.tensor(runs, dtype=torch.float64)
     x = list(range(t.shape[1])) if x is None else x
     line, = ax.plot(x, t.mean(0), label=label, color=color, marker="." if len(x) <= 12 else None)
-    ax.fill_between(x, t.min(0).values, t.max(0).values, color=line.get_color(), alpha=0.2)
+    ax.fill_between(x, t.min(0).values, t.max(0).values, color=line.get_color(), alpha=0.15)
 
 
 def plot(result: dict, path=None):
@@ -387,14 +517,19 @@ def plot(result: dict, path=None):
     ax.set(title="sampler's log-prob of its token minus the trainer's (float32 bridge)", xlabel="|log-prob difference|")
     ax.legend(loc="upper right")
     ax = axes[1, 1]
-    for arm, runs in result["tis"].items():
-        _band(ax, [run["accuracy"] for run in runs], x=runs[0]["accuracy_steps"], label=arm)
-    ax.set(title=f"held-out accuracy: sampler {LAG} steps stale, TIS cap {CAP:g}", xlabel="GRPO step",
-           ylabel="greedy accuracy")
-    ax.legend()
+    settings = result["sweep_settings"]
+    positions = list(range(len(settings.lags)))  # lags evenly spaced, labelled with their steps
+    for correction, by_lag in result["sweep"].items():
+        aucs = [[run["auc"] for run in by_lag[lag]] for lag in settings.lags]  # [lag][seed]
+        _band(ax, [list(seed_row) for seed_row in zip(*aucs)], x=positions, label=correction)
+    ax.set_xticks(positions, [str(lag) for lag in settings.lags])
+    ax.set(title=f"held-out accuracy AUC ({settings.steps} steps; {n} seeds: mean, range)",
+           xlabel="sampler lag (GRPO steps behind the trainer)", ylabel="mean held-out accuracy over the run")
+    ax.legend(fontsize=8)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig
+

@@ -48,7 +48,7 @@ def test_bradley_terry_loss_gradients(impl):
     chosen, rejected = _inputs(2)
     assert_gradients_match(impl.bradley_terry_loss, ref.bradley_terry_loss, (chosen, rejected),
                            what="bradley_terry_loss", hint="Both scores come from the reward model being trained: "
-                           "the loss must push the chosen one up and the rejected one down (detach neither).")
+                           "the loss pushes the chosen one up and the rejected one down.")
 
 
 @exercise("bradley_terry_loss")
@@ -141,8 +141,8 @@ def test_reward_model_scores_gradients_reach_the_head_and_the_model(impl, tiny_m
     tiny_model.requires_grad_(True)
     assert_gradients_match(impl.reward_model_scores, ref.reward_model_scores, (tiny_model, head, ids, mask),
                            what="reward_model_scores", modules={"head": head, "reward model": tiny_model},
-                           atol=1e-4, hint="The reward model trains through these scores: no torch.no_grad(), no "
-                           "detach, no .tolist().")
+                           atol=1e-4, hint="The reward model trains through these scores: their gradient reaches the "
+                           "head and the model's weights.")
 
 
 @exercise("reward_model_scores")
@@ -204,6 +204,45 @@ def test_best_of_n_curve_on_a_known_pool():
     assert_equal(noisy(["12+30="], ["42"]), noisy(["12+30="], ["42"]), "the control's noise is fixed per answer")
 
 
+def test_rl_peak_on_hand_made_curves():
+    """Two seeds whose gold rises, peaks and falls by far more than the noise of 400 samples (standard error 0.025
+    at gold 0.5), and a third whose bumps stay inside it: the summary finds each seed's peak, and says the peak is
+    real only where it is."""
+    from solutions.part6_lab import hacking
+
+    def run(golds):
+        return [{"step": 5 * i, "kl": float(i * i), "gold": g, "reward": g + i} for i, g in enumerate(golds)]
+
+    clear = [run([0.2, 0.4, 0.5, 0.3, 0.1]), run([0.2, 0.5, 0.45, 0.2, 0.2])]
+    peak = hacking.rl_peak(clear, samples=400)
+    assert_close(torch.tensor(hacking.gold_standard_error(0.5, 400)), torch.tensor(0.025),
+                 "the standard error of gold 0.5 from 400 samples, sqrt(0.25 / 400)")
+    assert_equal([(s["peak"]["step"], s["peak"]["sqrt_kl"], s["peak"]["gold"]) for s in peak["per_seed"]],
+                 [(10, 2.0, 0.5), (5, 1.0, 0.5)], "each seed's peak: its step, sqrt(KL) and gold")
+    assert_equal([(s["start"]["gold"], s["end"]["gold"]) for s in peak["per_seed"]], [(0.2, 0.1), (0.2, 0.2)],
+                 "each seed's gold at the start and at the end")
+    assert_equal(peak["peak_in_every_seed"], True, "a rise and a fall of 0.25 or more, 7 standard errors")
+    assert_equal((peak["mean"]["step"], peak["mean"]["gold"]), (10, 0.475), "the peak of the mean curve")
+    assert_equal(peak["standard_error"], 0.025, "the largest standard error of one evaluation (at gold 0.5)")
+    flat = hacking.rl_peak(clear + [run([0.2, 0.23, 0.25, 0.22, 0.21])], samples=400)
+    assert_equal([(s["rises"], s["falls"]) for s in flat["per_seed"]], [(True, True), (True, True), (False, False)],
+                 "a bump of 0.05 is inside twice the noise of a difference (2 x 0.029 at gold 0.2)")
+    assert_equal(flat["peak_in_every_seed"], False, "one seed without a real peak")
+    still_rising = hacking.rl_peak([run([0.1, 0.3, 0.5])], samples=400)["per_seed"][0]
+    assert_equal((still_rising["rises"], still_rising["falls"]), (True, False), "a curve whose last point is its top")
+
+
+def test_the_rm_pairs_flag_refuses_a_reward_model_without_pairs(capsys):
+    """`python -m solutions.part6_lab --rm-pairs 100 500 2500` runs hacking's longer variant; a size of 0 would train
+    a reward model on nothing, and the flag says so before anything runs."""
+    from solutions.part6_lab import main
+
+    with pytest.raises(SystemExit):
+        main(["--rm-pairs", "100", "0"])
+    expect(">= 1" in capsys.readouterr().err, "python -m solutions.part6_lab --rm-pairs 0",
+           "a refusal that names the smallest size allowed")
+
+
 @pytest.mark.slow
 def test_hacking_experiment_smoke():
     from solutions.part6_lab import hacking
@@ -223,6 +262,11 @@ def test_hacking_experiment_smoke():
     expect(ns[0] == 1 and ns == sorted(ns), "hacking best_of_n", "sorted by n from n = 1", observed=ns)
     expect(all({"n", "kl", "gold", "proxy"} <= set(p) for p in figures["best_of_n"]), "hacking best_of_n",
            "each point needs n, kl, gold, proxy", observed=figures["best_of_n"])
-    expect(all({"step", "kl", "sqrt_kl", "gold"} <= set(p) for p in figures["rl_curve"]), "hacking rl_curve",
-           "each point needs step, kl, sqrt_kl, gold", observed=figures["rl_curve"])
+    points, peak = figures["rl_curve"]["points"], figures["rl_curve"]["peak"]
+    expect(all({"step", "kl", "sqrt_kl", "gold", "gold_per_seed"} <= set(p) for p in points), "hacking rl_curve",
+           "each point needs step, kl, sqrt_kl, gold, gold_per_seed", observed=points)
+    expect({"eval_samples", "standard_error", "per_seed", "peak_in_every_seed", "mean"} <= set(peak),
+           "hacking rl_curve.peak", "the peak's summary", observed=peak)
+    expect(all({"start", "peak", "end", "rises", "falls"} <= set(s) for s in peak["per_seed"]),
+           "hacking rl_curve.peak.per_seed", "each seed's start, peak, end and verdicts", observed=peak["per_seed"])
     hacking.plot(result)

@@ -101,10 +101,11 @@ def test_loss_token_weights_where_the_length_bias_comes_from(impl):
 def test_loss_token_weights_empty_rows_refusals_and_inputs(impl):
     empty = torch.zeros(3, 5, dtype=torch.bool)
     for loss_type in ref.LOSS_TYPES:
-        assert_close(impl.loss_token_weights(empty.clone(), loss_type), torch.zeros(3, 5),
-                     f"loss_token_weights of a batch with no real token, {loss_type!r}",
-                     hint="No real token: every weight is 0 (grpo_loss gives 0, not NaN): clamp each count to at "
-                     "least 1 before dividing by it")
+        got = impl.loss_token_weights(empty.clone(), loss_type)
+        assert_close(got, torch.zeros(3, 5), f"loss_token_weights of a batch with no real token, {loss_type!r}",
+                     hint="No real token: every weight is 0 (grpo_loss gives 0, not NaN)" + (
+                         ": clamp each count to at least 1 before dividing by it"
+                         if isinstance(got, torch.Tensor) and got.isnan().any() else ""))
         mask = length_masks()
         assert_inputs_unchanged(impl.loss_token_weights, mask, loss_type, 9,
                                 what=f"loss_token_weights(mask, {loss_type!r}, 9)")
@@ -202,6 +203,59 @@ def test_paired_statistics_give_a_t_interval_over_seeds():
     assert paired_statistics([0.5])["standard_error"] is None and paired_statistics([0.5])["ci95"] is None
 
 
+def test_paired_statistics_with_ten_seeds_use_t_with_nine_degrees_of_freedom():
+    from solutions.part6_lab.length_bias import paired_statistics
+
+    differences = [float(k) for k in range(1, 11)]  # mean 5.5, sd sqrt(55 / 6), SE sd / sqrt(10), t(9) = 2.262
+    se = math.sqrt(55 / 6) / math.sqrt(10)
+    stats = paired_statistics(differences)
+    assert stats["mean"] == 5.5 and stats["standard_error"] == round(se, 4)
+    assert stats["ci95"] == [round(5.5 - 2.262 * se, 4), round(5.5 + 2.262 * se, 4)]
+    assert paired_statistics([1.0, math.nan, 2.0])["ci95"] is None  # a seed without a value: no interval
+
+
+def _hand_result(baseline, grpo, control):
+    """A length_bias result with no training run and a one-update measurement given per push seed as
+    [d right, d wrong, differential] for dr_grpo, grpo and the control."""
+    from solutions.part6_lab import length_bias
+
+    return {"cfg": length_bias.LengthBiasConfig(), "seeds": [0, 1, 2], "runs": {}, "weights": {},
+            "weight_lengths": [], "push_seeds": list(range(len(baseline))),
+            "push": {"dr_grpo": baseline, "grpo": grpo, "control": control}}
+
+
+def test_the_primary_result_and_the_positive_control_are_read_from_their_intervals():
+    """`paired` and `positive_control` are the differential read-out (index 2) minus dr_grpo's, seed by seed, and
+    `detected` says whether the 95% t-interval of those differences lies above 0: not whether the mean is positive,
+    nor whether every seed is."""
+    from solutions.part6_lab import length_bias
+
+    baseline = [[0.0, 0.0, 0.010], [0.0, 0.0, -0.020], [0.0, 0.0, 0.005]]
+    # differences 0.002, 0.003, 0.004: mean 0.003, SE 0.001 / sqrt(3), interval 0.003 +- 4.303 SE, above 0. The raw
+    # gap (index 0 - index 1) says the opposite, and must not be what is read.
+    clear = [[0.0, 0.5, b[2] + d] for b, d in zip(baseline, (0.002, 0.003, 0.004))]
+    # differences 0.001, 0.010, 0.0005: every seed positive, mean 0.0038, but the interval reaches below 0
+    spread = [[0.5, 0.0, b[2] + d] for b, d in zip(baseline, (0.001, 0.010, 0.0005))]
+    figures = length_bias.summarize(_hand_result(baseline, grpo=clear, control=spread))
+    se = 0.001 / math.sqrt(3)
+    assert figures["paired"]["mean"] == 0.003 and figures["paired"]["standard_error"] == round(se, 4)
+    assert figures["paired"]["ci95"] == [round(0.003 - 4.303 * se, 4), round(0.003 + 4.303 * se, 4)]
+    assert figures["paired"]["seeds"] == [0.002, 0.003, 0.004] and figures["paired"]["detected"] is True
+    control = figures["positive_control"]
+    assert control["positive"] == 3 and control["ci95"][0] < 0 and control["detected"] is False
+    assert figures["paired_raw_gap"]["grpo"]["mean"] == -0.5  # the raw read-out is kept, apart
+    figures = length_bias.summarize(_hand_result(baseline, grpo=spread, control=clear))
+    assert figures["positive_control"]["detected"] is True and figures["paired"]["detected"] is False
+
+
+def test_the_one_update_seeds_continue_the_run_seeds():
+    from solutions.part6_lab.length_bias import push_seeds_for
+
+    assert push_seeds_for([0, 1, 2], 10) == list(range(10))
+    assert push_seeds_for([10, 11, 12], 10) == list(range(10, 20))  # disjoint from the first set
+    assert push_seeds_for([0, 1, 2], 2) == [0, 1, 2]
+
+
 @pytest.mark.slow
 def test_length_bias_experiment_smoke():
     from solutions.part6_lab import length_bias
@@ -219,7 +273,7 @@ def test_length_bias_experiment_smoke():
     assert figures["control"]["seeds"]["wrong_start"] == figures["dr_grpo"]["seeds"]["wrong_start"]
     # the primary result and the positive control, paired over the two seeds
     assert {"mean", "standard_error", "ci95", "seeds"} <= set(figures["paired"]), figures["paired"]
-    assert len(figures["paired"]["seeds"]) == 2
+    assert len(figures["paired"]["seeds"]) == 2 and figures["push_seeds"] == [0, 1]
     assert isinstance(figures["positive_control"]["detected"], bool)
     # on one batch "dapo" and "dr_grpo" differ by a constant factor: the same update of norm 1
     assert all(abs(d) < 1e-6 for d in figures["paired_all"]["dapo"]["seeds"]), figures["paired_all"]["dapo"]

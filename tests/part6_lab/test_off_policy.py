@@ -232,6 +232,80 @@ def test_tis_grpo_tisl_leaves_inputs_alone_and_refuses_bad_values(impl):
                   what="tis_grpo_loss of weights holding a NaN", why="a NaN weight makes the loss NaN")
 
 
+# --- provided: TRL 1.16's sequence mask, and the sweep's summary -------------------------------------------------
+
+def test_sequence_mask_weights_keep_a_completion_by_its_sequence_ratio_or_mask_it_whole():
+    """Hand-made log-ratios (trainer - sampler) per token, four completions of up to 4 tokens, cap 3:
+    row 0: 0.5 on each of 4 tokens: sum 2.0, ratio e^2 = 7.39 > 3: masked (a mean of the log-ratios, 0.5, would have
+    kept it at e^0.5 = 1.65); row 1: 0.3, 0.2, 0.0 and padding: ratio e^0.5 = 1.65, on each real token (not 1);
+    row 2: -1 on 3 tokens: ratio e^-3 = 0.05, kept (no lower bound by default); row 3: 0.4 on 2 tokens and huge
+    log-ratios on its padding, which must not count: ratio e^0.8 = 2.23, kept."""
+    log_ratio = torch.tensor([[0.5, 0.5, 0.5, 0.5], [0.3, 0.2, 0.0, 9.0], [-1.0, -1.0, -1.0, 0.0],
+                              [0.4, 0.4, 50.0, 50.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    sampler = -torch.rand(4, 4, generator=torch.Generator().manual_seed(0)) - 0.5
+    trainer = (sampler + log_ratio).requires_grad_()
+    weights = ref.sequence_mask_weights(trainer, sampler, mask, 3.0)
+    kept = torch.tensor([0.0, math.exp(0.5), math.exp(-3.0), math.exp(0.8)])
+    assert_close(weights, torch.where(mask, kept[:, None], 0.0), "sequence_mask_weights(cap=3)",
+                 hint="The sequence ratio is exp(sum of the real tokens' log-ratios); above the cap the whole "
+                      "completion gets 0, else every real token gets the ratio itself; padding gets 0.")
+    assert not weights.requires_grad, "the weights are constants: no gradient may flow through them"
+    assert torch.equal(ref.sequence_mask_weights(trainer, sampler, mask, 10.0)[0], torch.full((4,), math.exp(2.0))), \
+        "with cap 10 the first completion (ratio e^2) is kept, weighted by its ratio"
+    equal = ref.sequence_mask_weights(sampler, sampler, mask, 3.0)
+    assert torch.equal(equal, mask.float()), "a sampler equal to the trainer weighs every real token 1"
+    assert_raises(ValueError, ref.sequence_mask_weights, trainer, sampler, mask, 0.0,
+                  what="sequence_mask_weights(cap=0)", why="the cap must be positive")
+
+
+def test_accuracy_auc_is_the_mean_accuracy_over_the_steps():
+    """Trapezoids between evaluations, divided by the steps they span: a constant curve gives the constant, a ramp
+    its midpoint, and uneven spacing weights each stretch by its length."""
+    from solutions.part6_lab.off_policy import accuracy_auc
+
+    assert accuracy_auc([0, 4, 8], [0.5, 0.5, 0.5]) == pytest.approx(0.5)
+    assert accuracy_auc([0, 10], [0.2, 0.6]) == pytest.approx(0.4)
+    assert accuracy_auc([0, 2, 10], [0.0, 1.0, 1.0]) == pytest.approx((2 * 0.5 + 8 * 1.0) / 10)
+    assert accuracy_auc([0], [0.3]) == pytest.approx(0.3)
+
+
+def _fake_result(off_policy, seeds=(0, 1)):
+    """A result as run() returns it, with made-up logs: the sweep's AUC is 0.5 - 0.01 * lag + 0.001 * seed."""
+    sweep = off_policy.Sweep(steps=4, eval_every=2)
+    log = lambda auc: {"auc": auc, "accuracy": [0.4, auc], "gap": [0.1], "sequences_over_3": [0.0]}  # noqa: E731
+    gap = {name: {"max": 1.0, "mean": 0.1} for name in off_policy.SAMPLERS}
+    return {"seeds": list(seeds), "smoke": True, "sweep_settings": sweep,
+            "clip": {1: [{"clip": [[0.0]], "reward": [0.5]} for _ in seeds]}, "gap": [gap for _ in seeds],
+            "sweep": {c: {lag: [log(0.5 - 0.01 * lag + 0.001 * s) for s in seeds] for lag in sweep.lags}
+                      for c in sweep.corrections}}
+
+
+def test_the_sweep_summary_has_one_entry_per_lag_and_correction():
+    from solutions.part6_lab import off_policy
+
+    figures = off_policy.summarize(_fake_result(off_policy))
+    cells = [(e["lag"], e["correction"]) for e in figures["sweep"]]
+    want = [(lag, c) for lag in off_policy.SWEEP.lags for c in off_policy.CORRECTIONS]
+    assert sorted(cells) == sorted(want) and len(cells) == len(set(cells)) == 30, cells
+    assert set(off_policy.SWEEP.lags) == {0, 1, 2, 4, 8}
+    assert set(off_policy.CORRECTIONS) == {"none", "tis_token_cap1", "tis_token_cap2", "tis_token_cap5",
+                                           "sequence_mask_cap3", "sampler_as_old"}
+    for entry in figures["sweep"]:
+        per_seed = [0.5 - 0.01 * entry["lag"] + 0.001 * s for s in (0, 1)]
+        assert entry["auc_per_seed"] == pytest.approx(per_seed), entry
+        assert entry["auc"] == pytest.approx(sum(per_seed) / 2) and entry["std"] > 0, entry
+        assert entry["auc_minus_none"] == pytest.approx([0.0, 0.0]), "the same AUC as the uncorrected run"
+    assert figures["lag0_auc_spread"] == pytest.approx(0.0)
+
+
+def test_a_sweep_refuses_an_unknown_correction():
+    from solutions.part6_lab import off_policy
+
+    with pytest.raises(ValueError, match="unknown corrections"):
+        off_policy.Sweep(corrections=("none", "tis_cap2"))
+
+
 # --- the experiment, in its smoke setting --------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -240,8 +314,16 @@ def test_off_policy_experiment_runs_and_summarizes():
 
     result = off_policy.run(seeds=[0], smoke=True)
     figures = off_policy.summarize(result)
-    assert set(figures) >= {"clip_fraction", "gap", "tis"}, figures
+    assert set(figures) >= {"clip_fraction", "gap", "sweep", "lag0_auc_spread"}, figures
     assert figures["clip_fraction"]["1"]["mean"] == 0.0, "num_iterations 1: the ratio is 1, nothing is clipped"
     assert figures["gap"]["lean float32"]["max"] < 1e-3 < figures["gap"][off_policy.SAMPLERS[-1]]["mean"], figures
-    assert set(figures["tis"]) == set(off_policy.ARMS), figures
+    cells = {(e["lag"], e["correction"]) for e in figures["sweep"]}
+    assert cells == {(lag, c) for lag in off_policy.SMOKE_SWEEP.lags for c in off_policy.CORRECTIONS}, cells
+    for entry in figures["sweep"]:
+        assert set(entry) >= {"lag", "correction", "auc", "std", "auc_per_seed"}, entry
+        assert 0.0 <= entry["auc"] <= 1.0, entry
+        if entry["lag"] == 0:  # the sampler is the trainer up to float rounding
+            assert entry["gap_mean"] < 1e-4, entry
+    # at lag 0 every correction is (nearly) the identity: the six runs agree to a held-out answer or two
+    assert figures["lag0_auc_spread"] <= 0.05, figures["lag0_auc_spread"]
     off_policy.plot(result)
