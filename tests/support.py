@@ -20,9 +20,12 @@ import torch
 
 from utils.checker.compare import CheckFailure, assert_close, assert_equal, describe_difference, expect, show  # noqa
 from utils.checker.layout import ROOT
-from utils.checker.properties import (assert_gradients_match, assert_hooks_clean, assert_inputs_unchanged,  # noqa
-                                      assert_raises, assert_reproducible)
+from utils.checker.observe import anonymous
+from utils.checker.properties import (assert_defaults_match, assert_gradients_match, assert_hooks_clean,  # noqa
+                                      assert_inputs_unchanged, assert_outputs_match, assert_raises,
+                                      assert_reproducible)
 from utils.checker.registry import Exercise, Registry, mistake  # noqa: F401
+from utils.checker.trace import assert_same_trace, namespaces_of, reference_trace, tracing  # noqa: F401
 
 exercise = pytest.mark.exercise  # @exercise("get_logprobs"): the test checks that exercise of its part
 
@@ -66,9 +69,10 @@ def lora_model_with_random_B(model, seed: int = 0, **options):
 
 def error_seen(error: BaseException) -> tuple[str, str]:
     """What a test records of an error: its type and the first line of its message, without the parts that change
-    from run to run (file paths, addresses), so that two runs of the same mistake record the same thing."""
+    from run to run (file paths, addresses) or with the author (the name of the function or class that raised it),
+    so that two runs of the same mistake record the same thing."""
     text = str(error).strip().splitlines()[0][:1000] if str(error).strip() else ""
-    return type(error).__name__, re.sub(r"0x[0-9a-f]+", "<address>", re.sub(r"(/[^\s'\"]+)+", "<path>", text))
+    return type(error).__name__, anonymous(text)
 
 
 def calling(fn, *args, what: str, explain=None, **kwargs):
@@ -109,3 +113,65 @@ def run_script(module: str, *args: str, smoke: bool = True, timeout: int = 600) 
     assert result.returncode == 0, result.stderr[-3000:]
     last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     return result.stdout, json.loads(last) if last.startswith("{") else None
+
+
+# --- a model with ten blocks or more ------------------------------------------------------------------------------
+
+DEEP_LAYERS = 12  # GPT-2 small's count: block 1 is not block 10 or 11, and a layer is no longer one digit
+_deep: dict[str, object] = {}
+
+
+def deep_model():
+    """A GPT-2-shaped TransformerBridge with 12 random blocks and d_model 16 (the embedded model's tokenizer), made
+    once per process and put back as made (no hooks, its first weights and flags, eval mode) at every call.
+
+    Every other test model has 4 blocks, where a layer read from one character of a key ("L10_q"[1]), or blocks
+    chosen by a string prefix ("blocks.1" also starts "blocks.10"), cannot go wrong."""
+    if "model" not in _deep:
+        from transformers import GPT2LMHeadModel
+
+        from utils.models import bridge_from_hf, load_tiny_hf, tiny_hf_config
+
+        _, tokenizer = load_tiny_hf()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            hf_model = GPT2LMHeadModel(tiny_hf_config(len(tokenizer), tokenizer.eos_token_id, d_model=16,
+                                                      n_layers=DEEP_LAYERS, n_heads=2, n_ctx=32))
+        model = bridge_from_hf(hf_model, tokenizer, "cpu")
+        pristine = {name: t.detach().clone() for name, t in model.state_dict().items()}
+        flags = {name: p.requires_grad for name, p in model.named_parameters()}
+        _deep.update(model=model, pristine=pristine, flags=flags)
+    model = _deep["model"]
+    model.reset_hooks()
+    with torch.no_grad():
+        model.load_state_dict(_deep["pristine"])
+    for name, p in model.named_parameters():
+        p.requires_grad_(_deep["flags"][name])
+        p.grad = None
+    return model.eval()
+
+
+def deep_adapters(model, targets=("q", "k", "v", "o", "mlp_in", "mlp_out"), seed: int = 0):
+    """make_adapters on every block of `model` for `targets` (rank 2, alpha 4), B random (with B = 0, LoRA's own
+    start, every adapter would be a no-op and a misplaced one would go unseen)."""
+    from solutions.part2_lora import make_adapters
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        adapters = make_adapters(model, 2, 4.0, targets)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for adapter in adapters.values():
+            adapter.B.copy_(torch.randn(adapter.B.shape, generator=g) * 0.5)
+    return adapters
+
+
+def deep_hint(blocks: list[int]) -> str:
+    """What to say when, on the 12-block model, the blocks `blocks` are the wrong ones."""
+    text = f"On the 12-block model, blocks {blocks} are the wrong ones (the others are right)."
+    if blocks and all(b == 1 or b >= 10 for b in blocks):
+        text += (" Blocks 10 and 11 are keyed \"L10_...\" and \"L11_...\" (and named \"blocks.10.\", \"blocks.11.\"): "
+                 "a layer read from one character (\"L10_q\"[1] is \"1\") or blocks found by a prefix "
+                 "(\"L10_q\".startswith(\"L1\")) mix them up with block 1. Read the whole number: "
+                 "int(key[1:].split(\"_\", 1)[0])")
+    return text

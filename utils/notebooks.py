@@ -130,7 +130,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
-from utils.checker.notebook import check
+from utils.checker.notebook import check, check_all
 
 SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps training runs and experiments short"""
 

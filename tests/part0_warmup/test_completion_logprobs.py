@@ -4,6 +4,7 @@ whatever the padding, with the gradient reaching the weights, and on a LoRAModel
 import torch
 
 from solutions import part0_warmup as ref
+from tests.part0_warmup import mistakes
 from tests.support import (assert_close, assert_gradients_match, assert_inputs_unchanged, exercise,
                            lora_model_with_random_B)
 from utils.sampling import Samples, completion_mask_from_ids, sample
@@ -50,8 +51,12 @@ def test_completion_logprobs_padding_does_not_matter(impl, tiny_model):
     with torch.no_grad():
         a = impl.completion_logprobs(tiny_model, batch)[0]
         b = impl.completion_logprobs(tiny_model, alone)[0]
+    with torch.no_grad():  # what running the model without the attention mask gives (the usual cause)
+        unmasked = mistakes._completion_logprobs_no_attention_mask(tiny_model, batch)[0]
     assert_close(a, b, "completion_logprobs of 'The ...' left-padded in a batch, against alone", atol=1e-4,
-                 hint="left padding changes the result when the attention mask is not passed to the model")
+                 resembles={"the model is run without the attention mask (pass attention_mask=samples."
+                            "attention_mask)": unmasked},
+                 hint="a row's log-probs must not depend on the left padding its batch-mates force on it")
 
 
 @exercise("completion_logprobs")
@@ -69,5 +74,7 @@ def test_completion_logprobs_of_a_lora_model(impl, tiny_model):
     with torch.no_grad():
         assert_close(impl.completion_logprobs(lora_model, samples), ref.completion_logprobs(lora_model, samples),
                      "completion_logprobs of a LoRAModel", mask=samples.completion_mask, atol=1e-4,
-                     hint="call the model itself, model(ids, attention_mask=...): a LoRAModel applies its adapters "
-                          "in its forward pass")
+                     resembles={"the adapters are left out (these are the base model's log-probs): call the model "
+                                "itself, model(ids, attention_mask=...), whose forward pass applies a LoRAModel's "
+                                "adapters": ref.completion_logprobs(tiny_model, samples)},
+                     hint="a LoRAModel's log-probs are those of the adapted model")

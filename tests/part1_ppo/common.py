@@ -118,3 +118,19 @@ def gradient_sweep_hint(got, want, label, rule: str) -> str | None:
         return None
     where = [label(i, j) for i, j in bad.nonzero().tolist()]
     return f"the gradient differs at {', '.join(where[:4])}{', ...' if len(where) > 4 else ''}. {rule}"
+
+
+def value_head_hooks(policy):
+    """For the loop's trace (utils/checker/trace.py): the hook points of a forward pass of the policy, in the
+    learner's terms (a hook point can have several names: the value head's is also blocks.{n_layers - 1}.hook_out)."""
+    base = getattr(policy.model, "base", policy.model)
+    head = base.hook_dict[policy.hook_name]
+
+    def describe(names):
+        if not names:
+            return "no hooks"
+        others = sorted(n for n in names if base.hook_dict.get(n) is not head)
+        parts = (["the value head's hook"] if len(others) < len(names) else []) + \
+            ([f"{len(others)} other hooks (LoRA's)"] if others else [])
+        return " and ".join(parts)
+    return describe

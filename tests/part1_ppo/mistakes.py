@@ -1271,7 +1271,7 @@ _rollout_default_gae = _rollout_with(
 def _learn_with(name, doc, kind="values", *, zero_grad=True, step_before_backward=False, old_from_now=False,
                 stored_values=False, whiten="minibatch", clip=True, scheduler_step=True, use_generator=True,
                 epochs=None, whiten_memory_in_place=False, approx_kl_reversed=False, value_clip=True,
-                old_values_from_now=False):
+                old_values_from_now=False, clip_model_only=False, scheduler_per_epoch=False):
     """A learn with one mistake, named `name` and described by `doc` (the keywords say which)."""
 
     def learn(policy, optimizer, scheduler, memory, cfg, generator=None):
@@ -1309,10 +1309,11 @@ def _learn_with(name, doc, kind="values", *, zero_grad=True, step_before_backwar
                     if zero_grad:
                         optimizer.zero_grad(set_to_none=True)
                     loss.backward()
-                    grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if clip
+                    clipped_params = policy.model.parameters() if clip_model_only else policy.parameters()
+                    grad_norm = nn.utils.clip_grad_norm_(clipped_params, cfg.max_grad_norm if clip
                                                          else float("inf"))
                     optimizer.step()
-                if scheduler_step:
+                if scheduler_step and not scheduler_per_epoch:
                     scheduler.step()
                 with torch.no_grad():
                     log_ratio = logprobs - mb["logprobs"]
@@ -1323,6 +1324,8 @@ def _learn_with(name, doc, kind="values", *, zero_grad=True, step_before_backwar
                                     "approx_kl": masked_mean(approx, mask).item(), "grad_norm": grad_norm.item()}
                 for key, value in step.items():
                     stats.setdefault(key, []).append(value)
+            if scheduler_per_epoch:
+                scheduler.step()
         return {key: sum(values) / len(values) for key, values in stats.items()}
 
     learn.__name__, learn.__qualname__, learn.__doc__ = name, name, doc
@@ -1355,6 +1358,13 @@ _learn_never_whitens = _learn_with(
 _learn_no_grad_clipping = _learn_with(
     "_learn_no_grad_clipping", "Does not clip the gradient norm: call nn.utils.clip_grad_norm_(policy.parameters(), "
     "cfg.max_grad_norm) between backward() and step().", clip=False)
+_learn_clips_the_model_only = _learn_with(
+    "_learn_clips_the_model_only", "Clips the gradients of policy.model's parameters only: the value head's are "
+    "left out of the norm and never clipped. Clip all of them together: clip_grad_norm_(policy.parameters(), ...).",
+    clip_model_only=True)
+_learn_scheduler_per_epoch = _learn_with(
+    "_learn_scheduler_per_epoch", "Steps the scheduler once per epoch: the schedule counts optimizer steps, so call "
+    "scheduler.step() after every optimizer.step().", scheduler_per_epoch=True)
 _learn_scheduler_not_stepped = _learn_with(
     "_learn_scheduler_not_stepped", "Never steps the scheduler, so the learning rate stays at its first warm-up "
     "value: call scheduler.step() after each optimizer.step().", scheduler_step=False)
@@ -1471,6 +1481,6 @@ REGISTRY = Registry("part1_ppo", {
                _learn_value_head_untrained, _learn_whitens_the_whole_batch, _learn_never_whitens,
                _learn_no_grad_clipping, _learn_scheduler_not_stepped, _learn_global_rng, _learn_one_epoch,
                _learn_whitens_the_memory_in_place, _learn_approx_kl_reversed, _learn_ignores_clip_value,
-               _learn_old_values_from_now],
+               _learn_old_values_from_now, _learn_clips_the_model_only, _learn_scheduler_per_epoch],
     ),
 })

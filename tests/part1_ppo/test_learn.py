@@ -1,12 +1,14 @@
 """learn: the update the reference makes (value head and model, optimiser and scheduler steps), the mean
 statistics it returns, minibatches drawn from the generator, and the memory left alone."""
 
+import dataclasses
+
 import torch
 
 from solutions import part1_ppo as ref
-from tests.part1_ppo.common import LOOP_PROMPTS, length_reward, loop_config, loop_models
-from tests.support import (assert_close, assert_equal, assert_inputs_unchanged, assert_reproducible, calling,
-                           exercise, expect)
+from tests.part1_ppo.common import LOOP_PROMPTS, length_reward, loop_config, loop_models, value_head_hooks
+from tests.support import (assert_close, assert_equal, assert_inputs_unchanged, assert_reproducible,
+                           assert_same_trace, calling, exercise, expect, namespaces_of, reference_trace, tracing)
 
 
 def learning_setup(tiny_model, **overrides):
@@ -45,6 +47,44 @@ def loop_where(cfg):
     return (f"(epochs={cfg.epochs}, minibatch_size={cfg.minibatch_size} of {cfg.batch_size}, normalize_advantages="
             f"{cfg.normalize_advantages}, clip_eps={cfg.clip_eps}, max_grad_norm={cfg.max_grad_norm}, clip_value="
             f"{cfg.clip_value})")
+
+
+# What each call of ppo_loss is given, compared where the loop calls it (on the valid tokens only)
+PPO_LOSS_ARGUMENTS = ("logprobs", "old_logprobs", "advantages", "returns", "completion_mask", "clip_eps", "vf_coef",
+                      "ent_coef", "kl_coef", "old_values", "clip_value")
+
+
+def traced_learn(fn, policy, state, memory, cfg, seed=0):
+    """run_learn's set-up, with what fn does recorded (utils/checker/trace.py): returns its trace."""
+    policy.load_state_dict(state)
+    for p in policy.parameters():
+        p.grad = None
+    optimizer, scheduler = ref.make_optimizer(policy, cfg.lr_model, cfg.lr_head, cfg.warmup_steps, cfg.total_steps,
+                                              cfg.final_lr_fraction)
+    trainable = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    with tracing(policy.model, optimizer, scheduler, parameters=trainable, rows=memory.ids,
+                 probes={"ppo_loss": PPO_LOSS_ARGUMENTS}, namespaces=namespaces_of(fn, ref.learn)) as trace:
+        calling(fn, policy, optimizer, scheduler, memory, cfg, torch.Generator().manual_seed(seed),
+                what="learn(policy, optimizer, scheduler, memory, cfg, generator)")
+    return trace
+
+
+@exercise("learn")
+def test_learn_does_what_the_reference_does_in_order(impl, tiny_model):
+    """The trace of the loop (forward passes, zero_grad, backward, clipping, optimizer and scheduler steps, what
+    ppo_loss is given) against the reference's, from the same start: the first place where they part."""
+    # The set-up and the reference's trace are made once per process: the mistake finder replays this test with
+    # each registered wrong version, and each gets a copy of the memory (a wrong version may write into it)
+    cfg, policy, memory, state = reference_trace("learn set-up", lambda: learning_setup(tiny_model))
+    want = reference_trace("learn", lambda: traced_learn(ref.learn, policy, state, memory, cfg))
+    copy = dataclasses.replace(memory, **{k: v.clone() for k, v in vars(memory).items() if isinstance(v, torch.Tensor)})
+    got = traced_learn(impl.learn, policy, state, copy, cfg)
+    per_epoch = cfg.batch_size // cfg.minibatch_size
+    assert_same_trace(got, want, f"what learn does, step by step {loop_where(cfg)}", per_epoch=per_epoch,
+                      batch="the memory", hooks=value_head_hooks(policy), masks={"ppo_loss": "completion_mask"},
+                      hint=f"Per minibatch ({per_epoch} per epoch, from memory.minibatches(cfg.minibatch_size, "
+                           "generator)): a forward pass of the policy, ppo_loss, zero_grad, backward, "
+                           "clip_grad_norm_ of all the policy's parameters, optimizer.step(), scheduler.step().")
 
 
 @exercise("learn")

@@ -113,12 +113,14 @@ def test_ppo_loss_clips_the_value_loss(impl):
         loss, terms = calling(impl.ppo_loss, *with_leaves(inputs), **settings,
                                  what=f"ppo_loss(..., old_values=..., clip_value={clip_value})")
         want, want_terms = ref.ppo_loss(*with_leaves(inputs), **settings)
+        by_eps, by_eps_terms = ref.ppo_loss(*with_leaves(inputs), **{**settings, "clip_value": 0.3})
         where = f"ppo_loss(..., clip_eps=0.3, old_values=..., clip_value={clip_value})"
-        hint = ("the value loss is value_loss(values, returns, completion_mask, old_values, clip_value): clipped with "
-                "clip_value, not clip_eps")
-        assert_close(loss, want, where, hint=hint)
+        hint = "the value loss is value_loss(values, returns, completion_mask, old_values, clip_value)"
+        clipped_by_eps = "the value loss is clipped with clip_eps (0.3) instead of clip_value"
+        assert_close(loss, want, where, hint=hint, resembles={clipped_by_eps: by_eps})
         assert_close(terms["value_loss"], want_terms["value_loss"], f"terms['value_loss'] of {where}",
-                     check_grad=False, factors=token_factors(inputs[-1]), hint=hint)
+                     check_grad=False, factors=token_factors(inputs[-1]), hint=hint,
+                     resembles={clipped_by_eps: by_eps_terms["value_loss"]})
     inputs = loss_inputs(seed=9)
     loss, _ = impl.ppo_loss(*with_leaves(inputs), old_values=old_values_for(inputs, 59), clip_value=None)
     assert_close(loss, ref.ppo_loss(*with_leaves(inputs))[0], "ppo_loss(..., old_values=..., clip_value=None)",

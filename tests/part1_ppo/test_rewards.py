@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from solutions import part1_ppo as ref
+from tests.part1_ppo import mistakes
 from tests.support import assert_close, assert_inputs_unchanged, calling, exercise, expect
 
 
@@ -109,7 +110,10 @@ def test_reward_classifier_padding_does_not_change_a_score(impl, small_classifie
     together = assert_inputs_unchanged(impl.reward_classifier, CLASSIFIER_TEXTS, classifier, tokenizer,
                                        what="reward_classifier(texts, classifier, tokenizer)")
     assert_close(together, alone, "the scores of a padded batch, compared with each text scored alone",
-                 hint="padding must not change a text's score: pass the tokenizer's attention_mask to the classifier")
+                 resembles={"the classifier gets the padded batch without its attention mask (pass everything the "
+                            "tokenizer returns: classifier(**inputs))":
+                            mistakes._classifier_no_attention_mask(CLASSIFIER_TEXTS, classifier, tokenizer)},
+                 hint="padding must not change a text's score")
 
 
 # --- load_sentiment_classifier (provided, not an exercise: checked once here) ------------------------------

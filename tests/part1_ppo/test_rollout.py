@@ -4,8 +4,9 @@ reference model, and no computation graph kept."""
 import torch
 
 from solutions import part1_ppo as ref
-from tests.part1_ppo.common import LOOP_PROMPTS, length_reward, loop_config, loop_models
-from tests.support import assert_close, assert_equal, calling, exercise, expect
+from tests.part1_ppo.common import LOOP_PROMPTS, length_reward, loop_config, loop_models, value_head_hooks
+from tests.support import (assert_close, assert_equal, assert_same_trace, calling, exercise, expect, namespaces_of,
+                           reference_trace, tracing)
 
 
 MEMORY_HINTS = {
@@ -51,6 +52,30 @@ def assert_memory_matches(got, want, where):
             assert_close(mine, theirs, f"memory.{name} {where}", hint=hint)  # also fails on a tensor with a graph
     assert_equal(got.attention_mask, want.attention_mask, f"memory.attention_mask {where}",
                  hint="the samples' attention_mask")
+
+
+def traced_rollout(fn, policy, reference, cfg, seed):
+    """run_rollout, with what fn does recorded (utils/checker/trace.py): returns its trace."""
+    base = getattr(policy.model, "base", policy.model)
+    with tracing(base, probes={"compute_advantages": ("values", "rewards", "completion_mask", "gamma", "lam")},
+                 namespaces=namespaces_of(fn, ref.rollout)) as trace:
+        run_rollout(fn, policy, reference, cfg, seed)
+    return trace
+
+
+@exercise("rollout")
+def test_rollout_does_what_the_reference_does_in_order(impl, tiny_model):
+    """The trace of one rollout of a LoRA policy (its forward passes: with or without autograd, with which hooks;
+    what compute_advantages is given) against the reference's, from the same random state."""
+    cfg = loop_config()
+    policy, reference = loop_models(tiny_model, "lora")
+    want = reference_trace("rollout", lambda: traced_rollout(ref.rollout, policy, reference, cfg, seed=3))
+    got = traced_rollout(impl.rollout, policy, reference, cfg, seed=3)
+    assert_same_trace(got, want, "what rollout does, step by step (a LoRA policy)", hooks=value_head_hooks(policy),
+                      masks={"compute_advantages": "completion_mask"},
+                      hint="Under torch.no_grad(): sample from policy.model, then one forward pass of the policy "
+                           "(logits and values, through the LoRA and the value head's hook) and one of `reference` "
+                           "(no hooks) on the samples; compute_advantages on the values and the (normalised) rewards.")
 
 
 @exercise("rollout")

@@ -8,6 +8,7 @@ from solutions import part1_ppo as ref
 from tests.part1_ppo.common import make_lora_model, token_batch
 from tests.support import (assert_close, assert_equal, assert_gradients_match, assert_hooks_clean,
                            assert_inputs_unchanged, calling, exercise, expect)
+from utils.checker.observe import kind  # what a class is, not the name its author gave it
 
 
 def final_resid(model):
@@ -50,7 +51,7 @@ def logits_and_values_of(policy):
 def test_value_head_reads_the_final_residual_stream(impl, tiny_model):
     policy = impl.PolicyWithValueHead(tiny_model)
     expect(isinstance(getattr(policy, "value_head", None), nn.Module), "policy.value_head",
-           "store the MLP as self.value_head (an nn.Module)", observed=type(getattr(policy, "value_head", None)).__name__)
+           "store the MLP as self.value_head (an nn.Module)", observed=kind(getattr(policy, "value_head", None)))
     ids, _ = token_batch(tiny_model, ["This is a happy day.", "The cat is in the park"])
     logits, values = calling(policy, ids, what="PolicyWithValueHead(model)(tokens)")
     want_logits, want_values = expected_outputs(tiny_model, policy, ids)
@@ -126,10 +127,13 @@ def test_value_head_on_a_lora_model(impl, tiny_model):
     logits, values = calling(policy, ids, mask, what="PolicyWithValueHead(lora_model)(tokens, attention_mask)")
     want_logits, want_values = expected_outputs(lora, policy, ids, mask)
     real = mask.bool()
+    with torch.no_grad():
+        base_logits = tiny_model(ids, attention_mask=mask)
     assert_close(logits, want_logits, "the logits of PolicyWithValueHead(lora_model)", check_grad=False,
                  mask=real[..., None].expand_as(want_logits),
-                 hint="on a LoRAModel they are the adapted model's logits: call self.model(...) itself, so that its "
-                      "LoRA hooks run")
+                 resembles={"the adapters are left out (these are the base model's logits): call self.model(...) "
+                            "itself, so that its LoRA hooks run": base_logits},
+                 hint="on a LoRAModel they are the adapted model's logits")
     assert_close(values, want_values, "the values of PolicyWithValueHead(lora_model)", check_grad=False, mask=real)
     modules = {"adapters": lora.adapters, "value_head": policy.value_head}
     assert_gradients_match(logits_and_values_of(policy), logits_and_values_of(twin(policy, lora)), (ids, mask),

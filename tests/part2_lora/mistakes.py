@@ -130,6 +130,17 @@ class _LoRAScalesInputInPlace(ref.LoRA):
 
 # --- lora_hooks ---------------------------------------------------------------------------------------------------
 
+@mistake("deep")
+def _hooks_layer_from_one_digit(model, adapters):
+    """Read the layer as key[1], one character: "L10_q" and "L11_q" then put their updates on block 1, and blocks 10
+    and 11 get none. The tiny model's 4 blocks hide it; GPT-2 small has 12. Read the whole number before the
+    underscore: layer, target = key[1:].split("_", 1)."""
+    hooks = []
+    for key, adapter in adapters.items():
+        hooks += ref.lora_hooks(model, nn.ModuleDict({f"L{key[1]}_{key.split('_', 1)[1]}": adapter}))
+    return hooks
+
+
 def _split_key(key):
     layer, target = key[1:].split("_", 1)
     return layer, target
@@ -705,7 +716,7 @@ REGISTRY = Registry("part2_lora", {
     "lora_hooks": Exercise(
         wrong=[_hooks_no_scale, _hooks_late_binding, _hooks_q_only, _hooks_replace_output, _hooks_not_flattened,
                _hooks_first_input_kept, _hooks_detach_input, _hooks_detach_output, _hooks_added_permanently,
-               _hooks_reset_first],
+               _hooks_reset_first, _hooks_layer_from_one_digit],
     ),
     "policy_and_reference_logprobs": Exercise(
         wrong=[_reference_with_hooks_on, _reference_inside_adapted, _pair_swapped, _policy_without_hooks,

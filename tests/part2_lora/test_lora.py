@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from tests.part2_lora.common import attempt
 from tests.support import assert_close, assert_equal, assert_gradients_match, assert_inputs_unchanged, exercise, expect
+from utils.checker.observe import kind  # what a class is, not the name its author gave it
 
 
 def lora_factors(rank: int, alpha: float) -> dict[str, float]:
@@ -25,7 +26,7 @@ def lora_factors(rank: int, alpha: float) -> dict[str, float]:
 def test_lora_shapes_and_parameters(impl):
     lora = attempt("LoRA(64, 96, rank=3, alpha=8.0)", impl.LoRA, 64, 96, rank=3, alpha=8.0)
     expect(isinstance(lora, nn.Module), "LoRA(...) is an nn.Module", "LoRA must subclass nn.Module (its A and B are "
-           "then found by .parameters(), state_dict() and an optimiser)", observed=type(lora).__name__)
+           "then found by .parameters(), state_dict() and an optimiser)", observed=kind(lora))
     A, B = getattr(lora, "A", None), getattr(lora, "B", None)
     expect(isinstance(A, nn.Parameter) and isinstance(B, nn.Parameter), "A and B are nn.Parameters",
            "A and B must both be nn.Parameter (a plain tensor or a buffer is not trained, not saved as a weight, or "

@@ -838,6 +838,19 @@ def _step_loss_settings_dropped(model, optimizer, reward_functions, reference, p
 
 # --- the registry -------------------------------------------------------------------------------------------------
 
+# --- grpo_loss: a changed default ------------------------------------------------------------------------------
+
+@mistake("default")
+def _loss_default_grpo(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilon=0.2, epsilon_high=None,
+                       beta=0.0, loss_type="grpo", max_completion_length=None, use_bias_correction_kl=False):
+    """Made loss_type default to "grpo" (the GRPO paper's mean per sequence); the documented default is "dapo" (TRL's:
+    every real token weighs the same). Every call that leaves loss_type out, the trainer's included, would weigh a
+    long completion's tokens less. Keep the signature's defaults as the notebook gives them."""
+    return ref.grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, epsilon=epsilon,
+                         epsilon_high=epsilon_high, beta=beta, loss_type=loss_type,
+                         max_completion_length=max_completion_length, use_bias_correction_kl=use_bias_correction_kl)
+
+
 REGISTRY = Registry("part3_grpo", {
     "sample_groups": Exercise(
         wrong=[_groups_tiled, _groups_from_base, _groups_drop_temperature, _groups_zero_temperature_means_default,
@@ -871,7 +884,7 @@ REGISTRY = Registry("part3_grpo", {
         on_lora_model=True,
     ),
     "grpo_loss": Exercise(
-        wrong=[_loss_ratio_sign, _loss_one_sided_clip, _loss_max_not_min, _loss_kl_reversed,
+        wrong=[_loss_default_grpo, _loss_ratio_sign, _loss_one_sided_clip, _loss_max_not_min, _loss_kl_reversed,
                _loss_bias_correction_ignored, _loss_bias_correction_ratio_detached, _loss_unmasked,
                _loss_every_type_bnpo, _loss_dr_grpo_token_count, _loss_dr_grpo_ignores_max_length,
                _loss_epsilon_high_or, _loss_epsilon_fixed, _loss_grpo_unclamped, _loss_grpo_skips_empty_rows,

@@ -28,8 +28,14 @@ def by_group(got, expected, group_size) -> str | None:
             return ("The advantages sum to 0 down each column of rewards.view(-1, G) instead of along each group "
                     "(row): the group statistics were taken over dim 0, the other groups, instead of dim 1.")
         sums = [round(x, 3) for x in groups.sum(1).tolist()]
+        if torch.equal(groups.sign(), want.sign()):  # each reward on the right side of its group's mean
+            return (f"Each group's advantages should sum to 0; here they do not (sums: {sums}), yet each one is on the "
+                    "right side of 0 (positive exactly where the reward is above its own group's mean): the rewards "
+                    "of a group were divided by different amounts. Usually the std was taken over another set of "
+                    "rewards than the group (e.g. over dim 0 of rewards.view(-1, G)).")
         return ("Each group's advantages should sum to 0 (each reward minus its own group's mean); here they do not, "
-                f"so what was subtracted is not each group's mean (sums: {sums}).")
+                f"and some are on the wrong side of 0, which no division can do: what was subtracted is not each "
+                f"group's mean (sums: {sums}).")
     spread = want.abs().sum(1) > 0  # a group without spread has advantages 0, which no factor can describe
     if spread.sum() >= 2:
         found = describe_difference(groups[spread], want[spread])

@@ -72,13 +72,33 @@ def clip_inputs():
     return logprobs, old, ref_lp, torch.tensor([1.0, -1.0, 0.5, -2.0])
 
 
-def assert_per_token(got, expected, what, advantages=None, resembles=None, **kwargs):
-    """assert_close of each token's own loss (rows: sequences); says so when the mask made no difference to it, or
-    when the wrong rows are exactly those with advantages of one sign."""
+def same_whichever_token(got, expected, inputs, settings) -> str | None:
+    """When each token's own loss (that token alone in the mask) is one value for every token: a sentence saying so,
+    which says that the mask does not reach the loss only when the value is the loss over every position (the mask
+    ignored: a mean over all positions, or their sum divided by the one real token). A loss that is 0 for every token
+    says nothing about the mask."""
+    if got.unique().numel() != 1 or expected.unique().numel() == 1:
+        return None
+    value = got.flatten()[0]
+    logprobs, old, ref_lp, adv = inputs
+    rest = {k: v for k, v in settings.items() if k not in ("loss_type", "max_completion_length")}
+    everywhere = ref.grpo_loss(logprobs.detach(), old, ref_lp, adv, torch.ones(logprobs.shape, dtype=torch.bool),
+                               **rest)
+    ignored = (everywhere, everywhere * logprobs.numel())
+    if value.abs() > 1e-6 and any(torch.isclose(value, v, rtol=1e-4, atol=1e-6) for v in ignored):
+        return ("The loss is the same whichever single token the mask keeps, and it is the loss over every position: "
+                "the mask does not reach the loss (every position counts, padding included).")
+    return (f"The loss is {value.item():.4g} whichever single token the mask keeps, where the reference's changes from "
+            "token to token.")
+
+
+def assert_per_token(got, expected, what, advantages=None, resembles=None, inputs=None, settings=None, **kwargs):
+    """assert_close of each token's own loss (rows: sequences); says so when it is the same whichever token the mask
+    keeps (`inputs`: logprobs, old, ref_lp, adv, and `settings`, for what that value is), or when the wrong rows are
+    exactly those with advantages of one sign."""
     hint = kwargs.pop("hint", None)
     if got.unique().numel() == 1 and expected.unique().numel() > 1:
-        hint = ("The loss is the same whichever single token the mask keeps: the mask does not reach the loss (every "
-                "position counts, padding included).")
+        hint = same_whichever_token(got, expected, inputs, settings or {})
     elif advantages is not None and advantages.any():
         wrong = ~torch.isclose(got, expected, rtol=1e-4, atol=1e-5).all(1)
         for sign, rows in (("negative", advantages < 0), ("positive", advantages > 0)):
@@ -101,7 +121,8 @@ def test_grpo_loss_per_token_clipped_objective(impl):
                          per_token_losses(ref.grpo_loss, logprobs, old, None, adv, **settings),
                          f"each token's loss -min(ratio·A, clip(ratio, 1 - epsilon, 1 + epsilon_high)·A) with "
                          f"epsilon={epsilon}, epsilon_high={epsilon_high}, rows of advantages {adv.tolist()} and "
-                         "ratios 0.5 ... 1.5 along each row", advantages=adv, resembles=resembles)
+                         "ratios 0.5 ... 1.5 along each row", advantages=adv, resembles=resembles,
+                         inputs=(logprobs, old, None, adv), settings=settings)
 
 
 @exercise("grpo_loss")
@@ -121,6 +142,7 @@ def test_grpo_loss_per_token_kl_term(impl):
         assert_per_token(per_token_losses(impl.grpo_loss, logprobs, old_lp, ref_lp, advantages, **settings),
                          per_token_losses(ref.grpo_loss, logprobs, old_lp, ref_lp, advantages, **settings), what,
                          advantages=advantages, resembles=resembles,
+                         inputs=(logprobs, old_lp, ref_lp, advantages), settings=settings,
                          factors={"beta": beta, "1/beta": 1 / beta} if beta != 1 else None,
                          hint="k3 = exp(ref - logp) - (ref - logp) - 1, times beta (and times the ratio with "
                               "use_bias_correction_kl).")
@@ -141,11 +163,11 @@ def per_token_or_aggregation(fn, args, settings) -> str | None:
         got = per_token_losses(fn, logprobs.detach(), old, ref_lp, adv, **rest)
     except Exception:  # noqa: BLE001 - only a diagnosis
         return None
-    difference = describe_difference(got, per_token_losses(ref.grpo_loss, logprobs.detach(), old, ref_lp, adv,
-                                                           **rest))
-    if got.unique().numel() == 1:
-        return ("The loss is the same whichever single token the mask keeps: the mask does not reach the loss (every "
-                "position counts, padding included).")
+    expected = per_token_losses(ref.grpo_loss, logprobs.detach(), old, ref_lp, adv, **rest)
+    difference = describe_difference(got, expected)
+    same = same_whichever_token(got, expected, (logprobs, old, ref_lp, adv), settings)
+    if same:
+        return same
     if difference is None:
         return ("Each token's own loss is right (computed with that one token alone in the mask), so the difference "
                 f"is in how loss_type={settings.get('loss_type', 'dapo')!r} aggregates the tokens, or in what the mask "

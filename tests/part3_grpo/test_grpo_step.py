@@ -4,6 +4,7 @@ reference, forward passes, optimizer steps, loss and update, with every optional
 A tiny deterministic step: 2 prompts x 4 completions, a few tokens, plain SGD (its update is lr x the gradient, so
 a wrong gradient shows in the parameters)."""
 
+import contextlib
 from types import SimpleNamespace
 
 import torch
@@ -11,7 +12,8 @@ import torch
 from solutions import part3_grpo as ref
 from solutions.part0_warmup import completion_logprobs
 from tests.part3_grpo.common import async_reward_cause
-from tests.support import assert_close, assert_equal, calling, exercise, expect, lora_model_with_random_B
+from tests.support import (assert_close, assert_equal, assert_same_trace, calling, exercise, expect,
+                           lora_model_with_random_B, namespaces_of, reference_trace, tracing)
 
 STEP_PROMPTS = ["12+34=", "7+58="]
 
@@ -36,10 +38,16 @@ def step_lora_model(model, seed):
     return lora_model_with_random_B(model, seed, targets=("q", "k", "v", "o"), std=0.1, reseed=True)
 
 
-def run_step(fn, tiny_model, cfg, steps=1):
+# What each call of grpo_loss is given, compared where the step calls it (on the tokens of its mask only)
+GRPO_LOSS_ARGUMENTS = ("logprobs", "old_logprobs", "ref_logprobs", "advantages", "mask", "epsilon", "epsilon_high",
+                       "beta", "loss_type", "max_completion_length")
+
+
+def run_step(fn, tiny_model, cfg, steps=1, traced=False):
     """Run `fn` (grpo_step, or a version of it) `steps` times from the same start: a LoRA model whose B is random,
     plain SGD, and a reference that is *not* the bare base (the base with other adapters, as in Part 4's re-trained
-    adapter), so that a step that bypasses `reference` is seen. Returns what a check looks at."""
+    adapter), so that a step that bypasses `reference` is seen. Returns what a check looks at; with `traced`, also
+    the trace of what fn did (utils/checker/trace.py)."""
     lora_model, other = step_lora_model(tiny_model, seed=3), step_lora_model(tiny_model, seed=4)
     for p in tiny_model.parameters():
         p.requires_grad_(False)
@@ -54,16 +62,21 @@ def run_step(fn, tiny_model, cfg, steps=1):
             return completion_logprobs(other, samples)
 
     outs = []
+    recording = tracing(tiny_model, optimizer, parameters={n: p for n, p in lora_model.named_parameters()
+                                                          if p.requires_grad},
+                        probes={"grpo_loss": GRPO_LOSS_ARGUMENTS}, namespaces=namespaces_of(fn, ref.grpo_step)) \
+        if traced else contextlib.nullcontext()
     try:
-        torch.manual_seed(11)
-        for _ in range(steps):
-            outs.append(fn(lora_model, optimizer, step_rewards(), reference, list(STEP_PROMPTS), cfg))
+        with recording as trace:
+            torch.manual_seed(11)
+            for _ in range(steps):
+                outs.append(fn(lora_model, optimizer, step_rewards(), reference, list(STEP_PROMPTS), cfg))
     finally:
         handle.remove()
     params = torch.cat([p.detach().flatten() for p in lora_model.adapters.parameters()])
     return SimpleNamespace(outs=outs, out=outs[-1], params=params, optimizer_steps=len(optimizer_steps),
                            reference_calls=len(reference_calls), forward_passes=len(forward_passes),
-                           lora_model=lora_model)
+                           lora_model=lora_model, trace=trace)
 
 
 def checked_step(impl, tiny_model, cfg, what, steps=1):
@@ -101,6 +114,23 @@ def compare_steps(got, expected, what, tiny_model=None, cfg=None):
     assert_close(got.params, expected.params, f"{what}: the adapters' parameters after the step (SGD, lr "
                  f"{cfg.lr}, max_grad_norm {cfg.max_grad_norm})",
                  hint="Each update: zero_grad, backward, clip the adapters' gradient norm, then optimizer.step().")
+
+
+@exercise("grpo_step")
+def test_grpo_step_does_what_the_reference_does_in_order(impl, tiny_model):
+    """The trace of one step with a KL term and two updates (forward passes, zero_grad, backward, the clip's
+    coverage, optimizer steps, what grpo_loss is given) against the reference's, from the same random state."""
+    cfg = step_config(beta=0.5, num_iterations=2, epsilon=0.1, epsilon_high=0.15, loss_type="grpo",
+                      scale_rewards="batch")
+    what = "what grpo_step(beta=0.5, num_iterations=2, ...) does, step by step"
+    got = calling(run_step, impl.grpo_step, tiny_model, cfg, traced=True, what=what, explain=async_reward_cause)
+    want = reference_trace("grpo_step", lambda: run_step(ref.grpo_step, tiny_model, cfg, traced=True))
+    assert_same_trace(got.trace, want.trace, what, masks={"grpo_loss": "mask"},
+                      hooks=lambda names: "LoRA hooks" if names else "no hooks (the bare base model)",
+                      hint="In order: sample, rewards and advantages, `reference(samples)` (beta != 0), the old "
+                           "log-probs under torch.no_grad() (num_iterations > 1); then per update: a forward pass "
+                           "with autograd, grpo_loss, zero_grad, backward, clip_grad_norm_ of the adapters' "
+                           "parameters, optimizer.step().")
 
 
 @exercise("grpo_step")

@@ -690,6 +690,16 @@ def _kl_in_place(rewards, logprobs, ref_logprobs, mask, beta):
     return rewards
 
 
+@mistake("aliasing")
+def _kl_beta_zero_returns_the_rewards(rewards, logprobs, ref_logprobs, mask, beta):
+    """With beta = 0 returned `rewards` itself ("no penalty: nothing to compute"). The result is then the caller's
+    tensor: when the caller changes its rewards in place (normalising them, say), the penalised rewards change too.
+    Return a new tensor for every beta: (rewards - beta * kl).detach() is one for beta = 0 as well."""
+    if beta == 0:
+        return rewards
+    return ref.kl_penalized_rewards(rewards, logprobs, ref_logprobs, mask, beta)
+
+
 # rloo_loss
 
 def _rloo_core(seq, old, adv, epsilon=0.2, epsilon_high=None, *, ratio_fn=None, one_sided=False, op=torch.minimum,
@@ -804,7 +814,7 @@ EXERCISES = {
     ),
     "kl_penalized_rewards": Exercise(
         wrong=[_kl_sign, _kl_k3, _kl_token_mean, _kl_unmasked, _kl_mask_on_policy_only, _kl_not_detached,
-               _kl_in_place],
+               _kl_in_place, _kl_beta_zero_returns_the_rewards],
     ),
     "rloo_loss": Exercise(
         wrong=[_rloo_ratio_sign, _rloo_one_sided, _rloo_max, _rloo_summed, _rloo_constant_ratio,

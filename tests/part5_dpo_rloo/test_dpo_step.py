@@ -9,8 +9,9 @@ import torch
 from solutions import part5_dpo_rloo as ref
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
 from tests.part5_dpo_rloo.common import LORA_TARGETS, MIXED_TRIPLES
-from tests.support import (assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged, exercise, expect,
-                           lora_model_with_random_B)
+from tests.support import (assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged,
+                           assert_same_trace, calling, exercise, expect, lora_model_with_random_B, namespaces_of,
+                           reference_trace, tracing)
 
 STEP_TRIPLES = MIXED_TRIPLES[:4]  # prompts and answers of different lengths
 # (reference form, DPOConfig settings): every setting dpo_step reads is away from its default somewhere, and the
@@ -94,6 +95,40 @@ def expect_step_output(out, what):
     got = sorted(out) if isinstance(out, dict) else type(out).__name__
     expect(isinstance(out, dict) and set(keys) <= set(out), f"what {what} returns",
            f"expected a dict with the keys {list(keys)} (DPOTrainer.step logs them); got {got}", observed=got)
+
+
+def traced_step(fn, model, seed, reference, settings):
+    """run_step's set-up (gradients left over from an earlier step included), with what fn does recorded
+    (utils/checker/trace.py): returns its trace."""
+    lora_model, optimizer, _ = step_setup(model, seed)
+    cfg = ref.DPOConfig(reference=reference, **settings)
+    ref_logps = None
+    if reference == "precomputed":
+        ref_logps = ref.precompute_reference_logps(lora_model, STEP_TRIPLES, settings["loss_type"] == "ipo")
+    rows = ref.preference_batch(lora_model.tokenizer, list(STEP_TRIPLES)).ids
+    with tracing(model, optimizer, parameters={n: p for n, p in lora_model.named_parameters() if p.requires_grad},
+                 rows=rows, probes={"dpo_loss": DPO_LOSS_ARGUMENTS}, namespaces=namespaces_of(fn, ref.dpo_step)) \
+            as trace:
+        calling(fn, lora_model, optimizer, list(STEP_TRIPLES), ref_logps, cfg, what=step_what(reference, settings))
+    return trace
+
+
+DPO_LOSS_ARGUMENTS = ("policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps", "beta",
+                      "loss_type")
+
+
+@exercise("dpo_step")
+def test_dpo_step_does_what_the_reference_does_in_order(impl, tiny_model):
+    """The trace of one step with an implicit reference (forward passes: with or without autograd, LoRA hooks on or
+    off, which rows; zero_grad, backward, the clip's coverage, the optimizer step; what dpo_loss is given) against
+    the reference's, from the same start (the gradients of an earlier step still on the parameters)."""
+    reference, settings = STEP_CONFIGS[0]
+    what = f"what {step_what(reference, settings)} does, step by step"
+    got = traced_step(impl.dpo_step, tiny_model, 0, reference, settings)
+    want = reference_trace("dpo_step", lambda: traced_step(ref.dpo_step, tiny_model, 0, reference, settings))
+    assert_same_trace(got, want, what, batch="preference_batch (chosen rows first)",
+                      hooks=lambda names: "the LoRA hooks" if names else "no hooks (the base: the reference)",
+                      hint=STEP_HINT)
 
 
 @exercise("dpo_step")

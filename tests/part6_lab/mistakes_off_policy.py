@@ -9,6 +9,14 @@ from tests.support import Exercise, mistake
 
 # --- clip_fraction -----------------------------------------------------------------------------------------------
 
+@mistake("zero")
+def _cf_epsilon_high_or_epsilon(ratio, advantages, mask, epsilon=0.2, epsilon_high=None):
+    """`epsilon_high or epsilon` took epsilon_high = 0 (no room above 1: a ratio above 1 with a positive advantage is
+    clipped) for "not given", and used epsilon instead. 0 is a value: epsilon if epsilon_high is None else
+    epsilon_high."""
+    return ref.clip_fraction(ratio, advantages, mask, epsilon, epsilon_high or epsilon)
+
+
 def _cf_any_sign(ratio, advantages, mask, epsilon=0.2, epsilon_high=None):
     """Counted every token whose ratio is outside the clip range, whatever its advantage's sign. The clip takes the
     gradient only where it binds: below 1 - epsilon when A < 0, above 1 + epsilon_high when A > 0 (TRL's
@@ -305,11 +313,26 @@ def _tisl_masks_weights_in_place(logprobs, old_logprobs, advantages, mask, weigh
     return _tisl_core(logprobs, old_logprobs, advantages, mask, weights, epsilon, epsilon_high)
 
 
+@mistake("masked")
+def _tisl_nan_without_tokens(logprobs, old_logprobs, advantages, mask, weights=None, epsilon=0.2, epsilon_high=None):
+    """Divided by mask.sum() as it is: a batch with no real token (every completion dropped as truncated) gives
+    0/0 = NaN, and one NaN loss turns every weight into NaN at the next step. The docstring says 0 there: divide by
+    mask.sum().clamp(min=1)."""
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    ratio = torch.exp(logprobs - old)
+    high = epsilon if epsilon_high is None else epsilon_high
+    A = advantages[:, None]
+    per_token = -torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + high) * A)
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    return (per_token * mask).sum() / mask.sum()
+
+
 EXERCISES = {
     "clip_fraction": Exercise(
         wrong=[_cf_any_sign, _cf_signs_swapped, _cf_zero_advantage_counts, _cf_inclusive_bounds, _cf_unmasked,
                _cf_over_all_positions, _cf_count, _cf_low_only, _cf_ignores_epsilon_high, _cf_ignores_epsilon,
-               _cf_per_sequence, _cf_nan_without_tokens, _cf_log_ratio, _cf_in_place],
+               _cf_per_sequence, _cf_nan_without_tokens, _cf_log_ratio, _cf_in_place, _cf_epsilon_high_or_epsilon],
     ),
     "truncated_importance_weights": Exercise(
         wrong=[_tisw_not_detached, _tisw_two_sided, _tisw_inverted, _tisw_unmasked, _tisw_default_cap, _tisw_no_cap,
@@ -318,6 +341,6 @@ EXERCISES = {
     "tis_grpo_loss": Exercise(
         wrong=[_tisl_ignores_weights, _tisl_weight_inside_ratio, _tisl_weights_not_detached, _tisl_weight_after_mean,
                _tisl_self_normalized, _tisl_max, _tisl_ignores_epsilon_high, _tisl_on_policy_ratio_detached,
-               _tisl_per_sequence, _tisl_objective, _tisl_masks_weights_in_place],
+               _tisl_per_sequence, _tisl_objective, _tisl_masks_weights_in_place, _tisl_nan_without_tokens],
     ),
 }

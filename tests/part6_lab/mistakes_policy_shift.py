@@ -110,6 +110,16 @@ def _blocks_kept(lora_model, keep):
                                                           if keep(int(k[1:].split("_", 1)[0]))}))
 
 
+@mistake("deep")
+def _blocks_by_prefix(lora_model, blocks):
+    """Kept the adapters whose key starts with f"L{b}": "L10_q" and "L11_q" start with "L1" too, so on a model with
+    ten blocks or more (GPT-2 small has 12), block 1 brings blocks 10 and 11 along. Compare whole numbers:
+    int(key[1:].split("_", 1)[0]) in blocks."""
+    ref.lora_on_blocks(lora_model, blocks)  # the same refusals
+    return LoRAModel(lora_model.base, torch.nn.ModuleDict({k: a for k, a in lora_model.adapters.items()
+                                                          if any(k.startswith(f"L{b}") for b in blocks)}))
+
+
 def _blocks_all(lora_model, blocks):
     """Kept every block's adapters, whatever `blocks` says: keep only the adapters whose layer is in blocks."""
     ref.lora_on_blocks(lora_model, blocks)  # the same refusals
@@ -313,7 +323,7 @@ EXERCISES = {
     ),
     "lora_on_blocks": Exercise(
         wrong=[_blocks_all, _blocks_complement, _blocks_off_by_one, _blocks_deep_copy,
-               _blocks_deletes_from_the_policy, _blocks_zeroes_B, _blocks_no_check],
+               _blocks_deletes_from_the_policy, _blocks_zeroes_B, _blocks_no_check, _blocks_by_prefix],
     ),
     "answer_attention": Exercise(
         wrong=[_attention_transposed, _attention_unshifted, _attention_one_layer, _attention_padding_rows_kept,

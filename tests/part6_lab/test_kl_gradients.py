@@ -84,14 +84,17 @@ def test_two_token_logprobs_are_normalised_and_carry_gradients(impl, tiny_model)
     first, second = out
     assert_close(first.detach().exp().sum(), torch.tensor(1.0), "exp(first).sum(): the first token's probabilities",
                  atol=1e-4, hint="log-probs, normalised over the vocabulary: log_softmax(dim=-1) of the logits")
+    over_rows = isinstance(second, Tensor) and torch.allclose(second.detach().exp().sum(0),
+                                                               torch.ones(second.shape[-1]), atol=1e-4)
     assert_close(second.detach().exp().sum(-1), torch.ones(len(FIRST_TOKENS)), "exp(second).sum(-1): each row's "
                  "second-token probabilities", atol=1e-4, hint="each row is a distribution over the vocabulary: "
-                 "log_softmax(dim=-1), not over the rows (dim=0)")
+                 "log_softmax(dim=-1)" + (", not over the rows (dim=0), which is what these sum to 1 over"
+                                          if over_rows else ""))
     assert_gradients_match(impl.two_token_logprobs, ref.two_token_logprobs,
                            (lora_model, prompt, FIRST_TOKENS), what="two_token_logprobs(lora_model, ...)",
                            wrt=[], modules={"lora": lora_model.adapters}, atol=1e-4, rtol=1e-3,
-                           hint="the policy's log-probs must carry the LoRA's gradient: no torch.no_grad(), no "
-                                ".detach() (the caller decides, e.g. for the reference)")
+                           hint="the policy's log-probs carry the LoRA's gradient (the caller decides when they "
+                                "must not, e.g. for the reference)")
 
 
 @exercise("two_token_logprobs")
@@ -153,7 +156,7 @@ def test_token_kl_estimate_gradients_and_inputs(impl):
     for kind in ref.KL_ESTIMATORS:
         assert_gradients_match(impl.token_kl_estimate, ref.token_kl_estimate, (logp, ref_logp, kind),
                                what=f"token_kl_estimate(kind={kind!r})", wrt=["logp", "ref_logp"],
-                               hint=f"{KL_ESTIMATE_HINT[kind]}; every term differentiable (no .detach())")
+                               hint=f"{KL_ESTIMATE_HINT[kind]}; the gradient flows through every term")
         assert_inputs_unchanged(impl.token_kl_estimate, logp.clone(), ref_logp.clone(), kind,
                                 what=f"token_kl_estimate(kind={kind!r})")
 
@@ -238,8 +241,8 @@ def test_estimator_surrogate_does_not_differentiate_the_sampling(impl):
                                (first, second, ref_first, ref_second, kind),
                                what=f"estimator_surrogate(kind={kind!r}) with weights = pi(y) computed from first and "
                                "second", wrt=["first", "second"],
-                               hint="the weights are the sampling's probabilities: constants (weights.detach()). "
-                               "Differentiating them adds grad pi(y) * L(y), the gradient of E[L] through the sampling")
+                               hint="the weights are the sampling's probabilities, constants of the surrogate "
+                               "(weights.detach()): its gradient is that of each L(y), weighted by pi(y)")
 
 
 def _gradients(fn, inputs, kind):

@@ -52,20 +52,32 @@ def test_clip_fraction_counts_each_token_where_the_clip_takes_its_gradient(impl)
     ratio, advantages, mask = _clip_inputs(seed=1)
     for epsilon, epsilon_high in ((0.25, None), (0.25, 0.5)):
         high = epsilon if epsilon_high is None else epsilon_high
-        wrong = []
+        wrong, counted_values = [], set()
         for i, j in mask.nonzero().tolist():
             alone = torch.zeros_like(mask)
             alone[i, j] = True
             got = impl.clip_fraction(ratio.clone(), advantages.clone(), alone, epsilon, epsilon_high)
             want = ref.clip_fraction(ratio, advantages, alone, epsilon, epsilon_high)
             if not (isinstance(got, Tensor) and torch.isclose(got.float(), want.float())):
+                is_counted = isinstance(got, Tensor) and got.numel() == 1 and bool(got.float() != 0)
                 wrong.append(f"ratio {ratio[i, j].item():.3g} with A = {advantages[i].item():g}: "
-                             f"{'counted' if want.item() == 0 else 'not counted'}")
+                             f"{'counted' if want.item() == 0 else 'not counted'}"
+                             + (f" (got {got.item():.4g}, expected 1)" if is_counted and want.item() != 0 else ""))
+                if is_counted and want.item() != 0:
+                    counted_values.add(round(got.item(), 6))
+        which = (f"with the clip range [{1 - epsilon:g}, {1 + high:g}] a token counts exactly when its ratio is below "
+                 f"{1 - epsilon:g} with A < 0 or above {1 + high:g} with A > 0 (strictly: a ratio on the bound is not "
+                 "clipped), and a token with A = 0 never counts")
+        if wrong and len(counted_values) == 1 and all(w.endswith("expected 1)") for w in wrong):
+            # every miss is a counted token given the same wrong value: the condition is right, the division is not
+            value = counted_values.pop()
+            message = (f"the right tokens are counted (nonzero exactly where the clip takes the gradient), but with "
+                       f"one real token in the mask a counted token gives {value:.4g}, not 1 (1 counted of 1 real "
+                       f"token): the count is divided by {1 / value:.4g} instead of the number of real tokens")
+        else:
+            message = f"{which}; wrong here: {'; '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}"
         expect(not wrong, f"which tokens clip_fraction(epsilon={epsilon}, epsilon_high={epsilon_high}) counts",
-               f"with the clip range [{1 - epsilon:g}, {1 + high:g}] a token counts exactly when its ratio is below "
-               f"{1 - epsilon:g} with A < 0 or above {1 + high:g} with A > 0 (strictly: a ratio on the bound is not "
-               f"clipped), and a token with A = 0 never counts; wrong here: {'; '.join(wrong[:5])}"
-               f"{' ...' if len(wrong) > 5 else ''}", observed=tuple(wrong))
+               message, observed=tuple(wrong))
 
 
 @exercise("clip_fraction")
@@ -76,9 +88,10 @@ def test_clip_fraction_is_zero_on_policy_and_without_tokens(impl):
                  "clip_fraction of ratios that are all 1 (num_iterations 1: the policy has not moved)",
                  hint="A ratio of 1 is inside every clip range: nothing is clipped.")
     ratio, _, _ = _clip_inputs(seed=2)
-    assert_close(impl.clip_fraction(ratio, advantages.clone(), torch.zeros_like(mask), 0.2), torch.tensor(0.0),
-                 "clip_fraction with no real token at all", hint="No token: 0, not 0/0 = NaN (divide by the count "
-                 "clamped to at least 1).")
+    got = impl.clip_fraction(ratio, advantages.clone(), torch.zeros_like(mask), 0.2)
+    assert_close(got, torch.tensor(0.0), "clip_fraction with no real token at all",
+                 hint="No token: 0, not 0/0 = NaN" + (" (divide by the count clamped to at least 1)." if isinstance(
+                     got, Tensor) and got.isnan().any() else "."))
 
 
 @exercise("clip_fraction")
@@ -125,8 +138,9 @@ def test_truncated_importance_weights_are_constants(impl):
     leaf = trainer.clone().requires_grad_(True)
     out = impl.truncated_importance_weights(leaf, sampler.clone(), mask.clone())
     assert_close(out, ref.truncated_importance_weights(trainer, sampler, mask), "truncated_importance_weights of "
-                 "trainer log-probs that require a gradient", mask=mask, hint="Detach them (or compute under "
-                 "torch.no_grad()): in Yao et al.'s estimator the weight is a constant factor of the gradient.")
+                 "trainer log-probs that require a gradient", mask=mask, hint=TIS_HINT, gradient_hint="Detach them "
+                 "(or compute under torch.no_grad()): in Yao et al.'s estimator the weight is a constant factor of the "
+                 "gradient.")
 
 
 @exercise("truncated_importance_weights")

@@ -324,6 +324,13 @@ trl_ignores_world_size = mistake("argument")(
 trl_ignores_world_size.__doc__ = """world_size was ignored: per_device_train_batch_size is per process, so on
 several processes each step would sample world_size times as many completions. Divide by world_size."""
 
+trl_batch_true_division = mistake("dtype")(
+    reference_with("trl_batch_true_division",
+                   per_device_train_batch_size=lambda cfg, w: cfg.n_prompts * cfg.group_size / w))
+trl_batch_true_division.__doc__ = """per_device_train_batch_size = completions / world_size is a float (128.0):
+TRL's batch size is a count of completions, an int (range() and the dataloader refuse a float). Divide with //
+(the split is checked to be even first)."""
+
 trl_weights_on_every_task = reference_with("trl_weights_on_every_task",
                                            reward_weights=lambda cfg, w: [1.0, cfg.format_weight])
 trl_weights_on_every_task.__doc__ = """reward_weights was [1.0, format_weight] on every task: the "periods" task
@@ -377,7 +384,8 @@ REGISTRY = Registry("part7_production", {
     ),
     "to_trl_config": Exercise(
         wrong=[trl_steps_not_scaled, trl_batch_in_prompts, trl_ignores_world_size, trl_weights_on_every_task,
-               trl_cpu_unless_cuda, trl_without_settings, trl_no_split_check, trl_scales_cfg_in_place],
+               trl_cpu_unless_cuda, trl_without_settings, trl_no_split_check, trl_scales_cfg_in_place,
+               trl_batch_true_division],
         not_applicable={
             "gradient": "it returns settings: no tensor, nothing to differentiate",
             "hooks": "it touches no model",

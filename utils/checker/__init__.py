@@ -4,6 +4,8 @@
     observe.py          the log of what a test looked at, which is what a mistake's fingerprint is made of
     compare.py          the diagnosing comparison: when a value differs from the reference's, say *how*
     properties.py       checks beyond values: gradients, inputs left alone, hooks cleaned up, seeds, refusals
+    trace.py            what a training loop did, in order (passes, zero_grad, backward, clip, steps), and where it
+                        first departs from the reference's
     registry.py         the known wrong versions of each exercise, the kinds of mistake, the @mistake mark
     fingerprint.py      what one run of a test did, and when two runs are indistinguishable (no pytest in it)
     pool.py             the shared tiny model, loaded once per process and restored around every test
@@ -13,7 +15,11 @@
     environment.py      never a false blame: a failure counts only if the course's own solution passes here
     stopping.py         how a check stops early, at its time limit or the learner's interrupt, wherever it lands
     runner.py           one exercise's tests, in-process, against one object (check() and the meta-test)
-    notebook.py         `check()`, the line under each exercise in a notebook, and what it prints
+    callees.py          the other exercises an exercise calls, in the learner's versions, and which fail their tests
+    summary.py          one row per exercise (✅ ❌ ✏️ ⏱️ ⚠️, tests passed, the likely mistake) and the table of them
+    notebook.py         `check()`, the line under each exercise in a notebook, and what it prints; `check_all()`
+    worker.py           the process that checks one saved notebook: its definitions run, then each exercise's tests
+    grading.py          one saved notebook checked in a worker, with a time limit (utils/progress.py, utils/grade.py)
     usage.py            what the meta-test records of how the tests call a reference solution
 
 Tests import the assertions through `tests/support.py`. This file imports nothing, so that `layout` stays light.

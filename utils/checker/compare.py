@@ -133,10 +133,13 @@ def describe_difference(actual: object, expected: object, *, mask: Tensor | None
     group_size: rows come in groups of this many (GRPO), so a mistake confined to groups can be named.
     factors: more named factors to recognise, e.g. {"1/T with T = 0.7 (the temperature)": 1 / 0.7}.
     """
-    if not isinstance(expected, Tensor):
-        expected = torch.as_tensor(expected)
     if actual is None:
         return "got None: the function returned nothing (is a `return` missing?)"
+    as_float = count_as_float(actual, expected)
+    if as_float:
+        return as_float
+    if not isinstance(expected, Tensor):
+        expected = torch.as_tensor(expected)
     if not isinstance(actual, Tensor):
         if isinstance(actual, (int, float, bool)) and expected.dim() == 0:
             if expected.requires_grad:
@@ -177,6 +180,24 @@ def describe_difference(actual: object, expected: object, *, mask: Tensor | None
         return None
     return _value_difference(a, e, positions, group_size, factors, atol, rtol,
                              integer=not expected.dtype.is_floating_point, factor_mask=mask)
+
+
+def count_as_float(actual: object, expected: object, where: str = "") -> str | None:
+    """Where the reference returns a whole number (a Python int, also inside lists, tuples and dicts) and `actual` has
+    a float or a floating-point tensor there, what to say; else None. 8.0 == 8 in Python, so only this sees it."""
+    if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)) and len(actual) == len(expected):
+        return next((found for i, (a, e) in enumerate(zip(actual, expected))
+                     if (found := count_as_float(a, e, f"{where}[{i}]"))), None)
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        return next((found for k in expected if k in actual
+                     if (found := count_as_float(actual[k], expected[k], f"{where}[{k!r}]"))), None)
+    if isinstance(expected, int) and not isinstance(expected, bool) and (
+            isinstance(actual, float) or isinstance(actual, Tensor) and actual.is_floating_point()):
+        at = f" at {where}" if where else ""
+        return (f"got {show(actual)}{at}, a floating-point number, where the reference has the whole number "
+                f"{expected} (an int). A count, a size or an index must stay an int: usually a `/` where `//` was "
+                "meant, or a count taken from a float tensor (int(...), or .long() before .item())")
+    return None
 
 
 def _close(a: Tensor, e: Tensor, atol: float, rtol: float) -> bool:
@@ -411,19 +432,24 @@ def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close) -> 
 def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | None = None,
                  group_size: int | None = None, factors: dict[str, float] | None = None,
                  resembles: dict[str, object] | None = None, hint: str | None = None,
-                 atol: float = 1e-5, rtol: float = 1e-4, check_grad: bool = True) -> None:
+                 gradient_hint: str | None = None, atol: float = 1e-5, rtol: float = 1e-4,
+                 check_grad: bool = True) -> None:
     """Assert that `actual` equals `expected` (to tolerance), or fail saying how they differ.
 
     what: what the value is, in the learner's terms ("grpo_loss(loss_type='grpo')"); it also labels the observation
         that the mistakes plugin fingerprints.
     resembles: {how a plausible wrong computation is described: its value on these inputs}: a difference that equals
         one of them is described by it (this describes a value; naming a mistake is the registry's job).
-    hint: a sentence added to every failure of this check (e.g. what the quantity means).
+    hint: a sentence added to every failure of this check: what the quantity is, true whatever went wrong. A
+        sentence on a cause belongs where that cause is measured (e.g. `gradient_hint`).
+    gradient_hint: a sentence added only when the values are right and the gradient is not (check_grad), e.g. "detach
+        them": shown on a difference of values, it would name a cause the values do not show.
     check_grad: also fail when `expected` carries a gradient and `actual` does not, or the reverse.
     """
     observe(what, actual, atol=atol, rtol=rtol)
     problem = describe_difference(actual, expected, mask=mask, group_size=group_size, factors=factors,
                                   atol=atol, rtol=rtol)
+    values_wrong = problem is not None
     if problem is None and check_grad and isinstance(actual, Tensor) and isinstance(expected, Tensor):
         if expected.requires_grad and not actual.requires_grad:
             problem = ("the right values, but no gradient flows back through them (computed under torch.no_grad(), "
@@ -443,6 +469,8 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
         message += f"\n  expected: {show(expected)}\n  got:      {show(actual)}"
     if hint:
         message += f"\n  {hint}"
+    if gradient_hint and not values_wrong:
+        message += f"\n  {gradient_hint}"
     raise CheckFailure(message)
 
 
@@ -457,8 +485,11 @@ def assert_equal(actual: object, expected: object, what: str, hint: str | None =
         equal = bool(equal)
     except Exception:  # noqa: BLE001
         equal = False
-    if equal:
+    as_float = count_as_float(actual, expected) if equal else None
+    if equal and not as_float:
         return
+    if as_float:
+        raise CheckFailure(f"{what}: {as_float}." + (f"\n  {hint}" if hint else ""))
     message = f"{what}: expected {show(expected)}, got {show(actual)}."
     if isinstance(actual, list) and isinstance(expected, list):
         if len(actual) != len(expected):

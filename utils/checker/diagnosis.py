@@ -159,8 +159,14 @@ class MistakeFinder:
             _add_note(exc, describe_matches(name, named))
 
     def diagnose(self, item, impl, name: str, wrong: tuple, learner: Run, state: tuple) -> list | None:
+        # A wrong version that failed an earlier failure of this session differently can no longer be named: it is
+        # not replayed (the loop exercises' first test, their trace, fails first and leaves few to replay).
+        earlier = [r.matches for node, r in self.results.items()
+                   if node != item.nodeid and r.exercise == name and not r.passed and r.matches is not None]
         matches = []
         for candidate in wrong:
+            if not all(any(candidate is m for m in found) for found in earlier):
+                continue
             key = (item.nodeid, candidate)
             if key not in _runs:
                 if self.out_of_time():

@@ -9,13 +9,12 @@ pytest: diagnosis.py, the plugin, makes the runs and asks it.
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from utils.checker.compare import CheckFailure
-from utils.checker.observe import same
+from utils.checker.observe import anonymous, same
 
 
 @dataclass
@@ -42,8 +41,7 @@ def run_of(test_file: str, exc: BaseException | None, log: list) -> Run:
     if not isinstance(exc, CheckFailure):
         message = str(exc.args[0]) if exc.args else type(exc).__name__
         message = message.split("\nassert ", 1)[0]  # pytest's rewritten-assert trace holds object addresses
-        message = re.sub(r"0x[0-9a-fA-F]+", "0x?", message)  # addresses and paths differ from run to run
-        message = re.sub(r"(/[^\s'\":]+)+", "<path>", message)
+        message = anonymous(message)  # addresses, paths and the names of functions differ from run to run
     return Run(True, (line, type(exc).__name__), message, list(log))
 
 

@@ -1,14 +1,21 @@
 """`check()`: the line under each exercise in a notebook. It runs that exercise's tests on the object just written
-(runner.py) and prints what is wrong, if anything, in the learner's terms.
+(runner.py) and prints what is wrong, if anything, in the learner's terms. `check_all()` does so for every exercise
+of the notebook's part and prints one table of them (summary.py).
 
-    from utils.checker.notebook import check
+    from utils.checker.notebook import check, check_all
     check(get_logprobs)
+    check_all()
 """
 
 from __future__ import annotations
 
-from utils.checker import environment
-from utils.checker.layout import part_defining
+import contextlib
+import inspect
+import sys
+from collections.abc import Iterator
+
+from utils.checker import callees, environment, summary
+from utils.checker.layout import built_parts, exercise_names, part_defining
 from utils.checker.registry import explanation
 from utils.checker.runner import Outcome, run_exercise_tests
 
@@ -26,12 +33,56 @@ def check(obj: object, part: str | None = None, timeout: float = DEFAULT_TIMEOUT
     if name is None:
         raise TypeError("check() takes the function or class you wrote, e.g. check(get_logprobs)")
     part = part or part_defining(name)
-    outcome = run_exercise_tests(part, name, obj, timeout=timeout, diagnosis_budget=DIAGNOSIS_BUDGET_S)
-    print(report(outcome, part, timeout))
+    with no_progress_bars():
+        outcome = run_exercise_tests(part, name, obj, timeout=timeout, diagnosis_budget=DIAGNOSIS_BUDGET_S)
+        failing = []
+        if not outcome.ok and not outcome.timed_out:  # a failure may lie in another exercise it calls
+            failing = callees.failing_callees(obj, part, name, timeout=timeout)
+    print(report(outcome, part, timeout, failing_callees=failing))
 
 
-def report(outcome: Outcome, part: str, timeout: float | None = None) -> str:
-    """What check() prints for an outcome."""
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """No progress bar is drawn inside the block: loading the shared model ("Loading weights 0/52"), a download, or a
+    training loop inside a test would draw one into the notebook's output under check()'s report (in Jupyter a bar
+    is a widget, which reaches the notebook whatever happens to the streams). Every tqdm bar, transformers',
+    huggingface_hub's and the course's own alike, is made through tqdm's class, which is told to make them disabled;
+    warnings and logging are left alone. Put back as it was afterwards, also after an interrupt."""
+    try:
+        import tqdm.std
+    except ImportError:  # no tqdm: no bars
+        yield
+        return
+    bar_class = tqdm.std.tqdm
+    original = bar_class.__dict__["__init__"]
+    position = list(inspect.signature(bar_class.__init__).parameters).index("disable") - 1  # after `self`
+
+    def disabled(self, *args, **kwargs):
+        if len(args) > position:
+            args = args[:position] + (True,) + args[position + 1:]
+        else:
+            kwargs["disable"] = True
+        original.__get__(self, type(self))(*args, **kwargs)
+
+    bar_class.__init__ = disabled
+    try:
+        yield
+    finally:
+        bar_class.__init__ = original
+
+
+def report(outcome: Outcome, part: str, timeout: float | None = None,
+           failing_callees: list[tuple[callees.Callee, Outcome]] | None = None) -> str:
+    """What check() prints for an outcome. failing_callees: the other exercises it calls, in the learner's versions,
+    that fail their own tests (callees.py): said first, and while they fail no mistake of this one is named."""
+    text = _report(outcome, part, timeout, not failing_callees)
+    if failing_callees:
+        first = [callees.describe(outcome.exercise, callee, result) for callee, result in failing_callees]
+        text = "\n".join(first) + "\n\n" + text
+    return text
+
+
+def _report(outcome: Outcome, part: str, timeout: float | None, name_mistakes: bool) -> str:
     name = outcome.exercise
     total = len(outcome.passed) + len(outcome.failed)
     if outcome.timed_out:
@@ -42,7 +93,7 @@ def report(outcome: Outcome, part: str, timeout: float | None = None) -> str:
         return f"✅ {name}: all {total} test{'s' if total != 1 else ''} passed."
     if not outcome.passed and not outcome.failed:
         return f"⚠️ {name}: no test ran; is it an exercise of {part}?"
-    if outcome.not_written:
+    if outcome.not_written and name_mistakes:
         return f"✏️ {name}: not written yet (it still raises NotImplementedError). Write its body, then check again."
     not_judged = outcome.not_judged
     if len(not_judged) == len(outcome.failed):
@@ -62,7 +113,9 @@ def report(outcome: Outcome, part: str, timeout: float | None = None) -> str:
     if not_judged or outcome.unconfirmed:
         return "\n".join(lines)
     named = outcome.likely
-    if named:
+    if named and not name_mistakes:
+        lines.append(f"\n(No mistake of {name} itself is named while an exercise it calls fails its own tests.)")
+    elif named:
         if len(named) == 1:
             lines.append(f"\n👉 Likely mistake (a known wrong version of {name} fails these tests in exactly the same "
                          f"way, and passes the ones you pass): {explanation(named[0])}")
@@ -71,3 +124,71 @@ def report(outcome: Outcome, part: str, timeout: float | None = None) -> str:
                          "likely your mistake:")
             lines += [f"  - {explanation(m)}" for m in named]
     return "\n".join(lines)
+
+
+def check_all(namespace: dict | None = None, part: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+              show: bool = True) -> list[dict]:
+    """Test every exercise of this notebook's part and print one table: ✅ passed, ❌ failed (with the likely mistake),
+    ✏️ not written yet, ⏱️ stopped after `timeout` seconds, ⚠️ not judged here.
+
+    Usage, in a notebook cell: `check_all()`. It reads the exercises from the notebook's variables (the caller's
+    globals, or `namespace`), and finds the part from the exercises they define (or `part`). Returns the rows, one
+    dict per exercise (summary.Row's fields), and prints nothing when show=False.
+    """
+    if namespace is None:
+        namespace = sys._getframe(1).f_globals  # the notebook's variables: check_all() is called from a cell
+    part = part or part_in(namespace)
+    # No progress bar, the tests' (no_progress_bars) or one of its own: a saved notebook keeps a bar as a line of text.
+    rows = list(exercise_rows(part, namespace, timeout))
+    if show:
+        passed, total = summary.count_passed(rows)
+        print(f"{part}: {passed} of {total} exercises pass\n\n{summary.table(rows)}")
+    return [row.asdict() for row in rows]
+
+
+def exercise_rows(part: str, namespace: dict, timeout: float | None = DEFAULT_TIMEOUT_S,
+                  known: dict[str, summary.Row] | None = None) -> Iterator[summary.Row]:
+    """The row of each exercise of `part`, in notebook order, as its tests finish. `known`: rows already decided by
+    the caller (an exercise whose cell raised or hung), whose tests are not run."""
+    known = known or {}
+    for name in exercise_names(part):
+        if name in known:
+            yield known[name]
+        elif namespace.get(name) is None:
+            message = f"✏️ {name}: not defined yet. Run its cell (or write it), then check again."
+            yield summary.without_results(part, name, "not written", "not defined: run (or write) its cell", message)
+        else:
+            yield _row(part, name, namespace[name], timeout)
+
+
+def _row(part: str, name: str, obj: object, timeout: float | None) -> summary.Row:
+    """What check(obj) finds, as a row: the same run, and no mistake named while an exercise it calls fails."""
+    with no_progress_bars():
+        outcome = run_exercise_tests(part, name, obj, timeout=timeout, diagnosis_budget=DIAGNOSIS_BUDGET_S)
+        failing = []
+        if not outcome.ok and not outcome.timed_out:
+            failing = callees.failing_callees(obj, part, name, timeout=timeout)
+    row = summary.from_outcome(outcome, part, report(outcome, part, timeout, failing_callees=failing),
+                               named=[] if failing else None)
+    if failing:
+        names = [callee.name for callee, _ in failing]
+        row.note = f"it calls {', '.join(names)}, which {'fails its' if len(names) == 1 else 'fail their'} own tests"
+    return row
+
+
+def part_in(namespace: dict) -> str:
+    """The part whose exercises `namespace` defines most of. Only what the namespace defined itself counts (a later
+    part's notebook imports earlier parts' solutions under the same names), unless it defined none."""
+    here = namespace.get("__name__")
+
+    def score(part: str, own: bool) -> int:
+        return sum(1 for n in exercise_names(part) if namespace.get(n) is not None
+                   and (not own or getattr(namespace[n], "__module__", None) == here))
+
+    for own in (True, False):
+        scores = {p: score(p, own) for p in built_parts()}
+        best = max(scores.values(), default=0)
+        if best:
+            return [p for p, s in scores.items() if s == best][-1]
+    raise ValueError("check_all(): no exercise of the course is defined here. Run the notebook's cells first, or "
+                     "name the part: check_all(part='part0_warmup')")

@@ -8,6 +8,12 @@
     assert_reproducible      a seeded function gives the same result from the same `generator` seed, and draws
                              nothing from the global random state
     assert_raises            a documented refusal happens, with the exception the docstring names
+    assert_defaults_match    every default of the signature is the documented one (the tests may always pass it)
+    assert_outputs_match     outputs (tensors, numbers, tuples, lists, dicts) equal the reference's, item by item
+    assert_empty_masks       a mask with nothing on (in every row, or in one row) gives the reference's result
+                             (0 where the docstring says so, never NaN)
+    assert_zero_is_a_value   an argument set to 0, which its contract allows, is not taken for "not given"
+    aliases                  which returned tensors share memory with an argument (assert_inputs_unchanged uses it)
 
 Each records what it saw (see observe.py), so that a registered wrong version that breaks the same property in the
 same way is recognised as the learner's mistake.
@@ -23,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from utils.checker.compare import CheckFailure, assert_close, describe_difference, expect, show
+from utils.checker.compare import CheckFailure, assert_close, assert_equal, describe_difference, expect, show
 from utils.checker.observe import freeze, observe, same
 
 # --- gradients -----------------------------------------------------------------------------------------------
@@ -70,23 +76,30 @@ def _vjp(fn: Callable, bound: inspect.BoundArguments, wrt: list[str], params: di
 
 def assert_gradients_match(impl_fn: Callable, ref_fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
                            what: str, wrt: list[str] | None = None, modules: dict[str, nn.Module] | None = None,
-                           seed: int = 0, atol: float = 1e-5, rtol: float = 1e-4, hint: str | None = None) -> None:
+                           seed: int = 0, atol: float = 1e-5, rtol: float = 1e-4, scale_tol: float = 1e-5,
+                           hint: str | None = None) -> None:
     """The gradients of a random projection of the outputs (one vector-Jacobian product) match the reference's.
 
     wrt: names of the tensor arguments to differentiate (default: every floating-point tensor argument).
     modules: {label: module} whose trainable parameters are compared as well (the same module serves both runs;
         their .grad is cleared before each).
+    scale_tol: each gradient tensor is compared with an absolute tolerance of at least scale_tol × its largest
+        entry (the reference's). A gradient is a sum over every position and output, and a right answer that adds
+        the same terms in another order (the value head applied after the forward pass instead of inside the hook)
+        lands a few float32 roundings of the *largest* terms away: 1.2e-4 on a gradient whose entries reach ~500,
+        which an elementwise rtol would call wrong on its small entries. Measured: at most 3e-7 × the largest entry
+        (Part 1's value head on a LoRA model); the mistakes this check is for change gradients by far more.
     hint: a sentence added to a failure (e.g. the usual causes of a wrong gradient here).
     """
     try:
-        _gradients_match(impl_fn, ref_fn, args, kwargs, what, wrt, modules, seed, atol, rtol)
+        _gradients_match(impl_fn, ref_fn, args, kwargs, what, wrt, modules, seed, atol, rtol, scale_tol)
     except CheckFailure as failure:
         if hint:
             failure.args = (f"{failure.args[0]}\n  {hint}",)
         raise
 
 
-def _gradients_match(impl_fn, ref_fn, args, kwargs, what, wrt, modules, seed, atol, rtol) -> None:
+def _gradients_match(impl_fn, ref_fn, args, kwargs, what, wrt, modules, seed, atol, rtol, scale_tol) -> None:
     bound = inspect.signature(ref_fn).bind(*args, **(kwargs or {}))
     names = wrt or [n for n, v in bound.arguments.items() if isinstance(v, Tensor) and v.is_floating_point()]
     params = _trainable(modules)
@@ -115,13 +128,20 @@ def _gradients_match(impl_fn, ref_fn, args, kwargs, what, wrt, modules, seed, at
         if want_zero and got_zero:
             observe(label, "none")
             continue
-        if got_zero:
+        if got is None:
             expect(False, label, "no gradient reaches it, but the reference's does: is it detached, used only through "
                    ".item() or a no_grad block, or left out of the computation?", observed="none")
+        if got_zero:  # the graph reaches it, and what flows back is 0: not a detach, the opposite, or a flat step
+            expect(False, label, "a gradient reaches it, but it is exactly 0 everywhere, where the reference's is "
+                   "not: the paths from it to the result cancel out or are flat. Usually a value that must be a "
+                   "constant was left in the graph and cancels it (e.g. exp(logprobs - old) with old = logprobs not "
+                   "detached is 1 whatever logprobs is), or it only enters through a step, a comparison or a "
+                   "rounding", observed="zero")
         if want_zero:
             expect(False, label, "your version sends a gradient into it and the reference does not: it must act as a "
                    "constant (detach it, or compute it under torch.no_grad())", observed=got)
-        assert_close(got, want, label, atol=atol, rtol=rtol, check_grad=False)
+        scale = want.detach().abs().max().item()  # float32 rounding follows the largest terms, not each entry
+        assert_close(got, want, label, atol=max(atol, scale_tol * scale), rtol=rtol, check_grad=False)
 
 
 # --- inputs left alone ---------------------------------------------------------------------------------------
@@ -157,11 +177,66 @@ def _snapshot(value: object, path: str, out: dict[str, object], depth: int = 0) 
             _snapshot(v, f"{path}[{k!r}]", out, depth + 1)
 
 
-def assert_inputs_unchanged(fn: Callable, *args, what: str, **kwargs):
-    """Call fn(*args, **kwargs), fail if it changed any of its arguments in place, and return its result.
+def _tensors_in(value: object, path: str, out: dict[str, Tensor], modules: bool, depth: int = 0) -> None:
+    """{path: tensor} for the tensors in a value: itself, inside lists, tuples, dicts and dataclasses, and (with
+    `modules`) the parameters and buffers of a model."""
+    if depth > 4:
+        return
+    if isinstance(value, Tensor):
+        out[path] = value
+    elif isinstance(value, nn.Module):
+        if modules:
+            for name, t in list(value.named_parameters()) + list(value.named_buffers()):
+                out[f"{path}.{name}"] = t
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _tensors_in(getattr(value, f.name), f"{path}.{f.name}", out, modules, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value[:64]):
+            _tensors_in(v, f"{path}[{i}]", out, modules, depth + 1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _tensors_in(v, f"{path}[{k!r}]", out, modules, depth + 1)
+
+
+def _memory(t: Tensor) -> tuple[int, int] | None:
+    """The span of memory a tensor's storage covers (None for an empty one, which shares nothing)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def aliases(result: object, arguments: dict[str, object]) -> list[tuple[str, str]]:
+    """(a tensor in `result`, an argument it shares memory with): the tensor itself, a view of it (a slice, a
+    reshape, .detach(), .T), or a view of a model's weight. Tensors in a returned model are not looked at (a wrapper
+    around the model it was given shares its weights on purpose)."""
+    given: dict[str, Tensor] = {}
+    for name, value in arguments.items():
+        _tensors_in(value, name, given, modules=True)
+    spans = [(path, _memory(t)) for path, t in given.items()]
+    returned: dict[str, Tensor] = {}
+    _tensors_in(result, "the result", returned, modules=False)
+    found = []
+    for out_path, t in returned.items():
+        span = _memory(t)
+        if span is None:
+            continue
+        for arg_path, other in spans:
+            if other is not None and span[0] < other[1] and other[0] < span[1]:
+                found.append((out_path, arg_path))
+                break
+    return found
+
+
+def assert_inputs_unchanged(fn: Callable, *args, what: str, may_alias: bool | None = None, **kwargs):
+    """Call fn(*args, **kwargs), fail if it changed any of its arguments in place, or (unless `may_alias`) returned
+    a tensor that shares memory with one of them, and return its result.
 
     Tensors, the fields of dataclasses such as Samples, lists and dicts, and the weights of models are compared
-    before and after the call.
+    before and after the call. may_alias: True where the reference itself returns an argument or a view of one (say
+    so only where it does): then the learner's may too. None (the default) checks every result but a dict, which is
+    a record of values (a training step's logs, a state dict) where the reference hands back the caller's tensors.
     """
     try:
         signature = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
@@ -199,7 +274,21 @@ def assert_inputs_unchanged(fn: Callable, *args, what: str, **kwargs):
                            "needs it as it was: compute a new value instead of writing into the one you were given "
                            "(x = x * m rather than x *= m; mask = mask & keep rather than mask &= keep; no "
                            "masked_fill_ or other trailing-underscore methods on an input)")
+    if may_alias is False or may_alias is None and not isinstance(result, dict):
+        assert_no_aliases(result, named, what)
     return result
+
+
+def assert_no_aliases(result: object, arguments: dict[str, object], what: str) -> None:
+    """Fail if a tensor in `result` shares memory with one of `arguments` (see aliases)."""
+    shared = aliases(result, arguments)
+    observe(f"{what} returns tensors of its own", [(out, arg.split(".")[0].split("[")[0]) for out, arg in shared])
+    if shared:
+        out, arg = shared[0]
+        raise CheckFailure(f"{what}: `{out}` shares its memory with the argument `{arg}` (it is that tensor, or a view "
+                           "of it: a slice, a reshape, .detach() and .T all share memory). When the caller later "
+                           f"changes `{arg}` in place (an optimizer step, a masked_fill_), your result changes with "
+                           "it. Return a tensor of its own (compute a new value, or .clone() it)")
 
 
 # --- hooks --------------------------------------------------------------------------------------------------
@@ -311,3 +400,159 @@ def assert_raises(exception: type[BaseException] | tuple[type[BaseException], ..
     observe(what, "returned")
     raise CheckFailure(f"{what}: should raise a {name} ({why}), but it returned {show(result)} "
                        "instead")
+
+
+# --- defaults -----------------------------------------------------------------------------------------------
+
+def _defaults(obj) -> dict[str, object]:
+    """{parameter: default} of a function (its own: under whatever wrapper the checker put around it, which calls it
+    with the reference's defaults), or of a class's __init__ and forward."""
+    functions = [getattr(obj, n) for n in ("__init__", "forward") if n in vars_of(obj)] if inspect.isclass(obj) \
+        else [inspect.unwrap(obj)]
+    found = {}
+    for fn in functions:
+        for p in list(inspect.signature(fn).parameters.values()):
+            if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                found[p.name] = p.default
+    return found
+
+
+def _forwards(obj) -> bool:
+    """Whether a function (or a class's __init__ and forward) takes *args or **kwargs."""
+    functions = [getattr(obj, n) for n in ("__init__", "forward") if n in vars_of(obj)] if inspect.isclass(obj) \
+        else [inspect.unwrap(obj)]
+    return any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for fn in functions
+               for p in inspect.signature(fn).parameters.values())
+
+
+def vars_of(cls: type) -> set[str]:
+    """The attributes a class defines itself or inherits from the course's classes (not from nn.Module)."""
+    return {n for klass in cls.__mro__ if klass not in (object, nn.Module) for n in vars(klass)}
+
+
+def _same_default(a: object, b: object) -> bool:
+    if a is b:
+        return True
+    if type(a) is bool or type(b) is bool:
+        return a is b
+    try:
+        return bool(a == b) and (a is None) == (b is None)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def assert_defaults_match(impl: object, reference: object, what: str) -> None:
+    """Every parameter that the reference gives a default has the same default in `impl` (for a class: in __init__
+    and forward). The tests pass most arguments explicitly, so a changed default would go unseen there; but the
+    course's own code, and every reader of the notebook, calls it without them."""
+    want, got = _defaults(reference), _defaults(impl)
+    empty = inspect.Parameter.empty
+    forwards = _forwards(impl)  # f(*args, **kwargs) passes on what it is given: its callee's defaults apply
+    changed = {name: got.get(name, "missing") for name, default in want.items()
+               if default is not empty and not _same_default(got.get(name, empty), default)
+               and not (forwards and name not in got)}
+    observe(f"the defaults of {what}", {name: str(value) for name, value in changed.items()})
+    for name, value in changed.items():
+        documented = f"the documented default (the notebook's signature) is {name}={want[name]!r}"
+        if value == "missing":
+            raise CheckFailure(f"{what}: there is no parameter `{name}`, and {documented}. Keep the signature as the "
+                               "notebook gives it: the course calls it by these names")
+        if value is empty:
+            raise CheckFailure(f"{what}: `{name}` has no default, and {documented}: a call that leaves it out fails")
+        raise CheckFailure(f"{what}: the default of `{name}` is {value!r}, but {documented}. No other test can see a "
+                           "default (the checker calls your version with every argument given), but every call that "
+                           f"leaves `{name}` out (the trainer's, the notebook's) gets other results. Put back "
+                           f"{name}={want[name]!r}")
+
+
+# --- outputs, item by item ----------------------------------------------------------------------------------
+
+def assert_outputs_match(got: object, want: object, what: str, **options) -> None:
+    """`got` equals the reference's `want`: tensors and numbers with assert_close (options: its mask, hint, atol,
+    ...), and tuples, lists and dicts item by item, each labelled with where it sits."""
+    if isinstance(want, (tuple, list)):
+        expect(isinstance(got, (tuple, list)) and len(got) == len(want), f"what {what} returns",
+               f"expected a {type(want).__name__} of {len(want)} items, got {show(got)}",
+               observed=(type(got).__name__, len(got) if isinstance(got, (tuple, list)) else None))
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_outputs_match(g, w, f"{what}[{i}]", **options)
+    elif isinstance(want, dict):
+        expect(isinstance(got, dict), f"what {what} returns", f"expected a dict, got {show(got)}",
+               observed=type(got).__name__)
+        assert_equal(sorted(map(str, got)), sorted(map(str, want)), f"the keys of {what}")
+        for key in want:
+            assert_outputs_match(got[key], want[key], f"{what}[{key!r}]", **options)
+    elif isinstance(want, (Tensor, int, float)) and not isinstance(want, bool) or isinstance(got, Tensor):
+        assert_close(got, want, what, check_grad=False, **options)  # numbers too: to tolerance, NaN where NaN
+    else:
+        assert_equal(got, want, what, hint=options.get("hint"))
+
+
+def _call(fn: Callable, ref_fn: Callable, arguments: dict[str, object]):
+    """fn called with `arguments` ({the reference's parameter name: value}; positional ones passed by position, as the
+    other tests do, so a learner's own parameter names do not matter)."""
+    bound = inspect.signature(ref_fn).bind(**arguments)
+    return fn(*bound.args, **bound.kwargs)
+
+
+def _compare_call(impl_fn: Callable, ref_fn: Callable, arguments: dict[str, object], what: str, **options) -> None:
+    """impl_fn and ref_fn called with the same `arguments` give the same result, or both refuse them with the same
+    exception; the result shares memory with the arguments only where the reference's does."""
+    given = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in arguments.items()}
+    try:
+        want = _call(ref_fn, ref_fn, given)
+    except Exception as refused:  # noqa: BLE001 - a documented refusal: the learner's version must refuse too
+        assert_raises(type(refused), _call, impl_fn, ref_fn, arguments, what=what,
+                      why=f"the reference refuses it: {str(refused)[:200]}")
+        return
+    may_alias = bool(aliases(want, given))
+    given = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in arguments.items()}
+    try:
+        got = _call(impl_fn, ref_fn, given)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the learner's code may raise anything
+        observe(what, type(error).__name__)
+        raise CheckFailure(f"{what}: raised {type(error).__name__}: {str(error)[:300]}, where the reference returns "
+                           f"{show(want)}") from None
+    assert_outputs_match(got, want, what, **options)
+    if not may_alias:
+        assert_no_aliases(got, given, what)
+
+
+def _describe(arguments: dict[str, object], name: str) -> str:
+    return f"{name}={arguments[name]!r}"
+
+
+# --- empty masks --------------------------------------------------------------------------------------------
+
+def assert_empty_masks(impl_fn: Callable, ref_fn: Callable, arguments: dict[str, object], masks: list[str], *,
+                       what: str) -> None:
+    """Each Bool mask argument in `masks` set to all False (nothing to average over), and with only its first row all
+    False (a completion that ended at once): the result equals the reference's, which is 0 where the docstring says
+    so and never NaN. A mean over nothing is 0/0: divide by the count clamped to at least 1."""
+    hint = ("a row (or a batch) with no True position in the mask has nothing to average over: 0/0 is NaN, and one "
+            "NaN in a loss makes every weight NaN after the next step. Divide by the count clamped to at least 1 "
+            "(.clamp(min=1)), as the reference does")
+    for name in masks:
+        mask = arguments[name]
+        nothing = torch.zeros_like(mask)
+        first_row_empty = mask.clone()
+        first_row_empty[0] = False
+        for label, value in (("all False", nothing), ("False on every position of row 0", first_row_empty)):
+            _compare_call(impl_fn, ref_fn, arguments | {name: value}, f"{what} with `{name}` {label}", hint=hint)
+
+
+# --- zero is a value ----------------------------------------------------------------------------------------
+
+def assert_zero_is_a_value(impl_fn: Callable, ref_fn: Callable, arguments: dict[str, object], names: list[str], *,
+                           what: str) -> None:
+    """Each argument in `names` set to 0 (which its contract allows, and which is not its default) gives the
+    reference's result: `x or default` and `if x:` take a 0 for "not given"."""
+    defaults = {n: p.default for n, p in inspect.signature(ref_fn).parameters.items()}
+    for name in names:
+        zero = arguments | {name: 0 if type(defaults.get(name)) is int else 0.0}
+        hint = (f"{name}=0 is a value, not \"not given\": `{name} or default` and `if {name}:` both treat it as "
+                f"missing. Test for None (`{name} if {name} is not None else default`) where None means not given, "
+                "and otherwise use the value as it is")
+        _compare_call(impl_fn, ref_fn, zero, f"{what} with {name}=0", hint=hint)

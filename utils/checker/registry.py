@@ -38,6 +38,12 @@ KINDS = {
     "argument": "ignores one of its arguments (it only works at the default value)",
     "error": "does not raise the error its docstring promises",
     "seed": "ignores its `generator` (or draws from the global random state)",
+    "deep": "right on the 4-block test models, wrong from block 10 on (a layer read from one digit, a prefix match)",
+    "default": "a default value other than the documented one (invisible where every argument is given)",
+    "zero": "takes an argument of 0 for \"not given\" (`x or default`, `if x:`)",
+    "masked": "NaN (or another value than documented) when a mask has nothing on, in a row or in the batch",
+    "aliasing": "returns a tensor that shares memory with an argument (a view), so it changes when the caller's does",
+    "dtype": "returns a count or a size as a float (8.0 for 8)",
 }
 
 

@@ -1,0 +1,220 @@
+"""What check() prints, beyond the verdict: no progress bars inside its report; an exercise that fails because another
+exercise it calls is wrong says so first (utils/checker/callees.py); and a known wrong version is recognised by what it
+does, whatever its name (utils/checker/observe.py)."""
+
+import inspect
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from solutions.part6_lab import kl_gradients as part6_reference
+from utils.checker import callees
+from utils.checker.layout import ROOT
+from utils.checker.notebook import check, no_progress_bars
+
+
+# --- no progress bars -----------------------------------------------------------------------------------------------
+
+def test_no_progress_bar_is_drawn_inside_check_and_bars_come_back_after(capsys):
+    """Inside check() every tqdm bar is made disabled (transformers' "Loading weights", huggingface_hub's, the
+    course's own); afterwards bars are drawn again, with the class as it was."""
+    import tqdm.auto
+    import tqdm.std
+
+    before = tqdm.std.tqdm.__dict__["__init__"]
+    seen = []
+
+    def get_logprobs(logits, tokens, prefix_len=1):  # a learner's version that also makes a bar, as a loading
+        seen.append(tqdm.auto.tqdm(range(3), desc="Loading weights").disable)  # library would
+        from solutions.part0_warmup import get_logprobs as good
+        return good(logits, tokens, prefix_len)
+
+    check(get_logprobs)
+    assert "✅ get_logprobs" in capsys.readouterr().out
+    assert seen and all(seen), f"a bar was drawn during check(): disable={seen}"
+    assert tqdm.std.tqdm.__dict__["__init__"] is before
+    assert not tqdm.auto.tqdm(range(3), file=sys.stderr).disable
+    with no_progress_bars():  # a bar made with `disable` given by position is disabled too
+        assert tqdm.std.tqdm(range(3), None, 3, True, sys.stderr, None, 0.1, 10.0, None, None, False).disable
+
+
+NOTEBOOK_CELL = """
+import os, sys
+sys.path.insert(0, {root!r})
+os.environ["HF_HUB_OFFLINE"] = "1"
+from utils.checker.notebook import check
+from solutions.part0_warmup import completion_logprobs
+check(completion_logprobs)  # loads the shared model: the first model load of this kernel
+from utils.models import load_model
+load_model("tiny", device="cpu")  # after check(), a load draws its bar again
+"""
+
+
+@pytest.mark.slow
+def test_a_first_model_load_inside_check_draws_no_bar_in_a_notebook():
+    """In Jupyter a tqdm bar is a widget, which reaches the notebook's output whatever happens to the streams: before
+    this was fixed, the first check() of a kernel showed "Loading weights: 0/52" above its verdict. Run as a notebook
+    cell in a fresh kernel, check()'s own output holds no bar, and a model loaded after it still shows one."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(NOTEBOOK_CELL.format(root=str(ROOT)))]
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+                            ).execute()
+    outputs = nb.cells[0].outputs
+    texts = [json.dumps(dict(o)) for o in outputs]
+    verdict = next(i for i, t in enumerate(texts) if "completion_logprobs: all" in t)
+    assert not any("Loading weights" in t or "it/s" in t for t in texts[:verdict + 1]), \
+        "a progress bar came out with check()'s report:\n" + "\n".join(texts)
+    assert any("Loading weights" in t for t in texts[verdict + 1:]), \
+        "no bar after check(): the bars were not put back\n" + "\n".join(texts)
+
+
+# --- the wrong callee first ---------------------------------------------------------------------------------------
+
+def _k1_reversed(logp, ref_logp, kind):  # a learner's token_kl_estimate, with the log-ratio the wrong way round
+    log_ratio = ref_logp - logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return log_ratio ** 2 / 2
+    return torch.exp(-log_ratio) - 1 + log_ratio
+
+
+def _reference_code_calling(name: str, callee_name: str, callee) -> types.FunctionType:
+    """The reference's own code of `name`, in a namespace where `callee_name` is `callee` (a learner's notebook that
+    wrote both, the second one right)."""
+    code = inspect.unwrap(getattr(part6_reference, name))
+    return types.FunctionType(code.__code__, {**code.__globals__, callee_name: callee}, name, code.__defaults__)
+
+
+def test_callees_are_found_by_name_in_the_learners_globals_and_the_courses_own_are_left_out():
+    token_kl_estimate = _k1_reversed
+    token_kl_estimate.__name__ = "token_kl_estimate"
+    estimator_surrogate = _reference_code_calling("estimator_surrogate", "token_kl_estimate", token_kl_estimate)
+    found = callees.learners_callees(estimator_surrogate, "part6_lab", "estimator_surrogate")
+    assert [(c.part, c.name, c.obj) for c in found] == [("part6_lab", "token_kl_estimate", token_kl_estimate)]
+    # the reference itself calls the reference's token_kl_estimate: nothing of the learner's to test
+    assert callees.learners_callees(part6_reference.estimator_surrogate, "part6_lab", "estimator_surrogate") == []
+
+    class Trainer:  # a method, in a comprehension: still found
+        def step(self):
+            return [token_kl_estimate(x, x, "k1") for x in ()]
+
+    assert [c.name for c in callees.learners_callees(Trainer, "part6_lab", "estimator_surrogate")] == \
+        ["token_kl_estimate"]
+
+
+def test_check_says_first_that_the_callee_fails_its_own_tests(capsys):
+    """The learner's token_kl_estimate is wrong and their estimator_surrogate is the reference's code calling it:
+    every failure of estimator_surrogate comes from token_kl_estimate, and check() says that before the rest, and
+    names no mistake of estimator_surrogate itself."""
+    estimator_surrogate = _reference_code_calling("estimator_surrogate", "token_kl_estimate", _k1_reversed)
+    check(estimator_surrogate)
+    out = capsys.readouterr().out
+    first = out.strip().splitlines()[0]
+    assert first.startswith("❗ your `token_kl_estimate` fails its own tests (") and \
+        "fix it first; `estimator_surrogate` calls it" in first, out
+    assert "❌ estimator_surrogate" in out and "Likely mistake" not in out, out
+
+
+def test_a_callee_that_passes_its_tests_is_not_mentioned(capsys):
+    from solutions.part6_lab import token_kl_estimate as good
+
+    def token_kl_estimate(logp, ref_logp, kind):  # the learner's own, right
+        return good(logp, ref_logp, kind)
+
+    def wrong_sign(*args):  # estimator_surrogate's own mistake: the callee is not to blame
+        return -_reference_code_calling("estimator_surrogate", "token_kl_estimate", token_kl_estimate)(*args)
+
+    wrong_sign.__name__ = "estimator_surrogate"
+    assert [c.obj for c in callees.learners_callees(wrong_sign, "part6_lab", "estimator_surrogate")] == \
+        [token_kl_estimate]
+    check(wrong_sign)
+    out = capsys.readouterr().out
+    assert out.startswith("❌ estimator_surrogate") and "token_kl_estimate` fails" not in out, out
+
+
+def test_a_callee_not_written_yet_is_said_first(capsys):
+    def token_kl_estimate(logp, ref_logp, kind):
+        raise NotImplementedError
+
+    check(_reference_code_calling("estimator_surrogate", "token_kl_estimate", token_kl_estimate))
+    out = capsys.readouterr().out
+    assert out.startswith("✏️ your `token_kl_estimate` is not written yet"), out
+    assert "✏️ estimator_surrogate: not written yet" not in out, out
+
+
+def test_the_callees_of_the_course_are_found_in_the_references():
+    """The pairs this looks for exist: each is a reference calling another exercise (the list the check relies on)."""
+    from utils.checker.implementations import solutions_module
+    from utils.checker.layout import built_parts, exercise_names
+
+    pairs, exercises = set(), callees._exercise_parts()
+    for part in built_parts():
+        for name in exercise_names(part):
+            reference = getattr(solutions_module(part), name)
+            for function in callees._functions(reference):
+                pairs |= {(name, used) for used in callees.names_used(function)
+                          if used != name and used in exercises and used in function.__globals__}
+    assert {("estimator_surrogate", "token_kl_estimate"), ("grpo_loss", "kl_k3"), ("ppo_loss", "clipped_surrogate"),
+            ("completion_logprobs", "get_logprobs"), ("dpo_step", "dpo_loss")} <= pairs, sorted(pairs)
+
+
+# --- behaviour, not names ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("wrong_name", ["_LoRAScaleAlpha", "_LoRANoScale", "_LoRATransposed"])
+def test_a_registered_wrong_class_under_the_learners_name_is_still_named(wrong_name):
+    """A learner's class is called `LoRA` and lives in the notebook; the registered wrong versions are `_LoRA...` in
+    tests/part2_lora/mistakes.py. A fingerprint that recorded the class's name could never match them."""
+    from tests.part2_lora import mistakes
+    from utils.checker.runner import run_exercise_tests
+
+    wrong = getattr(mistakes, wrong_name)
+    renamed = type("LoRA", (wrong,), {"__module__": "__main__", "__qualname__": "LoRA"})  # the same code, renamed
+    outcome = run_exercise_tests("part2_lora", "LoRA", renamed, diagnosis_budget=None)
+    assert outcome.failed, f"{wrong_name} renamed passed its tests"
+    assert wrong in outcome.likely, (f"{wrong_name}, renamed LoRA, was not named (named: {outcome.likely})\n"
+                                     + "\n".join(message for _, message in outcome.failed))
+
+
+def test_what_is_recorded_of_an_object_is_its_kind_not_its_name():
+    from solutions.part2_lora import LoRA
+    from utils.checker.observe import anonymous, freeze, kind
+
+    class Renamed(LoRA):
+        pass
+    Renamed.__module__ = "__main__"  # as a notebook's cell defines it
+
+    assert kind(LoRA(4, 5)) == kind(Renamed(4, 5)) == "Module" and kind(torch.nn.Linear(2, 2)) == "Linear"
+    assert freeze(LoRA(4, 5, rank=2)) == freeze(Renamed(4, 5, rank=2)) == ("<Module>", (("A", (2, 4)), ("B", (5, 2))))
+    assert freeze(LoRA(4, 5, rank=2)) != freeze(LoRA(4, 5, rank=3))  # what it is still tells them apart
+    assert anonymous("LoRA.__init__() got an unexpected keyword argument 'alpha'") == \
+        anonymous("_LoRAIgnoresAlpha.__init__() got an unexpected keyword argument 'alpha'")
+
+
+def test_callees_are_followed_through_the_learners_own_exercises():
+    """policy_and_reference_logprobs (Part 2) calls the learner's completion_logprobs, which calls the learner's
+    get_logprobs (Part 0): both are found, each in its own part, the second one through the first."""
+    def get_logprobs(logits, tokens, prefix_len=1):
+        return logits
+
+    def completion_logprobs(model, samples):
+        return get_logprobs(model(samples), samples)
+
+    def policy_and_reference_logprobs(lora_model, samples):
+        return completion_logprobs(lora_model, samples)
+
+    found = callees.learners_callees(policy_and_reference_logprobs, "part2_lora", "policy_and_reference_logprobs")
+    assert [(c.part, c.name, c.through) for c in found] == [
+        ("part0_warmup", "completion_logprobs", ()), ("part0_warmup", "get_logprobs", ("completion_logprobs",))]
+    from utils.checker.runner import Outcome
+    line = callees.describe("policy_and_reference_logprobs", found[1], Outcome("get_logprobs", passed=["a"],
+                                                                                  failed=[("b", "wrong")]))
+    assert line.startswith("❗ your `get_logprobs` fails its own tests (1 of 2): fix it first; "
+                           "`policy_and_reference_logprobs` calls it (through `completion_logprobs`)"), line

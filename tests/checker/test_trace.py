@@ -1,0 +1,198 @@
+"""The trace of a training loop (utils/checker/trace.py): what the recorder captures of a small hand-written loop,
+that it puts everything back (also when the loop raises), and where the comparison says two traces first part."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import clip_grad_norm_ as imported_clip
+
+from utils.checker.trace import Event, Trace, first_departure, tracing
+
+
+class Toy(nn.Module):
+    """A body and a head, like the policy and its value head: a clip can cover one and miss the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x))).squeeze(-1)
+
+
+def helper_loss(prediction, target):
+    return ((prediction - target) ** 2).mean()
+
+
+def toy_setup():
+    torch.manual_seed(0)
+    model = Toy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    data, target = torch.randn(4, 3), torch.randn(4)
+    return model, optimizer, scheduler, data, target
+
+
+def toy_loop(model, optimizer, scheduler, data, target, *, epochs=2, zero_grad_per_epoch=False,
+             clip=lambda m: m.parameters(), scheduler_per_epoch=False, fail_at=None):
+    """Two epochs of two minibatches (rows [0, 1] then [2, 3]): forward, the helper's loss, zero_grad, backward,
+    clip, step, scheduler step; each switch makes one of the classic mistakes."""
+    n = 0
+    for _ in range(epochs):
+        if zero_grad_per_epoch:
+            optimizer.zero_grad()
+        for rows in ([0, 1], [2, 3]):
+            loss = helper_loss(model(data[rows]), target[rows])
+            if not zero_grad_per_epoch:
+                optimizer.zero_grad()
+            loss.backward()
+            n += 1
+            if n == fail_at:
+                raise RuntimeError("the loop failed")
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(clip(model), 1.0)
+            optimizer.step()
+            if not scheduler_per_epoch:
+                scheduler.step()
+        if scheduler_per_epoch:
+            scheduler.step()
+
+
+def traced(**mistakes):
+    model, optimizer, scheduler, data, target = toy_setup()
+    with tracing(model, optimizer, scheduler, rows=data, probes={"helper_loss": ("target",)},
+                 namespaces=(globals(),)) as trace:
+        toy_loop(model, optimizer, scheduler, data, target, **mistakes)
+    return trace
+
+
+def test_the_recorder_captures_the_loop_in_order():
+    trace = traced()
+    update = ["forward", "call", "zero_grad", "backward", "clip", "step", "scheduler"]
+    assert [e.kind for e in trace.events] == update * 4
+    assert [e.detail["rows"] for e in trace.of("forward")] == [(0, 1), (2, 3)] * 2
+    assert all(e.detail["grad"] and not e.detail["sampling"] for e in trace.of("forward"))
+    assert all(e.detail["cleared"] for e in trace.of("backward"))
+    assert all(e.detail["covered"] == frozenset(trace.sizes) and not e.detail["missed"] for e in trace.of("clip"))
+    assert [e.detail["lrs"] for e in trace.of("step")] == [(0.1,), (0.05,), (0.1 / 3,), (0.025,)]
+    assert all(e.detail["name"] == "helper_loss" and e.detail["arguments"]["target"].shape == (2,)
+               for e in trace.of("call"))
+
+
+def test_the_recorder_sees_gradients_left_over_and_a_clip_that_misses_the_head():
+    trace = traced(zero_grad_per_epoch=True, clip=lambda m: m.body.parameters())
+    assert [e.detail["cleared"] for e in trace.of("backward")] == [True, False, True, False]
+    assert trace.count("zero_grad") == 2
+    clip = trace.of("clip")[0].detail
+    assert clip["covered"] == {"body.weight", "body.bias"} and clip["missed"] == {"head.weight", "head.bias"}
+
+
+def test_the_recorder_sees_an_imported_clip_and_torch_autograd_backward():
+    """`from torch.nn.utils import clip_grad_norm_` in the learner's namespace, and torch.autograd.backward(loss)."""
+    model, optimizer, scheduler, data, target = toy_setup()
+    original = imported_clip
+    with tracing(model, optimizer, namespaces=(globals(),)) as trace:
+        loss = helper_loss(model(data), target)
+        optimizer.zero_grad()
+        torch.autograd.backward(loss)
+        imported_clip(model.parameters(), 1.0)
+        optimizer.step()
+    assert [e.kind for e in trace.events] == ["forward", "zero_grad", "backward", "clip", "step"]
+    assert globals()["imported_clip"] is original
+
+
+def _patched_state(model, optimizer, scheduler):
+    return (torch.autograd.backward, torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_,
+            nn.Module.zero_grad, "zero_grad" in vars(optimizer), "step" in vars(scheduler),
+            len(model._forward_pre_hooks), len(optimizer._optimizer_step_pre_hooks), globals()["helper_loss"])
+
+
+@pytest.mark.parametrize("fail_at", [None, 3], ids=["returns", "raises"])
+def test_everything_is_put_back(fail_at):
+    model, optimizer, scheduler, data, target = toy_setup()
+    before = _patched_state(model, optimizer, scheduler)
+    with pytest.raises(RuntimeError, match="the loop failed") if fail_at else _nothing():
+        with tracing(model, optimizer, scheduler, probes={"helper_loss": ("target",)}, namespaces=(globals(),)) as t:
+            assert _patched_state(model, optimizer, scheduler) != before  # the recorder is on inside
+            toy_loop(model, optimizer, scheduler, data, target, fail_at=fail_at)
+    assert _patched_state(model, optimizer, scheduler) == before
+    assert t.count("backward") == (fail_at or 4)
+    count = len(t.events)
+    toy_loop(model, optimizer, scheduler, data, target)  # nothing is recorded any more
+    assert len(t.events) == count
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_identical_loops_do_not_depart():
+    assert first_departure(traced(), traced(), per_epoch=2) is None
+
+
+def test_the_first_departure_of_real_loops():
+    want = traced()
+    message = first_departure(traced(zero_grad_per_epoch=True), want, per_epoch=2).message
+    assert message.startswith("Your backward 2 (epoch 1, minibatch 2) adds its gradient to gradients that were "
+                               "never cleared"), message
+    assert "clears the gradients (zero_grad) twice, once per epoch; the reference 4 times, once per optimizer step" \
+        in message, message
+
+    message = first_departure(traced(clip=lambda m: m.body.parameters()), want, per_epoch=2).message
+    assert "covers the gradients of 16 parameters; the reference's covers 21" in message, message
+    assert "leaves out head (2 tensors, 5 parameters)" in message, message
+
+    message = first_departure(traced(scheduler_per_epoch=True), want, per_epoch=2).message
+    assert message.startswith("Your code leaves out scheduler.step(), which the reference makes here (epoch 1, "
+                              "minibatch 1, after optimizer step 1)"), message
+    assert "steps the scheduler twice, once per epoch; the reference 4 times, once per optimizer step" in message
+
+    message = first_departure(traced(clip=None), want, per_epoch=2).message
+    assert message.startswith("Your code leaves out clip_grad_norm_, which the reference makes here (epoch 1, "
+                              "minibatch 1, after backward 1)"), message
+
+    message = first_departure(traced(epochs=1), want, per_epoch=2).message
+    assert "(epoch 2, minibatch 1, after scheduler step 2): the reference's next operation is a forward pass" in \
+        message, message
+
+
+def _forward(rows, grad=True, hooks=()):
+    return Event("forward", {"grad": grad, "hooks": frozenset(hooks), "rows": tuple(rows), "sampling": False,
+                             "passes": 1})
+
+
+def _update(rows, cleared=True, loss=1.0, covered=("a", "b")):
+    return [_forward(rows), Event("zero_grad", {"by": "optimizer"}), Event("backward", {"cleared": cleared,
+            "loss": loss}), Event("clip", {"covered": frozenset(covered), "missed": frozenset(), "max_norm": 1.0}),
+            Event("step", {"lrs": (0.1,)}), Event("scheduler")]
+
+
+def test_the_first_departure_of_hand_made_traces():
+    sizes = {"a": 3, "b": 1}
+    want = Trace(_update([0, 1]) + _update([2, 3]), sizes)
+    assert first_departure(Trace(_update([0, 1]) + _update([2, 3]), sizes), want) is None
+
+    same_rows = first_departure(Trace(_update([0, 1]) + _update([0, 1]), sizes), want, batch="the memory")
+    assert same_rows.message.startswith("Your forward pass 2 (update 2 of 2) reads rows [0, 1] of the memory (the "
+                                        "same rows as your forward pass 1); the reference's reads rows [2, 3]."), \
+        same_rows.message
+    assert same_rows.observed == ("forward", 2, "rows", (0, 1))
+
+    doubled = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=2.0), sizes), want)
+    assert "The loss of your backward 2 (update 2 of 2) is 2; the reference's is 1 (2 times the reference's" in \
+        doubled.message, doubled.message
+
+    no_grad = Trace([_forward([0, 1], grad=False)] + _update([0, 1]) + _update([2, 3]), sizes)
+    extra = first_departure(no_grad, want)
+    assert extra.message.startswith("Your code makes a forward pass (2 rows, under torch.no_grad(), no hooks) that "
+                                    "the reference does not make (update 1 of 2, at the start)."), \
+        extra.message
+
+    hooks = first_departure(Trace([_forward([0, 1], hooks=["blocks.0.hook_q"])] + _update([0, 1])[1:]
+                                  + _update([2, 3]), sizes), want)
+    assert hooks.message.startswith("Your forward pass 1 (update 1 of 2) runs with hooks on hook_q (layers 0); the "
+                                    "reference's with no hooks."), hooks.message

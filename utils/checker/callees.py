@@ -1,0 +1,161 @@
+"""The other exercises an exercise calls, and whether the learner's own versions of them pass their tests.
+
+Part 6's `estimator_surrogate` calls `token_kl_estimate`; Part 3's `grpo_loss` calls Part 1's `kl_k3`. When the
+learner's own `token_kl_estimate` is wrong, the check of `estimator_surrogate` fails ("the opposite sign") although
+the mistake lies elsewhere. So before check() explains a failure, it looks for the exercises the object calls, runs
+the tests of those the learner wrote (not the course's own objects, imported from solutions/), and says first which
+of them fail their own tests.
+
+The callees are found the way Python finds them when the code runs: the global names its code looks up (the
+`co_names` of its code and of the functions nested in it, and of a class's methods) that its module's globals bind
+to an exercise of the course, followed through the learner's own callees in turn.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+
+from utils.checker import environment
+from utils.checker.implementations import solutions_module
+from utils.checker.layout import built_parts, exercise_names
+from utils.checker.runner import Outcome, run_exercise_tests
+
+
+@dataclass
+class Callee:
+    """An exercise that the object under test calls, in the learner's own version."""
+
+    part: str
+    name: str
+    obj: object
+    through: tuple[str, ...] = ()  # the learner's exercises it is called through, outermost first (empty: directly)
+
+
+def _functions(obj: object) -> list[types.FunctionType]:
+    """The Python functions whose code runs when `obj` is called: the function itself, or a class's methods."""
+    if inspect.isclass(obj):
+        found = []
+        for klass in obj.__mro__:
+            if klass is object or not _written_here(klass):
+                continue
+            for member in vars(klass).values():
+                member = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+                if inspect.isfunction(member):
+                    found.append(member)
+        return found
+    function = inspect.unwrap(obj) if callable(obj) else obj
+    return [function] if inspect.isfunction(function) else []
+
+
+def _written_here(klass: type) -> bool:
+    """A class whose methods can call exercises: not one of torch's or the standard library's."""
+    module = getattr(klass, "__module__", "") or ""
+    return not module.startswith(("torch", "builtins", "typing", "collections", "abc", "transformer_lens",
+                                  "transformers"))
+
+
+def names_used(function: types.FunctionType) -> set[str]:
+    """The global (and attribute) names that `function`'s code looks up, and the variables it closes over, nested
+    functions and lambdas included."""
+    names, stack = set(), [function.__code__]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        names.update(code.co_freevars)
+        stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
+
+
+def _names_bound(function: types.FunctionType) -> dict[str, object]:
+    """What the names in `function`'s code refer to: its module's globals, and the variables it closes over."""
+    bound = dict(function.__globals__)
+    for variable, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+        try:
+            bound[variable] = cell.cell_contents
+        except ValueError:  # a variable of the enclosing function not assigned yet
+            pass
+    return bound
+
+
+def _exercise_parts() -> dict[str, list[str]]:
+    """{exercise name: the parts whose notebooks have an exercise of that name}."""
+    found: dict[str, list[str]] = {}
+    for part in built_parts():
+        for name in exercise_names(part):
+            found.setdefault(name, []).append(part)
+    return found
+
+
+def is_course_object(obj: object, part: str, name: str) -> bool:
+    """Whether `obj` is the course's own version of exercise `name` (the reference, or a wrapper of it, as a later
+    part's notebook imports it): its tests say nothing about the learner."""
+    reference = getattr(solutions_module(part), name, None)
+    if environment.is_the_reference(obj, reference):
+        return True
+    if reference is not None and callable(obj) and not inspect.isclass(obj) and callable(reference) \
+            and inspect.unwrap(obj) is inspect.unwrap(reference):
+        return True
+    module = getattr(obj, "__module__", None) or ""
+    return module == "solutions" or module.startswith("solutions.")
+
+
+def learners_callees(obj: object, part: str, name: str) -> list[Callee]:
+    """The exercises of the course that `obj` (the learner's version of exercise `name` of `part`) calls, directly or
+    through others of the learner's exercises, in the learner's own versions, nearest first."""
+    parts_of = _exercise_parts()
+    found: list[Callee] = []
+    seen = {id(obj)}
+    queue = [(obj, part, ())]
+    while queue:
+        caller, caller_part, through = queue.pop(0)
+        for function in _functions(caller):
+            bound = _names_bound(function)
+            for used in sorted(names_used(function)):
+                if used not in parts_of or used not in bound:
+                    continue
+                callee = bound[used]
+                if callee is None or id(callee) in seen:
+                    continue
+                owners = parts_of[used]
+                callee_part = caller_part if caller_part in owners else owners[-1]
+                seen.add(id(callee))
+                if is_course_object(callee, callee_part, used):
+                    continue
+                found.append(Callee(callee_part, used, callee, through))
+                queue.append((callee, callee_part, through + (used,)))
+    return found
+
+
+def failing_callees(obj: object, part: str, name: str, timeout: float | None = None
+                    ) -> list[tuple[Callee, Outcome]]:
+    """The learner's callees of `obj` whose own tests fail against the learner's code (or are not written yet), each
+    with the outcome of its tests. A failure that the course's own solution shares here (the environment's) does not
+    count, and a run that ran out of time proves nothing: neither is listed."""
+    failing = []
+    for callee in learners_callees(obj, part, name):
+        outcome = run_exercise_tests(callee.part, callee.name, callee.obj, timeout=timeout, diagnosis_budget=0,
+                                     replays=False)
+        if outcome.timed_out or outcome.unconfirmed:
+            continue
+        if outcome.not_written or _judged_failures(outcome):
+            failing.append((callee, outcome))
+    return failing
+
+
+def _judged_failures(outcome: Outcome) -> list[str]:
+    not_judged = set(outcome.not_judged)
+    return [test for test, _ in outcome.failed if test not in not_judged]
+
+
+def describe(name: str, callee: Callee, outcome: Outcome) -> str:
+    """The line check() prints first when a callee of exercise `name` fails its own tests."""
+    via = " → ".join(f"`{t}`" for t in callee.through)
+    calls = f"`{name}` calls it" + (f" (through {via})" if via else "")
+    if outcome.not_written:
+        return (f"✏️ your `{callee.name}` is not written yet (it still raises NotImplementedError): write it first; "
+                f"{calls}. check({callee.name}) tests it alone.")
+    total = len(outcome.passed) + len(outcome.failed)
+    return (f"❗ your `{callee.name}` fails its own tests ({len(_judged_failures(outcome))} of {total}): fix it first; "
+            f"{calls}, so the failures below may come from it. check({callee.name}) says what is wrong with it.")

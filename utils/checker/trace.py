@@ -1,0 +1,612 @@
+"""Where a training loop goes wrong: the trace of what the code did, and its first departure from the reference's.
+
+A loop exercise (PPO's `rollout` and `learn`, `grpo_step`, `dpo_step`) can be wrong in its order of operations
+rather than in any one value: gradients not cleared, a scheduler stepped per epoch, a clip that misses the value
+head. Its end results (the parameters after training, the last loss) show *that* something differs; the trace says
+*where*. While the loop runs inside `tracing(...)`, the recorder notes, in order:
+
+    forward     a forward pass of the watched model: with or without autograd, which hook points had hooks (LoRA's,
+                the value head's), and which rows it read (indices into the batch the test handed over, when known);
+                consecutive passes alike in all but their rows count as one pass over the rows of both
+    zero_grad   optimizer.zero_grad() or module.zero_grad() (kept for the counts: what matters is the next item)
+    backward    loss.backward() (torch.autograd.backward): the loss's value, and whether the gradients were cleared
+                since the last one
+    clip        torch.nn.utils.clip_grad_norm_: which of the trainable parameters it covered, and its max_norm
+    step        optimizer.step(), with each parameter group's learning rate
+    scheduler   scheduler.step()
+    call        a call of a named helper (`probes`, e.g. ppo_loss), with the arguments it was given
+
+`first_departure(got, want)` compares the learner's trace with the reference's, run from the same random state on
+the same inputs, and says in the learner's terms where they first part ("your backward 2 adds its gradient to the
+ones left by backward 1 ..."), with the counts of each operation in both. Everything patched is put back when the
+block ends, also when the loop raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from utils.checker.compare import describe_difference
+from utils.checker.observe import freeze
+
+KINDS = ("forward", "zero_grad", "backward", "clip", "step", "scheduler", "call")
+INFORMATIONAL = ("zero_grad",)  # recorded for the counts; the next backward says whether the gradients were cleared
+
+_UNITS = {"forward": "forward pass", "zero_grad": "zero_grad call", "backward": "backward call",
+          "clip": "clip_grad_norm_ call", "step": "optimizer step", "scheduler": "scheduler step"}
+_NAMES = {"forward": "forward pass", "zero_grad": "zero_grad", "backward": "backward", "clip": "clip_grad_norm_",
+          "step": "optimizer.step()", "scheduler": "scheduler.step()"}
+
+
+@dataclass
+class Event:
+    """One thing the loop did. detail's keys depend on the kind (see the module's docstring)."""
+
+    kind: str
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class Trace:
+    """The events of one run, in order, and what is needed to describe them (parameter sizes, for the clip)."""
+
+    events: list[Event] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)  # trainable parameter name -> number of elements
+
+    def count(self, kind: str, name: str | None = None) -> int:
+        """How many events of `kind` (of the helper `name`); forward passes do not count sampling's."""
+        return sum(e.kind == kind and (name is None or e.detail.get("name") == name)
+                   and not (kind == "forward" and e.detail["sampling"]) for e in self.events)
+
+    def of(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
+
+
+# --- recording ------------------------------------------------------------------------------------------------
+
+class _Recorder:
+    def __init__(self, trace: Trace, parameters: dict[str, nn.Parameter], rows: Tensor | None):
+        self.trace, self.parameters, self.rows = trace, parameters, rows
+        self.names = {id(p): n for n, p in parameters.items()}
+
+    def add(self, kind: str, **detail) -> None:
+        self.trace.events.append(Event(kind, detail))
+
+    def forward(self, base, tokens, decoding: bool) -> None:
+        grad = torch.is_grad_enabled()
+        hooks = frozenset(name for name, hp in getattr(base, "hook_dict", {}).items() if hp.fwd_hooks)
+        last = self.trace.events[-1] if self.trace.events else None
+        if decoding and last is not None and last.kind == "forward" and last.detail["sampling"] \
+                and last.detail["grad"] == grad and last.detail["hooks"] == hooks:
+            last.detail["passes"] += 1  # the next token of the same sampling
+            return
+        self.add("forward", grad=grad, hooks=hooks, rows=self.row_indices(tokens), sampling=decoding, passes=1)
+
+    def row_indices(self, tokens) -> tuple:
+        """Each input row's index in `rows` (the batch the test handed over), or -1 where it is none of them."""
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+            return (-1,)
+        if self.rows is None or tokens.shape[1] != self.rows.shape[1]:
+            return (-1,) * tokens.shape[0]
+        found = []
+        for row in tokens.detach().to(self.rows.device):
+            hits = (self.rows == row).all(dim=1).nonzero().flatten().tolist()
+            found.append(hits[0] if hits else -1)
+        return tuple(found)
+
+    def uncleared(self) -> list[str]:
+        """The trainable parameters whose .grad holds something (not None, not all zero)."""
+        return [n for n, p in self.parameters.items() if p.grad is not None and bool(p.grad.any())]
+
+    def backward(self, loss: Tensor) -> None:
+        value = float(loss.detach().float().sum()) if loss.numel() == 1 else None
+        self.add("backward", cleared=not self.uncleared(), loss=value)
+
+    def clip(self, given: list, max_norm) -> None:
+        with_grad = {n for n, p in self.parameters.items() if p.grad is not None}
+        covered = {self.names[id(p)] for p in given if id(p) in self.names} & with_grad
+        self.add("clip", covered=frozenset(covered), missed=frozenset(with_grad - covered), max_norm=float(max_norm))
+
+
+@contextlib.contextmanager
+def tracing(model, optimizer: torch.optim.Optimizer | None = None, scheduler=None, *,
+            parameters: dict[str, nn.Parameter] | None = None, rows: Tensor | None = None,
+            probes: dict[str, tuple[str, ...]] | None = None, namespaces: tuple[dict, ...] = ()) -> Iterator[Trace]:
+    """Record what the code inside the block does (the module's docstring lists the events) into the Trace yielded.
+
+    model: the module whose forward passes count (a HookedTransformer: the base under any LoRA or value head).
+    parameters: {name: parameter} the loop trains, for the clip's coverage and the gradients' state at each backward
+        (default: the optimizer's parameters, named by their place in `model`).
+    rows: the batch the loop draws its rows from ([n, seq] token ids), so that each pass says which rows it read.
+    probes: {helper name: argument names}: calls of the helper through any of `namespaces` (module or notebook
+        globals) are recorded with those arguments.
+    """
+    trace = Trace()
+    if parameters is None:
+        named = {id(p): n for n, p in model.named_parameters()}
+        params = [p for g in (optimizer.param_groups if optimizer is not None else []) for p in g["params"]]
+        parameters = {named.get(id(p), f"parameter {i}"): p for i, p in enumerate(params)}
+    trace.sizes = {n: p.numel() for n, p in parameters.items()}
+    recorder = _Recorder(trace, parameters, rows)
+    undo: list[Callable[[], None]] = []
+    try:
+        base = getattr(model, "base", model)
+        handle = base.register_forward_pre_hook(lambda module, args, kwargs: recorder.forward(
+            module, args[0] if args else kwargs.get("input", kwargs.get("tokens")), _decoding(kwargs)),
+            with_kwargs=True)
+        undo.append(handle.remove)
+
+        # Tensor.backward calls torch.autograd.backward: both ways of calling it are seen here
+        backward = torch.autograd.backward
+
+        def traced_backward(tensors, *args, **kwargs):
+            with contextlib.suppress(Exception):  # recording must never change what the code does
+                recorder.backward(tensors if isinstance(tensors, Tensor) else tuple(tensors)[0])
+            return backward(tensors, *args, **kwargs)
+        _set(torch.autograd, "backward", traced_backward, undo)
+
+        clip = torch.nn.utils.clip_grad_norm_
+
+        def traced_clip(parameters, max_norm, *args, **kwargs):
+            given = [parameters] if isinstance(parameters, Tensor) else list(parameters)  # (a generator runs once)
+            with contextlib.suppress(Exception):
+                recorder.clip(given, max_norm)
+            return clip(given, max_norm, *args, **kwargs)
+        _set(torch.nn.utils, "clip_grad_norm_", traced_clip, undo)
+        _set(torch.nn.utils.clip_grad, "clip_grad_norm_", traced_clip, undo)
+        for namespace in {id(ns): ns for ns in namespaces}.values():  # `from torch.nn.utils import clip_grad_norm_`
+            for name in [k for k, v in namespace.items() if v is clip]:
+                _set(namespace, name, traced_clip, undo, item=True)
+
+        module_zero_grad = nn.Module.zero_grad
+
+        def traced_module_zero_grad(self, *args, **kwargs):
+            recorder.add("zero_grad", by="module")
+            return module_zero_grad(self, *args, **kwargs)
+        _set(nn.Module, "zero_grad", traced_module_zero_grad, undo)
+
+        if optimizer is not None:
+            zero_grad = optimizer.zero_grad
+
+            def traced_zero_grad(*args, **kwargs):
+                recorder.add("zero_grad", by="optimizer")
+                return zero_grad(*args, **kwargs)
+            _set(optimizer, "zero_grad", traced_zero_grad, undo)
+            handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: recorder.add(
+                "step", lrs=tuple(float(g["lr"]) for g in opt.param_groups)))
+            undo.append(handle.remove)
+        if scheduler is not None:
+            step = scheduler.step
+
+            def traced_step(*args, **kwargs):
+                recorder.add("scheduler")
+                return step(*args, **kwargs)
+            _set(scheduler, "step", traced_step, undo)
+        for namespace in {id(ns): ns for ns in namespaces}.values():
+            for name, arguments in (probes or {}).items():
+                helper = namespace.get(name)
+                if callable(helper):
+                    _set(namespace, name, _probe(recorder, name, helper, arguments), undo, item=True)
+        yield trace
+    finally:
+        for put_back in reversed(undo):
+            put_back()
+
+
+def _decoding(kwargs: dict) -> bool:
+    """Whether a forward pass is a step of cached decoding (sampling), which makes one pass per new token."""
+    return bool(kwargs.get("use_cache")) or any(kwargs.get(k) is not None for k in ("past_key_values", "past_kv_cache"))
+
+
+def _set(owner, name: str, value, undo: list, item: bool = False) -> None:
+    """owner.name = value (owner[name] with item=True), with how to put it back appended to `undo`."""
+    if item:
+        before = owner[name]
+        owner[name] = value
+        undo.append(lambda: owner.__setitem__(name, before))
+        return
+    own = name in vars(owner)  # an instance attribute (or a class's own), not one inherited from the class
+    before = vars(owner)[name] if own else None
+    setattr(owner, name, value)
+    undo.append(lambda: setattr(owner, name, before) if own else delattr(owner, name))
+
+
+def _probe(recorder: _Recorder, name: str, helper: Callable, arguments: tuple[str, ...]) -> Callable:
+    signature = inspect.signature(helper)
+
+    def probed(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            seen = {a: freeze(bound.arguments[a]) for a in arguments if a in bound.arguments}
+        except TypeError:
+            seen = {}  # a call the helper itself will refuse: its error is the learner's to see
+        recorder.add("call", name=name, arguments=seen)
+        return helper(*args, **kwargs)
+    probed.__wrapped__ = helper
+    return probed
+
+
+# --- comparing ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Departure:
+    """Where the learner's trace first leaves the reference's: message for the learner, observed for fingerprints."""
+
+    message: str
+    observed: tuple
+
+
+def _comparable(trace: Trace, probes_called: set[str]) -> list[Event]:
+    return [e for e in trace.events if e.kind not in INFORMATIONAL
+            and (e.kind != "call" or e.detail["name"] in probes_called)]
+
+
+def first_departure(got: Trace, want: Trace, *, per_epoch: int | None = None, batch: str = "the batch",
+                    hooks: Callable[[frozenset], str] | None = None, masks: dict[str, str] | None = None,
+                    atol: float = 1e-6, rtol: float = 1e-4) -> Departure | None:
+    """None when the learner's trace `got` does what the reference's `want` does, else the first place they part.
+
+    per_epoch: optimizer steps per epoch, to place an event as "epoch e, minibatch m" (else "update k").
+    batch: what the rows of a forward pass index, in the learner's words ("the memory").
+    hooks: describes a set of hook point names ("the LoRA hooks and the value head's"); a default lists them.
+    masks: {helper: the name of its argument that says which tokens count}: its other arguments are compared on
+        those tokens only (what a helper never reads cannot be wrong).
+    """
+    called = {e.detail["name"] for e in got.events if e.kind == "call"}  # helpers the learner calls at all
+    mine, theirs = _comparable(got, called), _comparable(want, called)
+    describe = _Describer(got, want, per_epoch, batch, hooks or _hook_names, masks or {})
+    for i, (g, w) in enumerate(zip(mine, theirs)):
+        where = describe.where(theirs, i)
+        if not _alike(g, w):  # one left out, or one too many, where the counts say so
+            skipped = i + 1 < len(theirs) and _alike(g, theirs[i + 1]) and describe.fewer(w)
+            extra = i + 1 < len(mine) and _alike(mine[i + 1], w) and describe.more(g)
+            if skipped != extra:
+                return describe.skipped(mine, theirs, i, where) if skipped else describe.extra(mine, theirs, i, where)
+        if g.kind != w.kind:
+            return describe.order(mine, theirs, i, where)
+        problem = describe.detail_difference(g, w, mine, theirs, i, where, atol, rtol)
+        if problem is not None:
+            return problem
+    if len(mine) != len(theirs):
+        return describe.order(mine, theirs, min(len(mine), len(theirs)), describe.where(theirs, len(mine)))
+    return None
+
+
+def _alike(a: Event, b: Event) -> bool:
+    """Whether two events are the same operation (a forward pass of the same kind: autograd, hooks, sampling, rows;
+    a call of the same helper), whatever their values."""
+    if a.kind != b.kind:
+        return False
+    if a.kind == "forward":  # (sampling with autograd on wastes memory, but its tokens are the same)
+        return a.detail["hooks"] == b.detail["hooks"] and a.detail["sampling"] == b.detail["sampling"] and \
+            (a.detail["sampling"] or (a.detail["grad"] == b.detail["grad"]
+                                      and len(a.detail["rows"]) == len(b.detail["rows"])))
+    if a.kind == "call":
+        return a.detail["name"] == b.detail["name"]
+    return True
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}{'es' if what.endswith('ss') else 's'}"
+
+
+def _times(n: int) -> str:
+    return {0: "never", 1: "once", 2: "twice"}.get(n, f"{n} times")
+
+
+def _hook_names(names: frozenset) -> str:
+    if not names:
+        return "no hooks"
+    grouped: dict[str, list[str]] = {}
+    for name in sorted(names):
+        m = re.match(r"blocks\.(\d+)\.(.*)", name)
+        key, layer = (m.group(2), m.group(1)) if m else (name, None)
+        grouped.setdefault(key, []).append(layer)
+    parts = [f"{key} (layers {', '.join(l for l in layers if l is not None)})" if layers[0] is not None else key
+             for key, layers in grouped.items()]
+    return "hooks on " + ", ".join(parts[:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
+
+
+class _Describer:
+    """Puts a departure in the learner's words."""
+
+    def __init__(self, got: Trace, want: Trace, per_epoch, batch, hooks, masks):
+        self.got, self.want, self.per_epoch, self.batch, self.hooks = got, want, per_epoch, batch, hooks
+        self.masks = masks
+
+    def where(self, events: list[Event], i: int) -> str:
+        """Where event i of the reference's trace falls: in which update (or epoch and minibatch), an update being
+        what follows a forward pass with autograd on (the passes before the first are the constants')."""
+        total = sum(e.kind == "forward" and e.detail["grad"] for e in events)
+        update = sum(e.kind == "forward" and e.detail["grad"] for e in events[:i + 1])
+        if total == 0 or (total == 1 and update == 1):
+            return ""
+        if update == 0:
+            return "before the first update"
+        if self.per_epoch:
+            return f"epoch {(update - 1) // self.per_epoch + 1}, minibatch {(update - 1) % self.per_epoch + 1}"
+        return f"update {update} of {total}"
+
+    def counts(self) -> str:
+        kinds = [k for k in ("forward", "zero_grad", "backward", "clip", "step", "scheduler")
+                 if self.got.count(k) or self.want.count(k)]
+        mine = ", ".join(_count(self.got.count(k), _UNITS[k]) for k in kinds)
+        theirs = ", ".join(str(self.want.count(k)) for k in kinds)
+        return f"In all, your code made {mine}; the reference: {theirs}."
+
+    def rate(self, trace: Trace, kind: str) -> str:
+        """How often `kind` happens in a trace: "4 times, once per optimizer step", "twice, once per epoch"."""
+        n, steps = trace.count(kind), trace.count("step")
+        epochs = self.want.count("step") // self.per_epoch if self.per_epoch else 0
+        if n == 0:
+            return "never"
+        if epochs and n == epochs and epochs != self.want.count("step"):
+            return f"{_times(n)}, once per epoch"
+        if steps > 1 and n == steps:
+            return f"{_times(n)}, once per optimizer step"
+        return _times(n)
+
+    def departure(self, message: str, *observed) -> Departure:
+        return Departure(f"{message}\n{self.counts()}", tuple(observed))
+
+    def nth(self, events: list[Event], i: int) -> int:
+        """1-based number of event i among the events of its kind (forward passes: sampling apart)."""
+        e = events[i]
+        return sum(x.kind == e.kind and (e.kind != "forward" or x.detail["sampling"] == e.detail["sampling"])
+                   for x in events[:i + 1])
+
+    def label(self, events: list[Event], i: int) -> str:
+        """"optimizer step 2", "the call 1 of ppo_loss": event i by its kind and number."""
+        e = events[i]
+        if e.kind == "call":
+            k = sum(x.kind == "call" and x.detail["name"] == e.detail["name"] for x in events[:i + 1])
+            return f"call {k} of {e.detail['name']}"
+        if e.kind == "forward" and e.detail["sampling"]:
+            return "sampling"
+        short = {"forward": "forward pass", "backward": "backward", "clip": "clip_grad_norm_",
+                 "step": "optimizer step", "scheduler": "scheduler step"}[e.kind]
+        return f"{short} {self.nth(events, i)}"
+
+    def event(self, e: Event | None) -> str:
+        if e is None:
+            return "nothing more"
+        if e.kind == "forward":
+            what = f"sampling ({_count(e.detail['passes'], 'decoding pass')}" if e.detail["sampling"] else \
+                f"a forward pass ({len(e.detail['rows'])} rows"
+            return f"{what}, {'with autograd' if e.detail['grad'] else 'under torch.no_grad()'}, " \
+                   f"{self.hooks(e.detail['hooks'])})"
+        if e.kind == "call":
+            return f"a call of {e.detail['name']}"
+        return _NAMES[e.kind]
+
+    def place(self, theirs: list[Event], i: int, where: str) -> str:
+        before = f"after {self.label(theirs, i - 1)}" if i else "at the start"
+        return f"{where}, {before}" if where else before
+
+    def fewer(self, e: Event) -> bool:
+        """Whether the learner's code does what `e` is (a forward pass, a call of a helper...) fewer times than the
+        reference: then a missing one explains the difference, rather than one done otherwise."""
+        return self.got.count(e.kind, e.detail.get("name")) < self.want.count(e.kind, e.detail.get("name"))
+
+    def more(self, e: Event) -> bool:
+        return self.got.count(e.kind, e.detail.get("name")) > self.want.count(e.kind, e.detail.get("name"))
+
+    def skipped(self, mine: list[Event], theirs: list[Event], i: int, where: str) -> Departure:
+        w = theirs[i]
+        note = f" {self.kind_note(w.kind)}" if w.kind != "call" and self.got.count(w.kind) != self.want.count(w.kind) \
+            else ""
+        return self.departure(f"Your code leaves out {self.event(w)}, which the reference makes here "
+                              f"({self.place(theirs, i, where)})."
+                              f"{note}", "skipped", i, w.kind)
+
+    def extra(self, mine: list[Event], theirs: list[Event], i: int, where: str) -> Departure:
+        g = mine[i]
+        note = f" {self.kind_note(g.kind)}" if g.kind != "call" and self.got.count(g.kind) != self.want.count(g.kind) \
+            else ""
+        return self.departure(f"Your code makes {self.event(g)} that the reference does not make "
+                              f"({self.place(theirs, i, where)}).{note}", "extra", i, g.kind)
+
+    def order(self, mine: list[Event], theirs: list[Event], i: int, where: str) -> Departure:
+        g = mine[i] if i < len(mine) else None
+        w = theirs[i] if i < len(theirs) else None
+        lead = f"The first difference in what your code does ({self.place(theirs, i, where)}): the reference's next " \
+               f"operation is " \
+               f"{self.event(w)}; yours is {self.event(g)}."
+        notes = []
+        for kind in dict.fromkeys(e.kind for e in (g, w) if e is not None and e.kind != "call"):
+            if self.got.count(kind) != self.want.count(kind):
+                notes.append(self.kind_note(kind))
+        message = lead + ("" if not notes else " " + " ".join(notes))
+        return self.departure(message, "order", i, g.kind if g else None, w.kind if w else None)
+
+    def kind_note(self, kind: str) -> str:
+        """How often the learner's code and the reference do `kind`, in one sentence."""
+        mine, theirs = self.rate(self.got, kind), self.rate(self.want, kind)
+        doing = {"forward": "runs a forward pass", "zero_grad": "clears the gradients (zero_grad)",
+                 "backward": "calls backward()", "clip": "clips the gradients (clip_grad_norm_)",
+                 "step": "steps the optimizer", "scheduler": "steps the scheduler"}[kind]
+        why = {"clip": " (between backward and optimizer.step())",
+               "scheduler": " (the schedule counts optimizer steps)"}.get(kind, "")
+        if mine == "never":
+            return f"Your code never {doing}; the reference {doing} {theirs}{why}."
+        return f"Your code {doing} {mine}; the reference {theirs}{why}."
+
+    def detail_difference(self, g: Event, w: Event, mine, theirs, i, where, atol, rtol) -> Departure | None:
+        n = self.nth(theirs, i)
+        at = f" ({where})" if where else ""
+        if g.kind == "forward":
+            a, b = g.detail, w.detail
+            if a["sampling"] != b["sampling"]:
+                return self.order(mine, theirs, i, where)
+            if a["grad"] != b["grad"] and not a["sampling"]:
+                return self.departure(
+                    f"Your forward pass {n}{at} runs {'with autograd on' if a['grad'] else 'under torch.no_grad()'}; "
+                    f"the reference's {'with autograd on' if b['grad'] else 'under torch.no_grad()'}"
+                    + ("" if a["grad"] else ": nothing can learn from it") + "."
+                    + (" A pass whose outputs are constants (sampling, old log-probs, the reference) runs under "
+                       "torch.no_grad(), so that no graph is kept." if a["grad"] else ""),
+                    "forward", n, "grad", a["grad"])
+            if a["hooks"] != b["hooks"]:
+                pass_ = "sampling" if a["sampling"] else f"forward pass {n}"
+                return self.departure(f"Your {pass_}{at} runs with {self.hooks(a['hooks'])}; the "
+                                      f"reference's with {self.hooks(b['hooks'])}.", "forward", n, "hooks",
+                                      tuple(sorted(a["hooks"])))
+            if a["sampling"]:
+                return None
+            if len(a["rows"]) != len(b["rows"]):
+                return self.departure(f"Your forward pass {n}{at} reads {len(a['rows'])} rows; the reference's reads "
+                                      f"{len(b['rows'])}.", "forward", n, "rows", len(a["rows"]))
+            if -1 not in a["rows"] + b["rows"] and a["rows"] != b["rows"]:
+                earlier = [k + 1 for k, e in enumerate(e for e in mine[:i] if e.kind == "forward")
+                           if sorted(e.detail["rows"]) == sorted(a["rows"])]
+                again = f" (the same rows as your forward pass {earlier[-1]})" if earlier else ""
+                return self.departure(f"Your forward pass {n}{at} reads rows {list(a['rows'])} of {self.batch}"
+                                      f"{again}; the reference's reads rows {list(b['rows'])}.", "forward", n, "rows",
+                                      a["rows"])
+            return None
+        if g.kind == "backward":
+            a, b = g.detail, w.detail
+            if a["cleared"] != b["cleared"]:
+                if not a["cleared"]:
+                    message = (f"Your backward {n}{at} adds its gradient to gradients that were never cleared (left "
+                               f"by an earlier backward{' or by the caller' if n == 1 else ''}), where the "
+                               f"reference's starts from cleared ones. {self.kind_note('zero_grad')} Call "
+                               "optimizer.zero_grad() before every backward().")
+                else:
+                    message = (f"Your backward {n}{at} starts from cleared gradients; the reference's adds to the "
+                               f"ones already there. {self.kind_note('zero_grad')}")
+                return self.departure(message, "backward", n, "cleared", a["cleared"])
+            if a["loss"] is not None and b["loss"] is not None and not math.isclose(
+                    a["loss"], b["loss"], rel_tol=rtol, abs_tol=atol):
+                ratio = a["loss"] / b["loss"] if b["loss"] else math.inf
+                factor = ""
+                if abs(ratio - round(ratio)) < 1e-3 and round(ratio) not in (0, 1):
+                    factor = f" ({round(ratio)} times the reference's: a sum where a mean belongs?)"
+                return self.departure(f"The loss of your backward {n}{at} is {a['loss']:.6g}; the reference's "
+                                      f"is {b['loss']:.6g}{factor}.", "backward", n, "loss", a["loss"])
+            return None
+        if g.kind == "clip":
+            a, b = g.detail, w.detail
+            if a["covered"] != b["covered"]:
+                return self.departure(self.coverage(n, at, a, b), "clip", n, "covered", tuple(sorted(a["covered"])))
+            if not math.isclose(a["max_norm"], b["max_norm"], rel_tol=1e-6):
+                return self.departure(f"Your clip_grad_norm_ {n}{at} clips to max_norm={a['max_norm']:g}; the "
+                                      f"reference's to {b['max_norm']:g}.", "clip", n, "max_norm", a["max_norm"])
+            return None
+        if g.kind == "step":
+            if not all(math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-12)
+                       for x, y in zip(g.detail["lrs"], w.detail["lrs"])):
+                mine, theirs = ([float(f"{x:.4g}") for x in e.detail["lrs"]] for e in (g, w))
+                return self.departure(f"Your optimizer.step() {n}{at} runs at learning rates {mine}; the reference's "
+                                      f"at {theirs}. {self.kind_note('scheduler')}", "step", n, "lrs", g.detail["lrs"])
+            return None
+        if g.kind == "call":
+            if g.detail["name"] != w.detail["name"]:
+                return self.order(mine, theirs, i, where)
+            name = g.detail["name"]
+            k = sum(e.kind == "call" and e.detail["name"] == name for e in theirs[:i + 1])
+            mask = w.detail["arguments"].get(self.masks.get(name))
+            for argument, expected in w.detail["arguments"].items():
+                actual = g.detail["arguments"].get(argument)
+                problem = _value_difference(actual, expected, atol, rtol, mask, self.masks.get(name, "the mask"))
+                if problem is not None:
+                    place = f"call {k} of {name}" + (f", {where}" if where else "")
+                    return self.departure(f"The `{argument}` your code passes to {name} ({place}) differs from the "
+                                          f"reference's: {problem}.", "call", name, k, argument, actual)
+            return None
+        return None
+
+    def coverage(self, n: int, at: str, a: dict, b: dict) -> str:
+        size = self.got.sizes
+        def elements(names) -> str:
+            return f"{sum(size.get(x, 0) for x in names):,}"
+        mine, theirs = a["covered"], b["covered"]
+        missing, extra = theirs - mine, mine - theirs
+        text = (f"Your clip_grad_norm_ {n}{at} covers the gradients of {elements(mine)} parameters; the reference's "
+                f"covers {elements(theirs)}, all that have a gradient")
+        if missing:
+            text += f". Yours leaves out {_groups(missing, size)}"
+        if extra:
+            text += f". Yours also covers {_groups(extra, size)}, which the reference's leaves out"
+        return text + ": the clip scales them all by one factor, from the norm of all of them together."
+
+
+def _groups(names, size: dict[str, int]) -> str:
+    """Parameter names grouped by their first component ("value_head (4 tensors, 2,081 parameters)"), or by their
+    module where a first component is only partly among them."""
+    def key(name: str, depth: int) -> str:
+        return ".".join(name.split(".")[:depth]) if depth else name.rsplit(".", 1)[0]
+    partly = any(key(n, 1) == key(m, 1) for n in names for m in size if m not in names)
+    grouped: dict[str, list[str]] = {}
+    for name in sorted(names):
+        grouped.setdefault(key(name, 0 if partly else 1), []).append(name)
+    parts = [f"{prefix} ({_count(len(ns), 'tensor')}, {sum(size.get(x, 0) for x in ns):,} parameters)"
+             for prefix, ns in grouped.items()]
+    return ", ".join(parts[:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
+
+
+def _value_difference(actual, expected, atol: float, rtol: float, mask: Tensor | None = None,
+                      mask_name: str = "the mask") -> str | None:
+    if isinstance(expected, Tensor) or isinstance(actual, Tensor):
+        atol = max(atol, 1e-5)
+        if (isinstance(mask, Tensor) and isinstance(actual, Tensor) and isinstance(expected, Tensor)
+                and actual.shape == expected.shape and actual.shape[:mask.dim()] == mask.shape
+                and expected.dtype.is_floating_point):  # what the helper never reads cannot be wrong
+            keep = mask.bool()
+            a, e = actual[keep].double(), expected[keep].double()
+            if describe_difference(a, e, atol=atol, rtol=rtol) is None:
+                return None
+            if a.numel() > 1 and torch.isfinite(a).all():  # a whitening or a normalisation shows in these two
+                bad = int((~torch.isclose(a, e, rtol=rtol, atol=atol)).sum())
+                return (f"{bad} of the {a.numel()} values where {mask_name} is True differ; there, yours have mean "
+                        f"{a.mean():.4g} and std {a.std():.4g}, the reference's mean {e.mean():.4g} and std "
+                        f"{e.std():.4g}")
+        return describe_difference(actual, expected, mask=mask, atol=atol, rtol=rtol)
+    if isinstance(expected, float) and isinstance(actual, (int, float)) and not isinstance(actual, bool):
+        return None if math.isclose(actual, expected, rel_tol=rtol, abs_tol=atol) else \
+            f"{actual!r}, where the reference passes {expected!r}"
+    return None if actual == expected else f"{actual!r}, where the reference passes {expected!r}"
+
+
+def assert_same_trace(got: Trace, want: Trace, what: str, hint: str | None = None, **describe) -> None:
+    """Fail, saying where, when the learner's trace `got` departs from the reference's `want` (first_departure's
+    keywords in `describe`). The departure is what the failure records for the mistake's fingerprint."""
+    from utils.checker.compare import expect
+
+    departure = first_departure(got, want, **describe)
+    expect(departure is None, what, "" if departure is None else departure.message + (f"\n{hint}" if hint else ""),
+           observed=None if departure is None else departure.observed)
+
+
+def namespaces_of(*functions) -> tuple[dict, ...]:
+    """The global namespaces the functions look their helpers up in (a notebook's, a module's), seen through the
+    checker's wrappers: where `tracing` patches the probed helpers."""
+    from utils.checker.shapes import target
+
+    found = []
+    for fn in functions:
+        fn = inspect.unwrap(target(fn))
+        namespace = getattr(fn, "__globals__", None)
+        if isinstance(namespace, dict):
+            found.append(namespace)
+    return tuple(found)
+
+
+_reference_runs: dict[str, object] = {}  # key -> what the reference's traced run returned, for the life of the process
+
+
+def reference_trace(key: str, run: Callable[[], object]) -> object:
+    """run() the first time `key` is asked for, its result from then on: the reference's trace of a fixed set-up does
+    not change, and the mistake finder replays a failed trace test once per registered wrong version."""
+    if key not in _reference_runs:
+        _reference_runs[key] = run()
+    return _reference_runs[key]
