@@ -341,3 +341,33 @@ def test_off_policy_experiment_runs_and_summarizes():
     # at lag 0 every correction is (nearly) the identity: the six runs agree to a held-out answer or two
     assert figures["lag0_auc_spread"] <= 0.05, figures["lag0_auc_spread"]
     off_policy.plot(result)
+
+
+def test_the_default_sweep_trains_lag_0_once_and_reports_it_under_every_correction(monkeypatch):
+    """share_lag0: at lag 0 every correction trains the same run (the smoke sweep, which trains each, checks they
+    agree), so the default trains it once per seed and reports that run under each correction; the lag-0 check then
+    has nothing to compare (None), never a made-up 0."""
+    from solutions.part6_lab import off_policy
+
+    trained = []
+
+    def fake_run_sweep(seed, lag, correction, *args, **kwargs):
+        trained.append((lag, correction, seed))
+        return {"auc": 0.5 + 0.01 * lag + 0.001 * seed, "accuracy": [0.4, 0.5], "gap": [0.1],
+                "sequences_over_3": [0.0]}, None, None
+
+    monkeypatch.setattr(off_policy, "run_sweep", fake_run_sweep)
+    monkeypatch.setattr(off_policy, "measure_gaps", lambda *args: {name: {"max": 1.0, "mean": 0.1}
+                                                                   for name in off_policy.SAMPLERS})
+    monkeypatch.setattr(off_policy, "run_clip", lambda *args, **kwargs: {"clip": [[0.0]], "reward": [0.5]})
+    sweep = off_policy.Sweep(lags=(0, 2), steps=2, share_lag0=True)
+    result = off_policy.run([0, 1], smoke=True, sweep=sweep)
+    first = sweep.corrections[0]
+    assert [(lag, c) for lag, c, _ in trained if lag == 0] == [(0, first), (0, first)], trained
+    assert len([t for t in trained if t[0] == 2]) == 2 * len(sweep.corrections), trained
+    for correction in sweep.corrections:
+        assert result["sweep"][correction][0] == result["sweep"][first][0], correction
+    figures = off_policy.summarize(result)
+    assert figures["lag0_auc_spread"] is None
+    assert len(figures["sweep"]) == 2 * len(sweep.corrections)
+    assert off_policy.SWEEP.share_lag0 and not off_policy.SMOKE_SWEEP.share_lag0
