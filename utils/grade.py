@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from utils import cli
 from utils.checker import summary
 from utils.checker.grading import (DEFAULT_CELL_TIMEOUT_S, DEFAULT_CHECK_TIMEOUT_S, DEFAULT_TIMEOUT_S, Graded,
                                    grade_notebook)
@@ -160,15 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m utils.grade", description=__doc__.splitlines()[0])
     parser.add_argument("submissions", nargs="+", type=Path, help="notebooks, or folders of them")
     parser.add_argument("--out", type=Path, required=True, help="the folder to write the report to")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds for one whole notebook")
-    parser.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S, help="seconds for one cell")
-    parser.add_argument("--check-timeout", type=float, default=DEFAULT_CHECK_TIMEOUT_S,
+    parser.add_argument("--timeout", type=cli.above(0.0, "a time limit"),
+                        default=DEFAULT_TIMEOUT_S, help="seconds for one whole notebook")
+    parser.add_argument("--cell-timeout", type=cli.above(0.0, "a time limit"),
+                        default=DEFAULT_CELL_TIMEOUT_S, help="seconds for one cell")
+    parser.add_argument("--check-timeout", type=cli.above(0.0, "a time limit"), default=DEFAULT_CHECK_TIMEOUT_S,
                         help="seconds for one exercise's tests")
-    parser.add_argument("--jobs", type=int, default=1,
+    parser.add_argument("--jobs", type=cli.at_least(1), default=1,
                         help="notebooks graded at once (each in its own process; default 1)")
     args = parser.parse_args(argv)
-    if args.jobs < 1:
-        parser.error("--jobs must be at least 1")
     try:
         notebooks = find_notebooks(args.submissions)
     except ValueError as error:

@@ -17,6 +17,7 @@ from pathlib import Path
 from tabulate import tabulate
 from tqdm import tqdm
 
+from utils import cli
 from utils.checker import summary
 from utils.checker.grading import (DEFAULT_CELL_TIMEOUT_S, DEFAULT_CHECK_TIMEOUT_S, DEFAULT_TIMEOUT_S, Graded,
                                    grade_notebook)
@@ -41,15 +42,21 @@ def render(graded: list[Graded]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m utils.progress", description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="saved notebooks (default: chapters/part*.ipynb)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds for one whole notebook")
-    parser.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S, help="seconds for one cell")
-    parser.add_argument("--check-timeout", type=float, default=DEFAULT_CHECK_TIMEOUT_S,
+    parser.add_argument("--timeout", type=cli.above(0.0, "a time limit"),
+                        default=DEFAULT_TIMEOUT_S, help="seconds for one whole notebook")
+    parser.add_argument("--cell-timeout", type=cli.above(0.0, "a time limit"),
+                        default=DEFAULT_CELL_TIMEOUT_S, help="seconds for one cell")
+    parser.add_argument("--check-timeout", type=cli.above(0.0, "a time limit"), default=DEFAULT_CHECK_TIMEOUT_S,
                         help="seconds for one exercise's tests")
     args = parser.parse_args(argv)
     notebooks = args.notebooks or sorted(CHAPTERS.glob("part*.ipynb"))
     missing = [str(p) for p in notebooks if not p.is_file()]
     if missing:
         parser.error(f"no such notebook: {', '.join(missing)}")
+    others = [str(p) for p in notebooks if p.suffix != ".ipynb"]
+    if others:
+        parser.error(f"not a notebook (.ipynb): {', '.join(others)}; pass saved notebooks, e.g. "
+                     "chapters/part0_warmup.ipynb")
     graded = [grade_notebook(p, args.timeout, args.cell_timeout, args.check_timeout)
               for p in tqdm(notebooks, desc="checking notebooks", unit="notebook", file=sys.stderr)]
     print(render(graded))

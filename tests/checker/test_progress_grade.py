@@ -211,3 +211,27 @@ def test_mistakes_are_ranked_by_learners_then_in_course_order():
     ranking = mistake_ranking({"a": graded(("get_logprobs", "y")), "b": graded(("sample_next_token", "x")),
                                "c": graded(("sample_next_token", "x"), ("get_logprobs", "z"))})
     assert [(n, row.mistakes[0]) for n, row in ranking] == [(2, "x"), (1, "y"), (1, "z")]
+
+
+def test_progress_and_grade_refuse_bad_arguments_before_running_anything(tmp_path, capsys):
+    """A file that is not a notebook, a time limit of 0 or below, or no worker at all is refused with a message that
+    names the argument and what it expects: never a table of zeros that looks like a grade."""
+    from utils import grade, progress
+
+    text = tmp_path / "notes.txt"
+    text.write_text("not a notebook")
+    notebook = tmp_path / "learner.ipynb"
+    notebook.write_text("{}")
+    cases = [(progress.main, [str(text)], "not a notebook (.ipynb)"),
+             (progress.main, [str(notebook), "--timeout", "0"], "argument --timeout: expected a number > 0.0"),
+             (grade.main, [str(notebook), "--out", str(tmp_path / "out"), "--cell-timeout", "-1"],
+              "argument --cell-timeout: expected a number > 0.0"),
+             (grade.main, [str(notebook), "--out", str(tmp_path / "out"), "--jobs", "0"],
+              "argument --jobs: expected an integer >= 1"),
+             (grade.main, [str(text), "--out", str(tmp_path / "out")], "neither a notebook (.ipynb) nor a folder")]
+    for main, argv, message in cases:
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == 2, argv
+        assert message in capsys.readouterr().err, (argv, message)
+    assert not (tmp_path / "out").exists(), "nothing is written for a refused command"
