@@ -299,17 +299,23 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 #   reward model trains for 4 epochs (AdamW, lr 3e-4, all its weights and the head);
 # - best-of-n for n = 1, 2, 4, ..., 256 over a pool of 256 answers to each of 32 held-out additions, against the
 #   reward model and against the control at σ = 0.5, 1 and 2;
-# - GRPO against the reward model (8 prompts × 8 completions a step, up to 8 new tokens, a rank-4 LoRA, lr 3e-3,
+# - GRPO against the reward model (8 prompts × 8 completions a step, up to 8 new tokens, a rank-4 LoRA, lr 1.5e-3,
 #   40 steps) at `beta` 0, 0.5 and 2;
 # - GRPO against the buggy verifier (beta 0, lr 1e-2, 40 steps);
-# - every 5 steps, 4 completions of the 32 held-out additions (temperature 1) are scored by the run's reward, the
-#   exact verifier, and the KL to the reference: the exact per-token KL over the whole vocabulary, summed over each
-#   completion (its expectation is the sequence-level KL).
+# - every 4 steps, one completion of each of 128 held-out additions (temperature 1) is scored by the run's reward and
+#   the KL to the reference: the exact per-token KL over the whole vocabulary, summed over each completion (its
+#   expectation is the sequence-level KL). The gold score is the verifier's *expected* score, measured almost without
+#   sampling noise: the probability that the policy answers with the bare sum and then EOS is one teacher-forced
+#   forward pass (`hacking.exact_answer_probability`), and only the rare right answers in another form (" 68", "068")
+#   are counted from the samples. Sampled alone, 128 completions would give gold a standard error of 0.04, as large as
+#   the peak we are looking for; this way the standard error of a difference between two evaluations, taken over the
+#   prompts, is about 0.015.
 #
-# `python -m solutions.part6_lab --rm-pairs 100 500 2500` runs best-of-n against reward models trained on that many
-# pairs (a longer run, about 5 minutes, not part of the lab's default). Over seeds 0, 1, 2 their held-out accuracy
-# was 77-82%, 88-92% and 94-100%, and the peak of best-of-n's mean gold moved out and up: n = 8 (39%), 16 (54%),
-# 32 (73%). Seed by seed the peaks of the two larger ones overlap (n = 16 to 32, and 16 to 64).
+# `python -m solutions.part6_lab --rm-pairs 100 500 2500` runs best-of-n and GRPO against reward models trained on
+# that many pairs (a longer run, about 5 minutes, not part of the lab's default). Over seeds 0, 1, 2 their held-out
+# accuracy was 77-82%, 88-92% and 94-100%, and the peak of best-of-n's mean gold moved out and up: n = 8 (39%),
+# 16 (54%), 32 (73%); GRPO's peak moved from √KL 0.25-0.48 (gold 26-27%) with 100 pairs to 0.74-0.97 (29-33%) with
+# 500. Seed by seed the peaks of the two larger ones overlap, for both.
 
 # %%
 from solutions.part6_lab import hacking
@@ -325,7 +331,7 @@ rl_curve = hacking_figures["rl_curve"]
 print("GRPO, beta = 0:", [{k: p[k] for k in ("step", "sqrt_kl", "gold")} for p in rl_curve["points"]])
 print("... its peak, seed by seed:", rl_curve["peak"])
 print(hacking_figures["buggy_verifier"])
-print([{k: b[k] for k in ("beta", "kl", "proxy", "gold")} for b in hacking_figures["beta_sweep"]])
+print([{k: b[k] for k in ("beta", "kl", "max_kl", "proxy", "gold")} for b in hacking_figures["beta_sweep"]])
 hacking.plot(hacking_result);
 
 # %% [markdown]
@@ -340,18 +346,19 @@ hacking.plot(hacking_result);
 #   score the reward model gets most wrong.
 # - **The control says why.** With proxy = gold + σ·noise fixed per answer, the peak comes earlier and lower as σ
 #   grows: n = 32 (66%) at σ = 0.5, n = 8 (38%) at σ = 1, n = 4 (28%) at σ = 2.
-# - **GRPO (middle)** moved gold from 17.7% (14% to 20% by seed) to 25.0% after 5 steps (23% to 30%), then
-#   wandered between 17% and 23%, ending at 21.9%, while the proxy climbed and the KL stayed near 1 to 2 nats. Is
-#   that a peak? An evaluation scores 128 completions, so its standard error is up to 0.04 (a success rate p measured
-#   on N samples has standard error $\sqrt{p(1-p)/N}$): no seed's rise or fall is larger than twice the noise of a
-#   difference, and `rl_curve["peak"]` says so seed by seed. RL here shows a proxy that climbs while gold does not,
-#   not Gao et al.'s peak. Longer runs, higher learning rates and RL against the synthetic control (outside this
-#   notebook's budget; the README lists them) showed the peak's two halves, a rise in some seeds and a collapse once
-#   the policy found the proxy's flaw (one seed learnt to answer nothing), but never the whole shape in every seed.
-#   `beta` 0, 0.5 and 2 ended at KL 1.58, 0.39 and 0.05 with gold 21.9%, 26.3% and 19.5%: `beta` holds the KL, and
-#   the golds are within the noise of each other.
+# - **GRPO (middle) rises, peaks and falls, in every seed.** Gold goes from 24.5% to a peak of 27% to 32% (at
+#   √KL 0.25 to 0.72), then down to 9% to 21% where the run is furthest from its reference (√KL 1.3 to 1.8),
+#   while the proxy keeps climbing. Each rise (2.4 to 7.3 points) and fall (10 to 18 points) is more than twice the standard
+#   error of its difference (0.006 to 0.016): `rl_curve["peak"]` checks it seed by seed. Without the teacher-forced
+#   part of the gold score the same runs could not show this: 128 sampled completions give a standard error of 0.04.
+#   Follow the points in order and the KL wanders (with no KL term nothing holds it): gold tracks the distance from
+#   the reference, not the number of steps.
+# - **`beta` is the leash (middle, orange and green).** `beta` 0, 0.5 and 2 end at KL 1.82, 0.37 and 0.03 nats with
+#   gold 20%, 32% and 28%: `beta` = 0.5 stops the policy near the top of the curve (in each seed level with or above
+#   the peak the unleashed run passed), `beta` = 2 holds it so close that it climbs less (3 to 6 points below
+#   `beta` = 0.5 in each seed).
 # - **The buggy verifier (right).** `all([])` is True, so a completion with no number passes. GRPO finds it: the buggy
-#   reward goes from 19% to 99.7% while the gold score goes to 0% in every seed. The fix is one condition,
+#   reward goes from 25% to 100% while the gold score goes to 0% in every seed. The fix is one condition,
 #   `numbers and all(...)`; better, judge with the strict verifier (Part 3's `reward_exact_answer`).
 
 # %% [markdown]
@@ -814,8 +821,10 @@ off_policy.plot(off_policy_result);
 #   that ranks 86-90% of held-out pairs right doubled gold (22.9% to 47.6% at n = 8), then lost a quarter of it by
 #   n = 256; the bigger the proxy's error, the earlier the peak.
 # - **A bug in a verifier is a reward to be collected** (section 2): `all` of no numbers is True, and a completion with
-#   no number at all took the buggy reward to 99.7%, the gold score to 0.
-# - **`beta` is a leash** (section 2): it bounds the KL (1.58 nats at `beta` 0, 0.39 at 0.5, 0.05 at 2).
+#   no number at all took the buggy reward to 100%, the gold score to 0.
+# - **`beta` is a leash** (section 2): against a reward model whose gold peaks along the run, `beta` 0.5 ended near
+#   the top of the curve (KL 0.37 nats, gold 32%), `beta` 0 ran past it (KL 1.82, gold 20%), and `beta` 2 held the
+#   policy so close that it climbed less (KL 0.03, gold 28%).
 # - **Where a loss's length bias comes from is one line of arithmetic** (section 3): `"grpo"` gives each token of an
 #   L-token answer the weight 1/(B L), so a long wrong answer is penalised less per token; `"dr_grpo"` and `"dapo"`
 #   give every token of a batch one weight (and on one batch they are the same update).

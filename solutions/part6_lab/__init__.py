@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                        "('' for none)")
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
     parser.add_argument("--rm-pairs", type=cli.at_least(1), nargs="+", metavar="PAIRS",
-                        help="instead of the experiments: best-of-n against reward models trained on this many pairs "
-                             "each, e.g. 100 500 2500 (hacking's longer variant)")
+                        help="instead of the experiments: best-of-n and GRPO against reward models trained on this "
+                             "many pairs each, e.g. 100 500 2500 (hacking's longer variant, about 5 minutes)")
     args = parser.parse_args(argv)
 
     smoke = bool(os.environ.get("RLHF_SMOKE"))

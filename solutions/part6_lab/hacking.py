@@ -17,10 +17,12 @@ The "H" of RLHF is a reward model learned from human preferences. Here the prefe
    over every n-subset of the pool in closed form, against KL = log n - (n - 1) / n (Gao, Schulman & Hilton 2022,
    "Scaling Laws for Reward Model Overoptimization"); and the same with a synthetic proxy, gold + sigma * noise fixed
    per answer, as a control.
-4. GRPO (Part 3's trainer, with a LoRA) against the reward model, beta = 0, with the gold score (the exact verifier
-   on the same samples, weight 0, logged only) against sqrt(KL) along the run. rl_peak says where gold peaks in each
-   seed's run and whether the peak is real: a rise from the start and a fall to the end, each larger than twice the
-   standard error of the difference of two evaluations (from their number of samples).
+4. GRPO (Part 3's trainer, with a LoRA) against the reward model, beta = 0, with the gold score against sqrt(KL)
+   along the run. Gold is the exact verifier's expected score on held-out additions, measured without most of its
+   sampling noise: the probability of the bare sum then EOS comes from one teacher-forced pass (exact), and only the
+   rarer right answers in other forms are sampled (evaluate). rl_peak says where gold peaks in each seed's run and
+   whether the peak is real: a rise from the start, and a fall to the far end of the curve (the largest KL the run
+   reached), each larger than twice the standard error of the paired difference over the prompts.
 5. The same GRPO against a verifier with a plausible bug (reward_every_number_right: `all` of no numbers is
    True), exploited; the fixed verifier is the exact one, logged as the gold score.
 6. beta as the leash: GRPO against the same reward model with the KL term at each of `betas`; at the end of each run,
@@ -150,8 +152,8 @@ def reward_model_scores(
 
 @dataclass
 class HackingConfig:
-    """Defaults: three seeds in about 150 s of CPU time with one thread (152 s on 2026-11-25; 119 s of wall time on
-    an idle 2-core machine); `HackingConfig.smoke()` takes a few seconds a seed."""
+    """Defaults: three seeds in 135 s on an idle 2-core machine (2026-11-26, in the lab's default run);
+    `HackingConfig.smoke()` takes a few seconds a seed."""
 
     rm_prompts: int = 300                 # train additions whose samples make the preference pairs
     rm_group: int = 8                     # answers sampled per prompt; a pair is one right and one wrong answer
@@ -167,17 +169,19 @@ class HackingConfig:
     n_prompts: int = 8                    # prompts per GRPO step
     group_size: int = 8                   # completions per prompt
     max_new_tokens: int = 8               # room to find something: an honest answer needs at most 4
-    lr: float = 3e-3                      # the LoRA's learning rate against the reward model
+    lr: float = 1.5e-3                    # the LoRA's learning rate against the reward model
     betas: tuple[float, ...] = (0.0, 0.5, 2.0)  # the KL weights of the sweep; 0 is the over-optimised run
     buggy_lr: float = 1e-2                # the LoRA's learning rate against the buggy verifier
-    eval_prompts: int = 32                # held-out additions scored at each evaluation (and best-of-n's prompts) ...
-    eval_group: int = 4                   # ... with this many completions each, sampled at temperature 1
-    eval_every: int = 5                   # steps between evaluations (and at the start and the end)
+    eval_prompts: int = 128               # held-out additions scored at each evaluation ...
+    eval_group: int = 1                   # ... with this many completions each, sampled at temperature 1
+    eval_every: int = 4                   # steps between evaluations (and at the start and the end)
+    bon_prompts: int = 32                 # held-out additions of best-of-n's pools, spread over the held-out set
 
     @classmethod
     def smoke(cls) -> "HackingConfig":
         return cls(rm_prompts=16, held_prompts=8, rm_epochs=1, bon_samples=16, bon_ns=(1, 2, 4, 16), sigmas=(1.0,),
-                   steps=2, n_prompts=2, group_size=4, betas=(0.0, 0.5), eval_prompts=4, eval_group=2, eval_every=2)
+                   steps=2, n_prompts=2, group_size=4, betas=(0.0, 0.5), eval_prompts=4, eval_group=2, eval_every=2,
+                   bon_prompts=4)
 
 
 # --- The pieces of one seed --------------------------------------------------------------------------------------
@@ -331,10 +335,31 @@ def noisy_gold(sigma: float, seed: int):
 
 
 @torch.no_grad()
+def exact_answer_probability(model, prompts: list[str], max_new_tokens: int) -> Float[Tensor, "prompts"]:
+    """The probability that `model`, sampling at temperature 1 up to `max_new_tokens` tokens, answers each "a+b="
+    prompt with the bare sum and then EOS (the tokens of str(a + b), then EOS), by one teacher-forced forward pass: no
+    sampling, so no sampling noise. Raises ValueError if an answer and its EOS do not fit in max_new_tokens."""
+    answers = [str(_sum_asked(p)) for p in prompts]
+    ids, mask = reward_model_batch(model.tokenizer, prompts, answers, model.cfg.device)
+    prompt_len = tokenize_prompts(model.tokenizer, prompts, model.cfg.device)[0].shape[1]
+    if ids.shape[1] - prompt_len > max_new_tokens:
+        raise ValueError(f"an answer and its EOS take {ids.shape[1] - prompt_len} tokens, more than max_new_tokens = "
+                         f"{max_new_tokens}: the policy could never sample it; raise max_new_tokens")
+    logp = model(ids, attention_mask=mask)[:, prompt_len - 1:-1].log_softmax(-1)  # position t predicts token t + 1
+    token_logp = logp.gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
+    return (token_logp * mask[:, prompt_len:]).sum(1).exp()
+
+
+@torch.no_grad()
 def evaluate(trainer: GRPOTrainer, prompts: list[str], cfg: HackingConfig, reward_fn, seed: int) -> dict:
     """On `eval_group` completions of each prompt, sampled from the policy at temperature 1: the mean reward (the
-    run's own, `reward_fn`), the gold score (exact verifier), and the KL to the reference, sum over each completion of
-    the exact per-token KL(pi || ref) over the whole vocabulary (its expectation is the sequence-level KL)."""
+    run's own, `reward_fn`) and the KL to the reference, sum over each completion of the exact per-token KL(pi || ref)
+    over the whole vocabulary (its expectation is the sequence-level KL). And the gold score, the expected
+    exact-verifier score, with most of its sampling noise taken out: per prompt, the exact probability of the bare sum then EOS
+    (exact_answer_probability), plus the fraction of the prompt's samples that the verifier accepts in another form
+    (" 68", "068", a completion cut at max_new_tokens): unbiased, as the sampled score is, and with the noise of the
+    rare other forms only (Rao-Blackwellisation over the commonest right answer). "gold_per_prompt" keeps each prompt's
+    value, from which rl_peak takes the standard error of a difference; "gold_sampled" is the plain sampled score."""
     torch.manual_seed(10_000 + seed)
     model = trainer.model
     out = sample(model, [p for p in prompts for _ in range(cfg.eval_group)], max_new_tokens=cfg.max_new_tokens)
@@ -343,7 +368,12 @@ def evaluate(trainer: GRPOTrainer, prompts: list[str], cfg: HackingConfig, rewar
     logq = model.base(out.ids, attention_mask=out.attention_mask)[:, start:-1].log_softmax(-1)
     per_token = (logp.exp() * (logp - logq)).sum(-1) * out.completion_mask
     reward, gold = reward_fn(out.prompts, out.texts), reward_exact_answer(out.prompts, out.texts)
-    return {"reward": sum(reward) / len(reward), "gold": sum(gold) / len(gold),
+    bare = [t == str(_sum_asked(p)) and not cut for p, t, cut in zip(out.prompts, out.texts, out.truncated.tolist())]
+    other_forms = torch.tensor([g if not b else 0.0 for g, b in zip(gold, bare)]).view(len(prompts), cfg.eval_group)
+    per_prompt = exact_answer_probability(model, prompts, cfg.max_new_tokens).cpu() + other_forms.mean(1)
+    return {"reward": sum(reward) / len(reward), "gold": per_prompt.mean().item(),
+            "gold_sampled": sum(gold) / len(gold),
+            "gold_per_prompt": [round(g, 6) for g in per_prompt.tolist()],
             "kl": per_token.sum(1).mean().item(),
             "samples": [{"prompt": p, "completion": t, "answer": _sum_asked(p), "reward": r, "gold": g}
                         for p, t, r, g in zip(out.prompts, out.texts, reward, gold)]}
@@ -386,9 +416,10 @@ def reward_model_for_seed(base, cfg: HackingConfig, seed: int, bradley_terry_los
             "rm_held_accuracy": pair_accuracy(reward_model_scores, rm, head, held_triples)}
 
 
-def _eval_prompts(cfg: HackingConfig) -> list[str]:
+def _eval_prompts(count: int) -> list[str]:
+    """`count` held-out additions, spread evenly over the held-out set."""
     held = addition_pairs("held_out")
-    return [addition_prompt(a, b) for a, b in held[::max(1, len(held) // cfg.eval_prompts)][:cfg.eval_prompts]]
+    return [addition_prompt(a, b) for a, b in held[::max(1, len(held) // count)][:count]]
 
 
 def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_terry_loss,
@@ -403,14 +434,14 @@ def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_ter
     if max(cfg.bon_ns) > cfg.bon_samples:
         raise ValueError(f"best-of-n draws n from a pool of cfg.bon_samples = {cfg.bon_samples}: n up to "
                          f"{max(cfg.bon_ns)} needs a pool at least that large")
-    eval_prompts = _eval_prompts(cfg)
+    eval_prompts, bon_prompts = _eval_prompts(cfg.eval_prompts), _eval_prompts(cfg.bon_prompts)
     bar = tqdm(total=len(seeds) * (len(cfg.betas) + 1) * cfg.steps, desc="hacking: GRPO steps")
     result = {"config": asdict(cfg), "seeds": list(seeds), "per_seed": []}
     for seed in seeds:
         base = load_model("tiny")
         judge = reward_model_for_seed(base, cfg, seed, bradley_terry_loss, reward_model_scores)
         proxy = reward_model_reward(reward_model_scores, judge.pop("rm"), judge.pop("head"))
-        pool = answer_pool(base, eval_prompts, cfg.bon_samples, cfg.max_new_tokens, seed)
+        pool = answer_pool(base, bon_prompts, cfg.bon_samples, cfg.max_new_tokens, seed)
         best_of_n = best_of_n_curve(pool, proxy, cfg.bon_ns)
         control = {sigma: best_of_n_curve(pool, noisy_gold(sigma, seed), cfg.bon_ns) for sigma in cfg.sigmas}
         runs = {beta: grpo_run(base, proxy, "proxy", cfg, seed, beta, cfg.lr, eval_prompts, bar) for beta in cfg.betas}
@@ -428,10 +459,13 @@ def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_ter
 
 
 def run_rm_sizes(seeds: list[int], pairs=(100, 500, 2500), cfg: HackingConfig | None = None) -> dict:
-    """The longer variant: best-of-n against reward models trained on `pairs` pairs each (the same recipe; enough
-    training additions are drawn to make them), per seed. No RL: best-of-n shows where the peak is."""
+    """The longer variant: reward models trained on `pairs` pairs each (the same recipe; enough training additions
+    are drawn to make them), per seed; against each, best-of-n and a GRPO run at beta = 0 (its evaluations, without
+    the samples), to see where each peaks."""
     cfg = cfg or HackingConfig()
-    eval_prompts, out = _eval_prompts(cfg), {"config": asdict(cfg), "seeds": list(seeds), "sizes": {}}
+    bon_prompts, eval_prompts = _eval_prompts(cfg.bon_prompts), _eval_prompts(cfg.eval_prompts)
+    out = {"config": asdict(cfg), "seeds": list(seeds), "sizes": {}}
+    bar = tqdm(total=len(pairs) * len(seeds) * cfg.steps, desc="reward-model sizes: GRPO steps")
     for size in pairs:
         sized = HackingConfig(**{**asdict(cfg), "rm_prompts": math.ceil(size / 0.6), "rm_pairs": size})
         rows = []
@@ -439,10 +473,13 @@ def run_rm_sizes(seeds: list[int], pairs=(100, 500, 2500), cfg: HackingConfig | 
             base = load_model("tiny")
             judge = reward_model_for_seed(base, sized, seed, bradley_terry_loss, reward_model_scores)
             proxy = reward_model_reward(reward_model_scores, judge.pop("rm"), judge.pop("head"))
-            pool = answer_pool(base, eval_prompts, cfg.bon_samples, cfg.max_new_tokens, seed)
+            pool = answer_pool(base, bon_prompts, cfg.bon_samples, cfg.max_new_tokens, seed)
+            rl = grpo_run(base, proxy, "proxy", cfg, seed, 0.0, cfg.lr, eval_prompts, bar)
             rows.append({"seed": seed, "pairs": judge["pairs"], "held_accuracy": round(judge["rm_held_accuracy"], 4),
-                         "best_of_n": _rounded(best_of_n_curve(pool, proxy, cfg.bon_ns))})
+                         "best_of_n": _rounded(best_of_n_curve(pool, proxy, cfg.bon_ns)),
+                         "rl_evals": [{k: v for k, v in e.items() if k != "samples"} for e in rl["evals"]]})
         out["sizes"][size] = rows
+    bar.close()
     return out
 
 
@@ -491,41 +528,47 @@ def _rl_points(runs: list[list[dict]]) -> list[dict]:
             for evals in zip(*runs)]
 
 
-def gold_standard_error(gold: float, samples: int) -> float:
-    """The standard error of a gold score (a fraction of right answers) measured on `samples` completions:
-    sqrt(p (1 - p) / samples). With the prompts fixed, answers to easier and harder prompts only lower the variance
-    of the mean, so this is an upper bound on the sampling noise of one evaluation."""
-    return math.sqrt(max(gold * (1.0 - gold), 0.0) / samples)
+def paired_standard_error(high: list[float], low: list[float]) -> float:
+    """The standard error of mean(high) - mean(low), two evaluations on the same prompts (each prompt's gold in
+    each): the standard deviation over prompts of the per-prompt difference, over sqrt(prompts). It covers what
+    changes from prompt to prompt and what is left of the sampling noise."""
+    diff = torch.tensor(high, dtype=torch.float64) - torch.tensor(low, dtype=torch.float64)
+    if diff.numel() < 2:
+        raise ValueError("a standard error over prompts needs at least two prompts; raise eval_prompts")
+    return (diff.std() / math.sqrt(diff.numel())).item()
 
 
-def rl_peak(runs: list[list[dict]], samples: int, margin: float = 2.0) -> dict:
-    """Where gold peaks along each seed's run (`runs`: each seed's evaluations, {step, kl, gold}, in step order),
-    and whether the peak is real: gold at the peak above the start, and at the end below the peak, each by more
-    than `margin` standard errors of the difference of two evaluations of `samples` completions each.
+def rl_peak(runs: list[list[dict]], margin: float = 2.0) -> dict:
+    """Where gold peaks along each seed's run (`runs`: each seed's evaluations, {step, kl, gold, gold_per_prompt}, in
+    step order) and whether the peak is real. Gao et al. draw gold against KL, so the far end of the curve is the
+    evaluation where the policy was furthest from its reference (the largest KL), which need not be the last step:
+    without a KL term the distance wanders. A seed has the whole shape when gold at its peak is above the start and
+    above the far end, each by more than `margin` standard errors of the paired difference (paired_standard_error).
 
-    Returns: {"eval_samples", "margin", "standard_error" (the largest of any one evaluation of these runs),
-    "per_seed": [{"start", "peak", "end": {step, sqrt_kl, gold}, "rises", "falls"}], "peak_in_every_seed", "mean": the
-    peak of the curve of means over seeds, and gold at its start and end}. The peak is the first evaluation with the
-    largest gold; the highest of several noisy evaluations is biased upwards, which the margin has to cover too.
-    """
+    Returns: {"margin", "per_seed": [{"start", "peak", "far", "end": {step, sqrt_kl, gold}, "rise", "fall" (each
+    {"gold", "standard_error"}), "rises", "falls"}], "peak_in_every_seed", "mean": the peak of the curve of means over
+    seeds, and gold at its start and end}. The peak is the first evaluation with the largest gold; the highest of
+    several noisy evaluations is biased upwards, which the margin has to cover too."""
     def point(e: dict) -> dict:
         return {"step": e["step"], "sqrt_kl": round(max(e["kl"], 0.0) ** 0.5, 4), "gold": round(e["gold"], 4)}
 
-    def beyond_noise(high: float, low: float) -> bool:
-        noise = math.hypot(gold_standard_error(high, samples), gold_standard_error(low, samples))
-        return high - low > margin * noise
+    def difference(high: dict, low: dict) -> dict:
+        return {"gold": round(high["gold"] - low["gold"], 4),
+                "standard_error": round(paired_standard_error(high["gold_per_prompt"], low["gold_per_prompt"]), 4)}
 
     per_seed = []
     for evals in runs:
         top = max(evals, key=lambda e: e["gold"])  # max() keeps the first of equal values
-        per_seed.append({"start": point(evals[0]), "peak": point(top), "end": point(evals[-1]),
-                         "rises": beyond_noise(top["gold"], evals[0]["gold"]),
-                         "falls": beyond_noise(top["gold"], evals[-1]["gold"])})
+        far = max(evals, key=lambda e: e["kl"])
+        rise, fall = difference(top, evals[0]), difference(top, far)
+        per_seed.append({"start": point(evals[0]), "peak": point(top), "far": point(far), "end": point(evals[-1]),
+                         "rise": rise, "fall": fall,
+                         "rises": rise["gold"] > margin * rise["standard_error"],
+                         "falls": fall["gold"] > margin * fall["standard_error"]})
     mean = _rl_points(runs)
     top = max(mean, key=lambda p: p["gold"])
-    largest = max(gold_standard_error(e["gold"], samples) for evals in runs for e in evals)
-    return {"eval_samples": samples, "margin": margin, "standard_error": round(largest, 4),
-            "per_seed": per_seed, "peak_in_every_seed": all(s["rises"] and s["falls"] for s in per_seed),
+    return {"margin": margin, "per_seed": per_seed,
+            "peak_in_every_seed": all(s["rises"] and s["falls"] for s in per_seed),
             "mean": {"step": top["step"], "sqrt_kl": top["sqrt_kl"], "gold": top["gold"], "gold_start": mean[0]["gold"],
                      "gold_end": mean[-1]["gold"]}}
 
@@ -533,8 +576,9 @@ def rl_peak(runs: list[list[dict]], samples: int, margin: float = 2.0) -> dict:
 def summarize(result: dict) -> dict:
     """The figures: the over-optimised run's (beta = 0) proxy and gold at its start and end, means over seeds (and
     per seed), and its curve (rl_curve: the points, means over seeds with each seed's values, and rl_peak's verdict on
-    them); the beta sweep (KL, proxy, gold at the end, means over seeds); the buggy verifier's run; the reward
-    model's pair accuracy."""
+    them); the beta sweep (KL, proxy, gold at the end, the largest KL and the lowest gold along the run, means over
+    seeds with each seed's values, and each seed's gold at the end minus beta = 0's, with the standard error of that
+    paired difference); the buggy verifier's run; the reward model's pair accuracy."""
     seeds = result["per_seed"]
     over = [s["runs"][0.0]["evals"] for s in seeds]
     buggy = [s["buggy"]["evals"] for s in seeds]
@@ -544,7 +588,16 @@ def summarize(result: dict) -> dict:
     sweep = []
     for beta in result["config"]["betas"]:
         ends = [s["runs"][beta]["evals"][-1] for s in seeds]
+        furthest = [max(e["kl"] for e in s["runs"][beta]["evals"]) for s in seeds]
+        unleashed = [s["runs"][0.0]["evals"][-1] for s in seeds]
+        versus = [{"gold": round(e["gold"] - u["gold"], 4),
+                   "standard_error": round(paired_standard_error(e["gold_per_prompt"], u["gold_per_prompt"]), 4)}
+                  for e, u in zip(ends, unleashed)]
+        lowest = [min(e["gold"] for e in s["runs"][beta]["evals"]) for s in seeds]
         sweep.append({"beta": beta, "kl": round(_mean(e["kl"] for e in ends), 4),
+                      "max_kl": round(_mean(furthest), 4), "max_kl_per_seed": [round(k, 4) for k in furthest],
+                      "lowest_gold": round(_mean(lowest), 4), "lowest_gold_per_seed": [round(g, 4) for g in lowest],
+                      "gold_minus_beta0_per_seed": versus,
                       "proxy": round(_mean(e["reward"] for e in ends), 4),
                       "gold": round(_mean(e["gold"] for e in ends), 4),
                       "kl_per_seed": [round(e["kl"], 4) for e in ends],
@@ -557,7 +610,7 @@ def summarize(result: dict) -> dict:
         "control": [{"sigma": sigma, "best_of_n": _mean_curve([s["control"][sigma] for s in seeds]),
                      "peak": _peak([s["control"][sigma] for s in seeds])} for sigma in result["config"]["sigmas"]],
         "rl_curve": {"points": _rl_points(over),
-                     "peak": rl_peak(over, result["config"]["eval_prompts"] * result["config"]["eval_group"])},
+                     "peak": rl_peak(over)},
         "proxy_start": round(_mean(per_seed["proxy_start_per_seed"]), 4),
         "proxy_end": round(_mean(per_seed["proxy_end_per_seed"]), 4),
         "gold_start": round(_mean(per_seed["gold_start_per_seed"]), 4),
@@ -581,7 +634,8 @@ def summarize(result: dict) -> dict:
 def plot(result: dict, path=None):
     """Three panels, gold against sqrt(KL) as Gao et al. (2022) draw it: best-of-n against the reward model and
     against the synthetic control (mean over seeds, band from the lowest seed to the highest); GRPO against the reward
-    model (each seed's beta = 0 run, and the end of each run of the beta sweep); and the buggy verifier's run (its
+    model (each seed's run at each beta, its path through (sqrt(KL), gold) evaluation by evaluation, its end marked,
+    and beta = 0's peaks starred); and the buggy verifier's run (its
     reward and the gold score against steps)."""
     plt = pyplot_for(path)
     seeds = result["per_seed"]
@@ -602,14 +656,19 @@ def plot(result: dict, path=None):
     ax.legend(fontsize=8)
 
     ax = axes[1]
-    for i, s in enumerate(seeds):
-        evals = s["runs"][0.0]["evals"]
-        ax.plot([max(e["kl"], 0.0) ** 0.5 for e in evals], [e["gold"] for e in evals], marker=".", alpha=0.7,
-                color="tab:blue", label="beta = 0, each seed" if i == 0 else None)
-    for beta, marker in zip(result["config"]["betas"], "s^vD"):
-        ends = [s["runs"][beta]["evals"][-1] for s in seeds]
-        ax.scatter([max(e["kl"], 0.0) ** 0.5 for e in ends], [e["gold"] for e in ends], marker=marker, s=40,
-                   color="tab:red", label=f"end of the run, beta = {beta:g}", zorder=3)
+    colours = ("tab:blue", "tab:orange", "tab:green", "tab:purple")
+    for beta, colour in zip(result["config"]["betas"], colours):
+        for i, s in enumerate(seeds):
+            evals = s["runs"][beta]["evals"]
+            ax.plot([max(e["kl"], 0.0) ** 0.5 for e in evals], [e["gold"] for e in evals], marker=".", alpha=0.6,
+                    lw=1, color=colour, label=f"beta = {beta:g}, each seed" if i == 0 else None)
+            ax.scatter([max(evals[-1]["kl"], 0.0) ** 0.5], [evals[-1]["gold"]], marker="s", s=30, color=colour,
+                       zorder=3, label="end of a run" if i == 0 and beta == result["config"]["betas"][-1] else None)
+        if beta == 0.0:
+            for i, s in enumerate(seeds):
+                top = max(s["runs"][0.0]["evals"], key=lambda e: e["gold"])
+                ax.scatter([max(top["kl"], 0.0) ** 0.5], [top["gold"]], marker="*", s=120, color="black", zorder=4,
+                           label="beta = 0's peak" if i == 0 else None)
     ax.set_xlabel("sqrt(KL(policy || reference)), nats per completion")
     ax.set_ylabel("gold (exact verifier)")
     ax.set_title("GRPO against the reward model", fontsize=10)
@@ -635,20 +694,25 @@ def plot(result: dict, path=None):
     return fig
 
 
-def rm_sizes_figures(seeds: list[int], pairs=(100, 500, 2500)) -> dict:
-    """run_rm_sizes' figures: for each size, the pairs made, the held-out pair accuracy and best-of-n's peak (n, KL,
-    gold), per seed and over seeds, and the mean curve; and the seconds it took."""
+def rm_sizes_figures(seeds: list[int], pairs=(100, 500, 2500), cfg: HackingConfig | None = None) -> dict:
+    """run_rm_sizes' figures: for each size, the pairs made, the held-out pair accuracy, best-of-n's peak (n, KL,
+    gold), per seed and over seeds, and the mean curve; GRPO's peak along the run (rl_peak: each seed's start, peak
+    and far end, and whether the peak is real); and the seconds it took."""
     import time
 
     start = time.perf_counter()
     figures: dict = {}
-    for size, rows in run_rm_sizes(seeds, tuple(pairs))["sizes"].items():
+    for size, rows in run_rm_sizes(seeds, tuple(pairs), cfg)["sizes"].items():
+        rl = rl_peak([r["rl_evals"] for r in rows])
         figures[f"rm_pairs_{size}"] = {
             "pairs": [r["pairs"] for r in rows], "held_accuracy": [r["held_accuracy"] for r in rows],
             "peak": _peak([r["best_of_n"] for r in rows]),
             "peak_per_seed": [{k: p[k] for k in ("n", "kl", "gold")} for p in
                               (max(r["best_of_n"], key=lambda p: p["gold"]) for r in rows)],
-            "best_of_n": _mean_curve([r["best_of_n"] for r in rows])}
+            "best_of_n": _mean_curve([r["best_of_n"] for r in rows]),
+            "rl_peak": {"peak_in_every_seed": rl["peak_in_every_seed"], "mean": rl["mean"],
+                        "per_seed": [{k: s[k] for k in ("start", "peak", "far", "rises", "falls")}
+                                     for s in rl["per_seed"]]}}
     figures["rm_sizes_seconds"] = round(time.perf_counter() - start, 1)
     return figures
 
@@ -660,7 +724,7 @@ def main(argv: list[str] | None = None) -> dict:
     from utils.logger import print_figures
 
     parser = cli.ArgumentParser(prog="python -m solutions.part6_lab.hacking",
-                                description="Best-of-n against reward models trained on more or fewer pairs "
+                                description="Best-of-n and GRPO against reward models trained on more or fewer pairs "
                                             "(the lab's default run trains one, on about 235 pairs).")
     parser.add_argument("--rm-pairs", type=cli.at_least(1), nargs="+", default=[100, 500, 2500],
                         help="the reward models' sizes, in training pairs")

@@ -204,32 +204,70 @@ def test_best_of_n_curve_on_a_known_pool():
     assert_equal(noisy(["12+30="], ["42"]), noisy(["12+30="], ["42"]), "the control's noise is fixed per answer")
 
 
+@pytest.mark.slow
+def test_exact_answer_probability_is_how_often_the_policy_samples_the_bare_sum(tiny_model):
+    """The gold score's exact part: for three held-out additions, the teacher-forced probability of the bare sum then
+    EOS against how often 1,500 samples at temperature 1 are exactly that (each within 4 standard errors of a
+    frequency, 0.05 here; the probability read one position off is below 1e-6). And a budget of tokens too small for
+    the answer is refused, rather than counting answers the policy could never sample."""
+    from solutions.part6_lab import hacking
+    from utils.sampling import sample
+
+    prompts = ["43+96=", "54+25=", "76+76="]  # held-out additions the tiny model gets right 29% to 43% of the time
+    exact = hacking.exact_answer_probability(tiny_model, prompts, max_new_tokens=8)
+    torch.manual_seed(0)
+    n = 1500
+    out = sample(tiny_model, [p for p in prompts for _ in range(n)], max_new_tokens=8)
+    for i, prompt in enumerate(prompts):
+        rows = range(i * n, (i + 1) * n)
+        freq = sum(out.texts[r] == str(hacking._sum_asked(prompt)) and not out.truncated[r] for r in rows) / n
+        p = exact[i].item()
+        expect(abs(freq - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-3, "exact_answer_probability",
+               f"{prompt} is answered with the bare sum and EOS in {freq:.4f} of {n} samples; the exact probability "
+               f"is {p:.4f}")
+    expect(exact.min().item() > 0.2, "exact_answer_probability", "the tiny model answers each of these often",
+           observed=exact.tolist())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        hacking.exact_answer_probability(tiny_model, ["51+49="], max_new_tokens=3)  # "100" and EOS: 4 tokens
+
+
 def test_rl_peak_on_hand_made_curves():
-    """Two seeds whose gold rises, peaks and falls by far more than the noise of 400 samples (standard error 0.025
-    at gold 0.5), and a third whose bumps stay inside it: the summary finds each seed's peak, and says the peak is
-    real only where it is."""
+    """Hand-made runs of four prompts each: two whose gold rises, peaks and falls by far more than the spread of the
+    per-prompt differences; one whose far end (its largest KL) is its peak although its last step is low, which is
+    no fall along KL; and one whose bumps stay inside the noise of the prompts. The summary finds each seed's peak,
+    its far end, and says the peak is real only where it is."""
     from solutions.part6_lab import hacking
 
-    def run(golds):
-        return [{"step": 5 * i, "kl": float(i * i), "gold": g, "reward": g + i} for i, g in enumerate(golds)]
+    def run(golds, kls, spread=0.01):
+        # each prompt's gold: the mean, plus offsets of -spread, 0 or +spread that change from one evaluation to the
+        # next, so that no two evaluations differ by the same amount on every prompt
+        return [{"step": 5 * i, "kl": float(k), "gold": g, "reward": g + i,
+                 "gold_per_prompt": [g + spread * ((j * (i + 1)) % 3 - 1) for j in range(4)]}
+                for i, (g, k) in enumerate(zip(golds, kls))]
 
-    clear = [run([0.2, 0.4, 0.5, 0.3, 0.1]), run([0.2, 0.5, 0.45, 0.2, 0.2])]
-    peak = hacking.rl_peak(clear, samples=400)
-    assert_close(torch.tensor(hacking.gold_standard_error(0.5, 400)), torch.tensor(0.025),
-                 "the standard error of gold 0.5 from 400 samples, sqrt(0.25 / 400)")
+    assert_close(torch.tensor(hacking.paired_standard_error([1.0, 2.0, 3.0, 4.0], [0.0] * 4)),
+                 torch.tensor(math.sqrt(5 / 3) / 2), "the std of the differences (1, 2, 3, 4) over sqrt(4)")
+    clear = [run([0.2, 0.4, 0.5, 0.3, 0.1], [0, 1, 4, 9, 16]), run([0.2, 0.5, 0.45, 0.2, 0.2], [0, 1, 4, 9, 3])]
+    peak = hacking.rl_peak(clear)
     assert_equal([(s["peak"]["step"], s["peak"]["sqrt_kl"], s["peak"]["gold"]) for s in peak["per_seed"]],
                  [(10, 2.0, 0.5), (5, 1.0, 0.5)], "each seed's peak: its step, sqrt(KL) and gold")
-    assert_equal([(s["start"]["gold"], s["end"]["gold"]) for s in peak["per_seed"]], [(0.2, 0.1), (0.2, 0.2)],
-                 "each seed's gold at the start and at the end")
-    assert_equal(peak["peak_in_every_seed"], True, "a rise and a fall of 0.25 or more, 7 standard errors")
+    assert_equal([(s["start"]["gold"], s["far"]["step"], s["far"]["gold"], s["end"]["gold"]) for s in peak["per_seed"]],
+                 [(0.2, 20, 0.1, 0.1), (0.2, 15, 0.2, 0.2)],
+                 "each seed's gold at the start, its far end (the largest KL: step 15 in the second) and the last step")
+    assert_equal([(s["rise"]["gold"], s["fall"]["gold"]) for s in peak["per_seed"]], [(0.3, 0.4), (0.3, 0.3)],
+                 "the rise (peak - start) and the fall (peak - far end)")
+    assert_equal(peak["peak_in_every_seed"], True, "rises and falls of 0.3 or more, with offsets of 0.01")
     assert_equal((peak["mean"]["step"], peak["mean"]["gold"]), (10, 0.475), "the peak of the mean curve")
-    assert_equal(peak["standard_error"], 0.025, "the largest standard error of one evaluation (at gold 0.5)")
-    flat = hacking.rl_peak(clear + [run([0.2, 0.23, 0.25, 0.22, 0.21])], samples=400)
-    assert_equal([(s["rises"], s["falls"]) for s in flat["per_seed"]], [(True, True), (True, True), (False, False)],
-                 "a bump of 0.05 is inside twice the noise of a difference (2 x 0.029 at gold 0.2)")
-    assert_equal(flat["peak_in_every_seed"], False, "one seed without a real peak")
-    still_rising = hacking.rl_peak([run([0.1, 0.3, 0.5])], samples=400)["per_seed"][0]
-    assert_equal((still_rising["rises"], still_rising["falls"]), (True, False), "a curve whose last point is its top")
+    far_is_top = run([0.2, 0.3, 0.5, 0.2, 0.1], [0, 1, 16, 4, 2])
+    noisy = run([0.2, 0.23, 0.25, 0.22, 0.21], [0, 1, 4, 9, 16], spread=0.3)
+    both = hacking.rl_peak(clear + [far_is_top, noisy])
+    assert_equal([(s["rises"], s["falls"]) for s in both["per_seed"]],
+                 [(True, True), (True, True), (True, False), (False, False)],
+                 "the third's last step is low but its largest KL is its peak: gold did not fall along KL; the "
+                 "fourth's bump of 0.05 is inside twice the standard error of its differences (0.3)")
+    assert_equal(both["peak_in_every_seed"], False, "seeds without a real peak")
+    with pytest.raises(ValueError, match="at least two prompts"):
+        hacking.paired_standard_error([0.5], [0.4])
 
 
 def test_the_rm_pairs_flag_refuses_a_reward_model_without_pairs(capsys):
@@ -241,6 +279,22 @@ def test_the_rm_pairs_flag_refuses_a_reward_model_without_pairs(capsys):
         main(["--rm-pairs", "100", "0"])
     expect(">= 1" in capsys.readouterr().err, "python -m solutions.part6_lab --rm-pairs 0",
            "a refusal that names the smallest size allowed")
+
+
+@pytest.mark.slow
+def test_reward_model_sizes_smoke():
+    """The longer variant in its smoke setting, one size: best-of-n's curve, and GRPO's peak against that reward
+    model."""
+    from solutions.part6_lab import hacking
+
+    figures = hacking.rm_sizes_figures([0], pairs=(6,), cfg=hacking.HackingConfig.smoke())
+    size = figures["rm_pairs_6"]
+    expect(size["pairs"][0] <= 6, "rm_sizes_figures", "a reward model trained on at most the pairs asked for",
+           observed=size["pairs"])
+    expect([p["n"] for p in size["best_of_n"]] == list(hacking.HackingConfig.smoke().bon_ns), "rm_sizes_figures",
+           "best-of-n at every n of the config", observed=size["best_of_n"])
+    expect({"start", "peak", "far", "rises", "falls"} <= set(size["rl_peak"]["per_seed"][0]), "rm_sizes_figures",
+           "GRPO's peak against the reward model, seed by seed", observed=size["rl_peak"])
 
 
 @pytest.mark.slow
@@ -265,8 +319,8 @@ def test_hacking_experiment_smoke():
     points, peak = figures["rl_curve"]["points"], figures["rl_curve"]["peak"]
     expect(all({"step", "kl", "sqrt_kl", "gold", "gold_per_seed"} <= set(p) for p in points), "hacking rl_curve",
            "each point needs step, kl, sqrt_kl, gold, gold_per_seed", observed=points)
-    expect({"eval_samples", "standard_error", "per_seed", "peak_in_every_seed", "mean"} <= set(peak),
+    expect({"margin", "per_seed", "peak_in_every_seed", "mean"} <= set(peak),
            "hacking rl_curve.peak", "the peak's summary", observed=peak)
-    expect(all({"start", "peak", "end", "rises", "falls"} <= set(s) for s in peak["per_seed"]),
+    expect(all({"start", "peak", "far", "end", "rise", "fall", "rises", "falls"} <= set(s) for s in peak["per_seed"]),
            "hacking rl_curve.peak.per_seed", "each seed's start, peak, end and verdicts", observed=peak["per_seed"])
     hacking.plot(result)
