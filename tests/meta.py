@@ -18,6 +18,7 @@ import pkgutil
 import pytest
 
 from utils.checker import implementations
+from utils.checker.diagnosis import recorded_departures
 from utils.checker.layout import exercise_names, marked_in_source, provided_names, tests_of
 from utils.checker.registry import KINDS, kind_of, registry_of
 from utils.checker.runner import run_exercise_tests
@@ -157,5 +158,26 @@ def meta_test(part: str):
                 f"{part}.{name}: the wrong version {wrong.__name__} fails {[t for t, _ in outcome.failed]} but no "
                 "failure names it: make the failing check record what it saw (assert_close, assert_equal, expect, "
                 f"... rather than a bare assert). Messages: {outcome.failed}")
+        check_trace_departures(part, name, entry)
 
     return test_exercise_tests_pass_on_solution_and_fail_on_stub_and_wrong_versions
+
+
+def check_trace_departures(part: str, name: str, entry) -> None:
+    """The classes of first departure that the registry declares (Exercise.trace_departures) are each wrong version's
+    own, in every test of the exercise that compares loop traces: check() replays a learner's departure only with the
+    wrong versions of its class, so a wrong class would silently stop a mistake from being named."""
+    seen = {wrong.__name__: recorded_departures(wrong) for wrong in entry.wrong}
+    trace_tests = sorted({node for runs in seen.values() for node in runs})
+    if not trace_tests:
+        assert not entry.trace_departures, f"{part}.{name} declares trace departures but no test compares traces"
+        return
+    if not entry.trace_departures:
+        return  # nothing declared: every wrong version is replayed on every failure
+    for wrong, runs in seen.items():
+        for node in trace_tests:
+            found = runs.get(node)
+            assert wrong in entry.trace_departures and entry.trace_departures[wrong] == found, (
+                f"{part}.{name}: the wrong version {wrong} departs in {node.split('::')[-1]} with class {found!r}; "
+                f"its registry entry's trace_departures say {entry.trace_departures.get(wrong, '(nothing)')!r}: "
+                f'write "{wrong}": {found!r} there')

@@ -218,3 +218,44 @@ def test_callees_are_followed_through_the_learners_own_exercises():
                                                                                   failed=[("b", "wrong")]))
     assert line.startswith("❗ your `get_logprobs` fails its own tests (1 of 2): fix it first; "
                            "`policy_and_reference_logprobs` calls it (through `completion_logprobs`)"), line
+
+
+def test_the_callees_of_one_part_run_in_one_session_each_against_its_own_object():
+    """check() tests the learner's callees of a part in one pytest session: each test runs against the object of its
+    own exercise, and each exercise gets the outcome it gets alone."""
+    from solutions.part1_ppo import completion_slice as good
+    from tests.part1_ppo.mistakes import _kl_k3_no_minus_one
+    from utils.checker.runner import run_exercise_tests, run_several_exercise_tests
+
+    def completion_slice(*args, **kwargs):  # the learner's own, right
+        return good(*args, **kwargs)
+
+    def kl_k3(*args, **kwargs):  # the learner's own, wrong
+        return _kl_k3_no_minus_one(*args, **kwargs)
+
+    both = run_several_exercise_tests("part1_ppo", {"completion_slice": completion_slice, "kl_k3": kl_k3})
+    assert both["completion_slice"].ok and not both["completion_slice"].failed, both["completion_slice"]
+    alone = run_exercise_tests("part1_ppo", "kl_k3", kl_k3, diagnosis_budget=0, replays=False)
+    assert alone.failed and sorted(both["kl_k3"].failed) == sorted(alone.failed), (both["kl_k3"], alone)
+    assert sorted(both["kl_k3"].passed) == sorted(alone.passed)
+    assert all("completion_slice" in t for t in both["completion_slice"].passed), both["completion_slice"].passed
+
+
+def test_a_loop_mistake_is_named_replaying_only_the_wrong_versions_of_its_departure():
+    """A learner's learn that steps the scheduler once per epoch departs from the reference's trace with the class
+    "skipped scheduler": only the registered wrong versions of that class are replayed on the trace test (their
+    classes are the registry's, checked by the meta-test), and the mistake is still named."""
+    from tests.part1_ppo.mistakes import REGISTRY, _learn_scheduler_per_epoch
+    from utils.checker import diagnosis
+    from utils.checker.runner import run_exercise_tests
+
+    def learn(*args, **kwargs):  # the learner's own
+        return _learn_scheduler_per_epoch(*args, **kwargs)
+
+    diagnosis.forget_runs()
+    outcome = run_exercise_tests("part1_ppo", "learn", learn)
+    assert outcome.likely == [_learn_scheduler_per_epoch], outcome
+    trace_test = next(node for node, r in outcome.diagnosis.results.items() if r.compares_traces)
+    declared = REGISTRY["learn"].trace_departures
+    replayed = sorted(w.__name__ for (node, w), _ in diagnosis._runs.items() if node == trace_test)
+    assert replayed == sorted(n for n, found in declared.items() if found == "skipped scheduler"), replayed

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from torch.nn.utils import clip_grad_norm_ as imported_clip
 
-from utils.checker.trace import Event, Trace, first_departure, tracing
+from utils.checker.compare import CheckFailure
+from utils.checker.trace import Event, Trace, assert_same_trace, departure_class, first_departure, tracing
 
 
 class Toy(nn.Module):
@@ -196,3 +197,25 @@ def test_the_first_departure_of_hand_made_traces():
                                   + _update([2, 3]), sizes), want)
     assert hooks.message.startswith("Your forward pass 1 (update 1 of 2) runs with hooks on hook_q (layers 0); the "
                                     "reference's with no hooks."), hooks.message
+
+
+def test_the_class_of_a_departure_leaves_out_its_place_and_values():
+    """A departure's class (what the registry declares for each wrong version of a loop exercise) keeps what kind of
+    difference it is, and nothing that changes with the run: the event's number, the values."""
+    sizes = {"a": 3, "b": 1}
+    want = Trace(_update([0, 1]) + _update([2, 3]), sizes)
+    rows = first_departure(Trace(_update([0, 1]) + _update([0, 1]), sizes), want)
+    loss = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=2.0), sizes), want)
+    extra = first_departure(Trace([_forward([0, 1], grad=False)] + _update([0, 1]) + _update([2, 3]), sizes), want)
+    assert [departure_class(d.observed) for d in (rows, loss, extra)] == ["forward rows", "backward loss",
+                                                                          "extra forward"]
+    assert departure_class(("order", 5, "step", "backward")) == "order step backward"
+    assert departure_class(("call", "ppo_loss", 2, "advantages", 0.5)) == "call ppo_loss advantages"
+
+
+def test_a_failed_trace_comparison_carries_its_departure():
+    sizes = {"a": 3, "b": 1}
+    want = Trace(_update([0, 1]) + _update([2, 3]), sizes)
+    with pytest.raises(CheckFailure) as failure:
+        assert_same_trace(Trace(_update([0, 1]) + _update([0, 1]), sizes), want, "the loop")
+    assert failure.value.departure.observed == ("forward", 2, "rows", (0, 1))

@@ -22,6 +22,31 @@ def learning_setup(tiny_model, **overrides):
     return cfg, policy, memory, state
 
 
+def shared_setup(tiny_model, **overrides):
+    """learning_setup(tiny_model, **overrides), made once per process: the mistake finder replays a failed test with
+    each registered wrong version, and check() runs it again with the reference, on the same set-up each time. Each
+    call gets its own copy of the memory (a wrong version may write into it), the policy put back to `state`, and the
+    global random state that learning_setup leaves (a learn that ignores its generator draws from it)."""
+    key = "learn set-up" + (f" {sorted(overrides.items())}" if overrides else "")
+    cfg, policy, memory, state, rng = reference_trace(
+        key, lambda: (*learning_setup(tiny_model, **overrides), torch.get_rng_state()))
+    policy.load_state_dict(state)
+    for p in policy.parameters():
+        p.grad = None
+    torch.set_rng_state(rng)
+    copy = dataclasses.replace(memory, **{k: v.clone() for k, v in vars(memory).items() if isinstance(v, torch.Tensor)})
+    return cfg, policy, copy, state
+
+
+def reference_learn(tiny_model, **overrides):
+    """run_learn(ref.learn, ...) on shared_setup(tiny_model, **overrides), made once per process: (stats, counters,
+    updates)."""
+    def run():
+        cfg, policy, memory, state = shared_setup(tiny_model, **overrides)
+        return run_learn(ref.learn, policy, state, memory, cfg)
+    return reference_trace("learn reference" + (f" {sorted(overrides.items())}" if overrides else ""), run)
+
+
 def run_learn(fn, policy, state, memory, cfg, seed=0):
     """Put the policy back to `state`, make a fresh optimiser and schedule, run fn; return what it did."""
     policy.load_state_dict(state)
@@ -75,10 +100,13 @@ def test_learn_does_what_the_reference_does_in_order(impl, tiny_model):
     ppo_loss is given) against the reference's, from the same start: the first place where they part."""
     # The set-up and the reference's trace are made once per process: the mistake finder replays this test with
     # each registered wrong version, and each gets a copy of the memory (a wrong version may write into it)
-    cfg, policy, memory, state = reference_trace("learn set-up", lambda: learning_setup(tiny_model))
-    want = reference_trace("learn", lambda: traced_learn(ref.learn, policy, state, memory, cfg))
-    copy = dataclasses.replace(memory, **{k: v.clone() for k, v in vars(memory).items() if isinstance(v, torch.Tensor)})
-    got = traced_learn(impl.learn, policy, state, copy, cfg)
+    def reference_run():
+        cfg, policy, memory, state = shared_setup(tiny_model)
+        return traced_learn(ref.learn, policy, state, memory, cfg)
+
+    want = reference_trace("learn", reference_run)
+    cfg, policy, memory, state = shared_setup(tiny_model)
+    got = traced_learn(impl.learn, policy, state, memory, cfg)
     per_epoch = cfg.batch_size // cfg.minibatch_size
     assert_same_trace(got, want, f"what learn does, step by step {loop_where(cfg)}", per_epoch=per_epoch,
                       batch="the memory", hooks=value_head_hooks(policy), masks={"ppo_loss": "completion_mask"},
@@ -91,8 +119,8 @@ def test_learn_does_what_the_reference_does_in_order(impl, tiny_model):
 def test_learn_makes_the_reference_update(impl, tiny_model):
     for overrides in ({}, dict(epochs=1, minibatch_size=4, normalize_advantages=False, clip_eps=0.1, vf_coef=1.0,
                                ent_coef=0.05, kl_coef=0.5, max_grad_norm=0.3), dict(clip_value=0.05)):
-        cfg, policy, memory, state = learning_setup(tiny_model, **overrides)
-        _, want_counters, want_updates = run_learn(ref.learn, policy, state, memory, cfg)
+        _, want_counters, want_updates = reference_learn(tiny_model, **overrides)
+        cfg, policy, memory, state = shared_setup(tiny_model, **overrides)
         _, counters, updates = run_learn(impl.learn, policy, state, memory, cfg)
         where = loop_where(cfg)
         steps = cfg.epochs * cfg.batch_size // cfg.minibatch_size
@@ -110,8 +138,8 @@ def test_learn_makes_the_reference_update(impl, tiny_model):
 
 @exercise("learn")
 def test_learn_returns_the_mean_statistics(impl, tiny_model):
-    cfg, policy, memory, state = learning_setup(tiny_model)
-    want, _, _ = run_learn(ref.learn, policy, state, memory, cfg)
+    want, _, _ = reference_learn(tiny_model)
+    cfg, policy, memory, state = shared_setup(tiny_model)
     got, _, _ = run_learn(impl.learn, policy, state, memory, cfg)
     expect(isinstance(got, dict), "what learn returns", f"expected a dict of statistics, got {type(got).__name__}",
            observed=type(got).__name__)
@@ -129,7 +157,7 @@ def test_learn_returns_the_mean_statistics(impl, tiny_model):
 
 @exercise("learn")
 def test_learn_draws_minibatches_from_the_generator(impl, tiny_model):
-    cfg, policy, memory, state = learning_setup(tiny_model)
+    cfg, policy, memory, state = shared_setup(tiny_model)
 
     def updated_head(generator):
         policy.load_state_dict(state)
@@ -143,7 +171,7 @@ def test_learn_draws_minibatches_from_the_generator(impl, tiny_model):
 
 @exercise("learn")
 def test_learn_leaves_the_memory_alone(impl, tiny_model):
-    cfg, policy, memory, state = learning_setup(tiny_model)
+    cfg, policy, memory, state = shared_setup(tiny_model)
     optimizer, scheduler = ref.make_optimizer(policy, cfg.lr_model, cfg.lr_head, cfg.warmup_steps, cfg.total_steps)
 
     def learn_from(memory):

@@ -80,12 +80,17 @@ def run_step(fn, tiny_model, cfg, steps=1, traced=False):
 
 
 def checked_step(impl, tiny_model, cfg, what, steps=1):
-    """(the learner's run, the reference's run), after checking that the learner's returns a GRPOStepOutput."""
+    """(the learner's run, the reference's run), after checking that the learner's returns a GRPOStepOutput. The
+    reference's run is made once per process for each (cfg, steps), before the learner's (run_step seeds both the
+    same way): the mistake finder replays a failed test with each registered wrong version, and check() runs it again
+    with the reference."""
+    expected = reference_trace(f"grpo_step reference {cfg!r} {steps}",
+                               lambda: run_step(ref.grpo_step, tiny_model, cfg, steps))
     got = calling(run_step, impl.grpo_step, tiny_model, cfg, steps, what=what, explain=async_reward_cause)
     kind = type(got.out).__name__
     expect(kind == "GRPOStepOutput", f"{what}: the type of the result", f"expected a GRPOStepOutput (what the trainer "
            f"reads its metrics from), got {kind}", observed=kind)
-    return got, run_step(ref.grpo_step, tiny_model, cfg, steps)
+    return got, expected
 
 
 def compare_steps(got, expected, what, tiny_model=None, cfg=None):

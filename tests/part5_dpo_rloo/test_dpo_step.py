@@ -86,6 +86,14 @@ def run_step(fn, model, seed, reference, settings, fresh_lora=False, watch=None)
     return out, lora_vector(lora_model) - before, events
 
 
+def reference_step(model, seed, reference, settings, fresh_lora=False):
+    """run_step(ref.dpo_step, ...), made once per process for each set-up (the mistake finder replays a failed test
+    with each registered wrong version, and check() runs it again with the reference). Made before the learner's run
+    (step_setup seeds both the same way), so that nothing the learner's code leaves behind reaches it."""
+    key = f"dpo_step reference {seed} {reference} {sorted(settings.items())} {fresh_lora}"
+    return reference_trace(key, lambda: run_step(ref.dpo_step, model, seed, reference, settings, fresh_lora))
+
+
 def step_what(reference, settings):
     return (f"dpo_step({reference} reference, " + ", ".join(f"{k}={v}" for k, v in settings.items()) + ")")
 
@@ -136,8 +144,8 @@ def test_dpo_step_matches_the_reference_step(impl, tiny_model):
     """The same log-probs, loss and parameter update as the reference step, for each reference form and loss."""
     for seed, (reference, settings) in enumerate(STEP_CONFIGS):
         what = step_what(reference, settings)
+        expected, expected_update, _ = reference_step(tiny_model, seed, reference, settings)
         out, update, _ = run_step(impl.dpo_step, tiny_model, seed, reference, settings)
-        expected, expected_update, _ = run_step(ref.dpo_step, tiny_model, seed, reference, settings)
         expect_step_output(out, what)
         n = len(STEP_TRIPLES)
         assert_close(torch.cat([out["chosen"], out["rejected"]]), torch.cat([expected["chosen"], expected["rejected"]]),
@@ -196,8 +204,8 @@ def test_dpo_step_fresh_lora_starts_at_log_2_and_learns(impl, tiny_model):
     the NLL's: sft_weight=0) still moves the LoRA."""
     settings = dict(loss_type="sigmoid", beta=0.1, sft_weight=0.0, max_grad_norm=5.0)
     what = step_what("implicit", settings) + " on a fresh LoRA (B = 0)"
+    _, expected_update, _ = reference_step(tiny_model, 0, "implicit", settings, fresh_lora=True)
     out, update, _ = run_step(impl.dpo_step, tiny_model, 0, "implicit", settings, fresh_lora=True)
-    _, expected_update, _ = run_step(ref.dpo_step, tiny_model, 0, "implicit", settings, fresh_lora=True)
     expect_step_output(out, what)
     assert_close(out["loss"], torch.tensor(math.log(2)), f"the loss of {what}", check_grad=False,
                  hint="With B = 0 the LoRA model and the base give the same log-probs: every margin is 0 and "

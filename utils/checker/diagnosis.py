@@ -24,6 +24,8 @@ from utils.checker.layout import part_of
 from utils.checker.observe import recording
 from utils.checker.registry import explanation, registry_of
 from utils.checker.shapes import target
+from utils.checker import trace
+from utils.checker.trace import departure_class
 from utils.upstream import EnvironmentMismatch
 
 # (test node id, wrong version) -> its run, for the life of the process (written by MistakeFinder only)
@@ -47,6 +49,7 @@ class TestResult:
     under_test: object = None    # the object the test ran
     matches: list | None = None  # for a failure: the wrong versions that fail it the same way (None: undiagnosable)
     diagnosable: bool = False    # a failure whose fingerprint can be compared (not a stub, a skip, a bare assert...)
+    compares_traces: bool = False  # the test compared loop traces (trace.assert_same_trace)
 
 
 class MistakeFinder:
@@ -134,15 +137,18 @@ class MistakeFinder:
             yield
             return
         state = rng_state()
+        compared = trace.comparisons()
         with recording() as log:
             outcome = yield
         exc = outcome.excinfo[1] if outcome.excinfo else None
         learner = self.run(item, exc, log)
+        learner.compares_traces = trace.comparisons() > compared
         under_test = target(vars(impl).get(name))
         registered = any(under_test is m for m in wrong)
         if registered:
             _runs[(item.nodeid, under_test)] = learner
-        result = self.results[item.nodeid] = TestResult(name, wrong, passed=exc is None, under_test=under_test)
+        result = self.results[item.nodeid] = TestResult(name, wrong, passed=exc is None, under_test=under_test,
+                                                        compares_traces=learner.compares_traces)
         result.diagnosable = exc is not None and not isinstance(exc, NOT_DIAGNOSED) and not fingerprints_nothing(learner)
         if not self.replays:
             return
@@ -153,25 +159,54 @@ class MistakeFinder:
                     _runs[(item.nodeid, candidate)] = self.timed_replay(item, impl, name, candidate, state)
         if not result.diagnosable:  # passed; not written yet, stopped, skipped, the libraries' fault (environment.py);
             return                  # or a bare assert, which recorded nothing to compare
-        result.matches = self.diagnose(item, impl, name, wrong, learner, state)
+        declared = registry_of(part)[name].trace_departures
+        result.matches = self.diagnose(item, impl, name, wrong, learner, state, declared)
         named = self.likely(name) if result.matches else []
         if named:
             _add_note(exc, describe_matches(name, named))
 
-    def diagnose(self, item, impl, name: str, wrong: tuple, learner: Run, state: tuple) -> list | None:
+    def diagnose(self, item, impl, name: str, wrong: tuple, learner: Run, state: tuple,
+                 declared: dict | None = None) -> list | None:
         # A wrong version that failed an earlier failure of this session differently can no longer be named: it is
-        # not replayed (the loop exercises' first test, their trace, fails first and leaves few to replay).
+        # not replayed (the loop exercises' first test, their trace, fails first and leaves few to replay). Nor is
+        # one whose first departure in a loop's trace is known to be of another class than the learner's
+        # (Exercise.trace_departures, checked by the meta-test): it cannot fail this trace test the same way.
         earlier = [r.matches for node, r in self.results.items()
                    if node != item.nodeid and r.exercise == name and not r.passed and r.matches is not None]
+        declared = declared or {}
+        # Nor is one that departs in a trace test the learner's version passed (the rule: a named wrong version
+        # passes every test the learner's passes), nor, where the learner's failed a trace test elsewhere than at
+        # the comparison, one that departs there (it fails at the comparison). Whether this test compares traces:
+        # the learner's run says so, or the first replay of a wrong version that does not depart.
+        passed_a_trace = any(r.passed and r.compares_traces for node, r in self.results.items()
+                             if node != item.nodeid and r.exercise == name)
+        trace_test = learner.compares_traces
+
+        def departs(candidate) -> bool:
+            return declared.get(getattr(candidate, "__name__", None)) is not None
+
+        def cannot_match(candidate) -> bool:
+            known = getattr(candidate, "__name__", None)
+            if known not in declared:
+                return False
+            if departs(candidate) and passed_a_trace:
+                return True
+            if learner.departure is not None:
+                return declared[known] != learner.departure
+            return departs(candidate) and trace_test
+
         matches = []
-        for candidate in wrong:
+        for candidate in sorted(wrong, key=departs):  # those that do not depart first (stable: registry order)
             if not all(any(candidate is m for m in found) for found in earlier):
+                continue
+            if cannot_match(candidate):
                 continue
             key = (item.nodeid, candidate)
             if key not in _runs:
                 if self.out_of_time():
                     return None  # out of time: this failure stays undiagnosed rather than half-diagnosed
                 _runs[key] = self.timed_replay(item, impl, name, candidate, state)
+            trace_test = trace_test or _runs[key].compares_traces
             if same_run(_runs[key], learner):
                 matches.append(candidate)
         return matches
@@ -189,7 +224,10 @@ class MistakeFinder:
 
     @staticmethod
     def run(item, exc: BaseException | None, log: list) -> Run:
-        return run_of(str(item.path), None if isinstance(exc, pytest.skip.Exception) else exc, log)
+        run = run_of(str(item.path), None if isinstance(exc, pytest.skip.Exception) else exc, log)
+        departure = getattr(exc, "departure", None)  # a loop trace's (trace.assert_same_trace)
+        run.departure = None if departure is None else departure_class(departure.observed)
+        return run
 
     @classmethod
     def replay(cls, item, impl, name: str, candidate, state: tuple) -> Run:
@@ -199,6 +237,7 @@ class MistakeFinder:
         set_rng_state(state)
         pool.restore()
         exc = None
+        compared = trace.comparisons()
         with recording() as log:
             try:
                 item.runtest()
@@ -209,7 +248,9 @@ class MistakeFinder:
             finally:
                 setattr(impl, name, original)
                 pool.restore()
-        return cls.run(item, exc, log)
+        run = cls.run(item, exc, log)
+        run.compares_traces = trace.comparisons() > compared
+        return run
 
 
 def describe_matches(name: str, matches: list) -> str:
@@ -219,6 +260,13 @@ def describe_matches(name: str, matches: list) -> str:
     lines = "\n".join(f"  - {explanation(m)}" for m in matches)
     return f"Likely mistake: known wrong versions of {name} fail its tests in exactly the same way; it is one of " \
            f"these:\n{lines}"
+
+
+def recorded_departures(wrong) -> dict[str, str | None]:
+    """{test node id: the class of its first trace departure (None: none)} of each cached run of the wrong version
+    `wrong` that compared loop traces (the meta-test's runs: every test of the exercise, with each wrong version)."""
+    return {node: run.departure for (node, candidate), run in _runs.items() if candidate is wrong
+            and run.compares_traces}
 
 
 def forget_runs() -> None:

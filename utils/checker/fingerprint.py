@@ -25,6 +25,9 @@ class Run:
     where: tuple[int, str] | None = None      # (line in the test file, exception type)
     message: str | None = None                # the message, for failures that did not come from a checker assertion
     observations: list = field(default_factory=list)
+    departure: str | None = None              # a loop trace's first departure, when it failed there (its class:
+                                              # trace.departure_class); not part of the fingerprint
+    compares_traces: bool = False             # whether the test compared loop traces (trace.assert_same_trace)
 
 
 def run_of(test_file: str, exc: BaseException | None, log: list) -> Run:

@@ -34,6 +34,23 @@ class UnderTest:
     def pytest_configure(self, config):
         config.stash[UNDER_TEST] = self
 
+    def overrides(self, item) -> dict[str, object] | None:
+        """{exercise name: object} that `item`, a test of this object's part, runs against."""
+        return {self.name: self.obj}
+
+
+class UnderTestSeveral(UnderTest):
+    """UnderTest for several exercises of one part in one session ({name: object}): each test runs against the
+    object of its own exercise only, as it would in a session of that exercise alone."""
+
+    def __init__(self, part: str, objects: dict[str, object]):
+        super().__init__(part, ", ".join(objects), None)
+        self.objects = dict(objects)
+
+    def overrides(self, item) -> dict[str, object] | None:
+        marks = [m.args[0] for m in item.iter_markers("exercise") if m.args and m.args[0] in self.objects]
+        return {marks[0]: self.objects[marks[0]]} if marks else None
+
 
 def pytest_addoption(parser):
     parser.addoption("--impl", default="solutions",
@@ -83,7 +100,7 @@ def impl(request):
     part = part_of(request.module.__name__)
     spec = request.config.getoption("--impl")
     under_test = request.config.stash.get(UNDER_TEST, None)
-    overrides = {under_test.name: under_test.obj} if under_test is not None and under_test.part == part else None
+    overrides = under_test.overrides(request.node) if under_test is not None and under_test.part == part else None
     found = implementations.resolve(spec, part, overrides)
     if found is None:
         pytest.skip(f"--impl {spec} is a file of another part, not {part}")

@@ -76,6 +76,11 @@ class Exercise:
     not_applicable: Mapping[str, str] = field(default_factory=dict)  # kind of mistake -> why it cannot happen here
     always_default: Mapping[str, str] = field(default_factory=dict)  # parameter -> why no test varies it
     on_lora_model: bool = False                                      # the course calls it with a LoRAModel
+    # A loop exercise's trace test (trace.assert_same_trace): wrong version's name -> the class of its first departure
+    # there (trace.departure_class), None where it does not depart (it passes that test, or fails it before the
+    # comparison). A learner's departure is then replayed only with the wrong versions of its class; one not listed
+    # is replayed on every failure. The meta-test checks each class against the wrong version's own run.
+    trace_departures: Mapping[str, str | None] = field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "wrong", tuple(self.wrong))
@@ -132,6 +137,10 @@ class Registry(Mapping):
             if bad_kinds:
                 raise RegistryError(f"{where}: {name!r} lists unknown kinds {bad_kinds} as not applicable; the "
                                     f"kinds are {sorted(KINDS)}")
+            unknown_wrong = sorted(set(entry.trace_departures) - {getattr(w, "__name__", None) for w in entry.wrong})
+            if unknown_wrong:
+                raise RegistryError(f"{where}: {name!r} declares trace departures of {unknown_wrong}, which are not "
+                                    "among its registered wrong versions")
             params = _parameters(getattr(reference, name))
             bad_params = sorted(set(entry.always_default) - params)
             if bad_params:

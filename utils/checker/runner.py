@@ -22,7 +22,7 @@ from utils.checker import environment, pool
 from utils.checker.diagnosis import MistakeFinder
 from utils.checker.implementations import solutions_module
 from utils.checker.layout import test_modules_of, tests_of
-from utils.checker.plugin import UnderTest
+from utils.checker.plugin import UnderTest, UnderTestSeveral
 from utils.checker.stopping import Stop, StopAtBoundaries
 
 
@@ -94,6 +94,48 @@ class _Only:
         items[:] = keep
 
 
+class _OfExercises:
+    """A pytest plugin that keeps only the tests of the exercises named, and routes each test's report to the
+    collector of its exercise."""
+
+    def __init__(self, collectors: dict[str, _Collector]):
+        self.collectors = collectors
+        self.exercise: dict[str, str] = {}  # node id -> its exercise
+        self.running_test = None
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        keep = []
+        for item in items:
+            marks = [m.args[0] for m in item.iter_markers("exercise") if m.args and m.args[0] in self.collectors]
+            if marks:
+                self.exercise[item.nodeid] = marks[0]
+                keep.append(item)
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.running_test = _test_name(nodeid)
+        name = self.exercise.get(nodeid)
+        if name is not None:
+            self.collectors[name].pytest_runtest_logstart(nodeid, location)
+
+    def pytest_runtest_logreport(self, report):
+        name = self.exercise.get(report.nodeid)
+        if name is not None:
+            self.collectors[name].pytest_runtest_logreport(report)
+
+    def pytest_collectreport(self, report):
+        if report.failed:  # a module that cannot be collected: every exercise it may hold tests of fails
+            for collector in self.collectors.values():
+                collector.pytest_collectreport(report)
+
+    def pytest_exception_interact(self, node, call, report):
+        name = self.exercise.get(node.nodeid) if isinstance(node, pytest.Item) else None
+        for key in ([name] if name is not None else list(self.collectors)):
+            self.collectors[key].pytest_exception_interact(node, call, report)
+
+
 def _test_name(nodeid: str) -> str:
     return nodeid.split("::")[-1]
 
@@ -150,16 +192,20 @@ class _ProcessState:
         self.torch.restore()
 
 
-def _session(part: str, name: str, plugins: list, *options: str) -> None:
-    """One pytest session over the tests of exercise `name`, reporting only to `plugins` (which say what runs)."""
+def _session(part: str, name: str | list[str], plugins: list, *options: str) -> None:
+    """One pytest session over the tests of exercise `name` (or of several, a list: then a plugin of `plugins`
+    picks their tests), reporting only to `plugins` (which say what runs)."""
     # pytest's report goes to a buffer, not the notebook: the Collector keeps what the learner needs. (Turning the
     # terminal plugin off instead would break pytest's explanation of a failed `assert a == b`.)
     sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
     # The exercise tests need no plugin from other packages, and those can cost seconds (hypothesis's imports all of
     # hypothesis at the end of the first session, a time when an interrupt must stop it at once).
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    modules = test_modules_of(part, name) or [tests_of(part)]  # only the modules with tests of this exercise
-    pytest.main([*map(str, modules), "--exercise", name, "-q",
+    names = [name] if isinstance(name, str) else list(name)
+    # only the modules with tests of these exercises
+    modules = sorted({m for n in names for m in test_modules_of(part, n)}) or [tests_of(part)]
+    chosen = ["--exercise", name] if isinstance(name, str) else []
+    pytest.main([*map(str, modules), *chosen, "-q",
                  "-p", "no:cacheprovider", "-p", "no:unraisableexception",
                  "-W", "ignore::pytest.PytestAssertRewriteWarning", *options],
                 plugins=plugins)
@@ -208,6 +254,58 @@ def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None 
         outcome.timed_out = collector.running or "(between tests)"
     outcome.not_written = bool(outcome.failed) and collector.stubs == len(outcome.failed) and not outcome.passed
     return outcome
+
+
+def run_several_exercise_tests(part: str, objects: dict[str, object], timeout: float | None = None
+                               ) -> dict[str, Outcome]:
+    """run_exercise_tests(part, name, obj, replays=False) for each {name: obj} of `objects`, in one pytest session
+    (each costs about a tenth of a second of its own, and check() tests every exercise the object calls): each test
+    runs against the object of its own exercise only. A stop at the time limit ends them all; each outcome then
+    says it timed out.
+
+    Raises KeyboardInterrupt, once everything is put back, if the run was interrupted.
+    """
+    outcomes = {name: Outcome(name) for name in objects}
+    collectors = {name: _Collector(outcome) for name, outcome in outcomes.items()}
+    router = _OfExercises(collectors)
+    finder = MistakeFinder(budget_s=0, replays=False)
+    for outcome in outcomes.values():
+        outcome.diagnosis = finder
+    saved = _ProcessState()
+    start = time.perf_counter()
+    stop = Stop(timeout)
+    learner_done = False
+    try:
+        stop.arm()
+        _session(part, list(objects), [router, finder, UnderTestSeveral(part, objects), StopAtBoundaries(stop)])
+        learner_done = not stop.stopped
+        if learner_done:
+            saved.torch.restore()  # the control must not inherit what the learner's code changed
+            for name, outcome in outcomes.items():
+                if outcome.failed:
+                    _judge_failures(part, name, objects[name], outcome, stop)
+    except KeyboardInterrupt:
+        pass  # the time limit or an interrupt that landed outside pytest's hands: `stop` records which
+    except Exception:
+        if not stop.stopped:
+            raise
+    finally:
+        stop.disarm()
+        try:
+            pool.restore()
+        finally:
+            saved.restore()
+            stop.close()
+    seconds = time.perf_counter() - start
+    if stop.interrupted:
+        raise stop.interruption(f"check({', '.join(objects)})")
+    for name, outcome in outcomes.items():
+        outcome.seconds = seconds
+        if not learner_done and stop.timed_out:
+            outcome.timed_out = router.running_test or "(between tests)"
+        collector = collectors[name]
+        outcome.not_written = bool(outcome.failed) and collector.stubs == len(outcome.failed) and not outcome.passed
+    return outcomes
 
 
 def _judge_failures(part: str, name: str, obj: object, outcome: Outcome, stop: Stop) -> None:

@@ -579,12 +579,43 @@ def _value_difference(actual, expected, atol: float, rtol: float, mask: Tensor |
 
 def assert_same_trace(got: Trace, want: Trace, what: str, hint: str | None = None, **describe) -> None:
     """Fail, saying where, when the learner's trace `got` departs from the reference's `want` (first_departure's
-    keywords in `describe`). The departure is what the failure records for the mistake's fingerprint."""
-    from utils.checker.compare import expect
+    keywords in `describe`). The departure is what the failure records for the mistake's fingerprint; the failure
+    also carries it (as `.departure`), for the mistake finder to pick the wrong versions that can match it."""
+    from utils.checker.compare import CheckFailure, expect
 
+    global _comparisons
+    _comparisons += 1
     departure = first_departure(got, want, **describe)
-    expect(departure is None, what, "" if departure is None else departure.message + (f"\n{hint}" if hint else ""),
-           observed=None if departure is None else departure.observed)
+    try:
+        expect(departure is None, what, "" if departure is None else departure.message + (f"\n{hint}" if hint else ""),
+               observed=None if departure is None else departure.observed)
+    except CheckFailure as failure:
+        failure.departure = departure
+        raise
+
+
+_comparisons = 0  # how many times assert_same_trace has run in this process
+
+
+def comparisons() -> int:
+    """How many times assert_same_trace has run in this process: a test that made it grow compares loop traces."""
+    return _comparisons
+
+
+def departure_class(observed: tuple) -> str:
+    """What kind of departure `observed` (a Departure's) is, without its place or its values: "backward cleared",
+    "skipped scheduler", "order step backward", "call ppo_loss advantages". Two runs whose first departures differ in
+    class cannot fail a trace test the same way: the registry says each wrong version's class on its exercise's trace
+    test (Exercise.trace_departures, which the meta-test checks), so that a learner's departure is replayed only with
+    the wrong versions that can match it (diagnosis.py)."""
+    kind = observed[0]
+    if kind == "order":
+        parts = observed[:1] + observed[2:4]
+    elif kind == "call":
+        parts = (kind, observed[1], observed[3])
+    else:  # skipped / extra (the kind of event), forward / backward / clip / step (what differs in it)
+        parts = (kind, observed[2])
+    return " ".join(str(part) for part in parts)
 
 
 def namespaces_of(*functions) -> tuple[dict, ...]:
