@@ -14,6 +14,7 @@ import io
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -211,6 +212,30 @@ def _session(part: str, name: str | list[str], plugins: list, *options: str) -> 
                 plugins=plugins)
 
 
+@contextmanager
+def _stoppable(stop: Stop, saved: _ProcessState):
+    """The body runs with `stop` armed (its time limit and the learner's interrupt raise inside it); a stop that lands
+    there ends the body, and is recorded by `stop`, not raised. Whatever happens, the shared model is restored, then
+    the notebook gets back its streams, its torch state and its interrupt handler."""
+    try:
+        stop.arm()
+        yield
+    except KeyboardInterrupt:
+        pass  # the time limit or an interrupt that landed outside pytest's hands: `stop` records which
+    except Exception:
+        if not stop.stopped:
+            raise
+        # pytest, stopped in the middle of setting itself up or of cleaning up, can fail in other ways: what
+        # happened is the stop, which the caller reports
+    finally:
+        stop.disarm()  # from here on, a stop is recorded, not raised: the cleanup below always runs
+        try:
+            pool.restore()
+        finally:  # whatever the learner's code did to the model, the notebook gets its streams and its handler back
+            saved.restore()
+            stop.close()
+
+
 def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None = None,
                        diagnosis_budget: float | None = None, replays: bool = True) -> Outcome:
     """Run the tests of exercise `name` of `part` against `obj`, in this process, and return what happened.
@@ -225,28 +250,13 @@ def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None 
     start = time.perf_counter()
     stop = Stop(timeout)
     learner_done = False
-    try:
-        stop.arm()
+    with _stoppable(stop, saved):
         _session(part, name, [collector, finder, UnderTest(part, name, obj), StopAtBoundaries(stop)])
         learner_done = not stop.stopped
         if learner_done:
             outcome.likely = finder.likely(name)
             saved.torch.restore()  # the control must not inherit what the learner's code changed
             _judge_failures(part, name, obj, outcome, stop)
-    except KeyboardInterrupt:
-        pass  # the time limit or an interrupt that landed outside pytest's hands: `stop` records which
-    except Exception:
-        if not stop.stopped:
-            raise
-        # pytest, stopped in the middle of setting itself up or of cleaning up, can fail in other ways: what
-        # happened is the stop, which is reported below
-    finally:
-        stop.disarm()  # from here on, a stop is recorded, not raised: the cleanup below always runs
-        try:
-            pool.restore()
-        finally:  # whatever the learner's code did to the model, the notebook gets its streams and its handler back
-            saved.restore()
-            stop.close()
     outcome.seconds = time.perf_counter() - start
     if stop.interrupted:
         raise stop.interruption(f"check({name})")
@@ -275,8 +285,7 @@ def run_several_exercise_tests(part: str, objects: dict[str, object], timeout: f
     start = time.perf_counter()
     stop = Stop(timeout)
     learner_done = False
-    try:
-        stop.arm()
+    with _stoppable(stop, saved):
         _session(part, list(objects), [router, finder, UnderTestSeveral(part, objects), StopAtBoundaries(stop)])
         learner_done = not stop.stopped
         if learner_done:
@@ -284,18 +293,6 @@ def run_several_exercise_tests(part: str, objects: dict[str, object], timeout: f
             for name, outcome in outcomes.items():
                 if outcome.failed:
                     _judge_failures(part, name, objects[name], outcome, stop)
-    except KeyboardInterrupt:
-        pass  # the time limit or an interrupt that landed outside pytest's hands: `stop` records which
-    except Exception:
-        if not stop.stopped:
-            raise
-    finally:
-        stop.disarm()
-        try:
-            pool.restore()
-        finally:
-            saved.restore()
-            stop.close()
     seconds = time.perf_counter() - start
     if stop.interrupted:
         raise stop.interruption(f"check({', '.join(objects)})")
