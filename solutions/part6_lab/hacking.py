@@ -221,9 +221,16 @@ def proxy_scores(reward_model_scores, rm, head, prompts: list[str], completions:
 
     with rm.hooks(fwd_hooks=[("unembed.hook_out", keep_logits)]):
         correction = reward_model_scores(rm, head, ids, mask)
-    logp = kept["logits"][:, prompt_len - 1:-1].log_softmax(-1)  # position t predicts token t + 1
+    return completion_log_likelihood(kept["logits"], ids, mask, prompt_len) + correction
+
+
+def completion_log_likelihood(logits: Float[Tensor, "batch seq vocab"], ids: Int[Tensor, "batch seq"],
+                              mask: Int[Tensor, "batch seq"], prompt_len: int) -> Float[Tensor, "batch"]:
+    """The log-probability of each row's completion (ids[:, prompt_len:], its real tokens as `mask` says: the answer
+    and its EOS) given its prompt, from the logits of one forward pass over the rows."""
+    logp = logits[:, prompt_len - 1:-1].log_softmax(-1)  # position t predicts token t + 1
     token_logp = logp.gather(-1, ids[:, prompt_len:, None]).squeeze(-1)  # [batch, completion]
-    return (token_logp * mask[:, prompt_len:]).sum(1) + correction
+    return (token_logp * mask[:, prompt_len:]).sum(1)
 
 
 def _pair_scores(reward_model_scores, rm, head, triples):
@@ -345,9 +352,7 @@ def exact_answer_probability(model, prompts: list[str], max_new_tokens: int) -> 
     if ids.shape[1] - prompt_len > max_new_tokens:
         raise ValueError(f"an answer and its EOS take {ids.shape[1] - prompt_len} tokens, more than max_new_tokens = "
                          f"{max_new_tokens}: the policy could never sample it; raise max_new_tokens")
-    logp = model(ids, attention_mask=mask)[:, prompt_len - 1:-1].log_softmax(-1)  # position t predicts token t + 1
-    token_logp = logp.gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
-    return (token_logp * mask[:, prompt_len:]).sum(1).exp()
+    return completion_log_likelihood(model(ids, attention_mask=mask), ids, mask, prompt_len).exp()
 
 
 @torch.no_grad()
