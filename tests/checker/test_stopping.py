@@ -3,6 +3,7 @@ stub is not written yet, and an interrupt (Jupyter's button) stops it at once wh
 behind."""
 
 import _thread
+import importlib
 import inspect
 import json
 import os
@@ -85,6 +86,7 @@ def forget_what_check_has_loaded(monkeypatch):
     """A function that makes the next check() go through every phase again, as the first one in a notebook does: the
     test package imported again, the model loaded again, the wrong versions replayed, the course's solution run. The
     originals come back when the test ends (and only they are kept: not every model loaded on the way)."""
+    importlib.import_module(PART0_TESTS)  # loaded once, whichever tests ran before this one
     monkeypatch.setattr(tests, "part0_warmup", tests.part0_warmup)  # importing it again rebinds this
     for name in part0_test_modules():
         monkeypatch.setitem(sys.modules, name, sys.modules[name])
@@ -220,22 +222,25 @@ def interrupt_from_hook(monkeypatch, hook: str, control_run: bool = False) -> li
     return sent
 
 
-def interrupt_inside(monkeypatch, owner, attribute: str, after: float = 0.0) -> list:
-    """Press the interrupt button when `owner.attribute` (a function) is first called, `after` seconds into it.
-    Returns the list that receives the time it was pressed."""
+def interrupt_inside(monkeypatch, owner, attribute: str, after: float | None = 0.0) -> list:
+    """Press the interrupt button when `owner.attribute` (a function) is first called, `after` seconds into it, or
+    the moment it returns (after=None). Returns the list that receives the time it was pressed."""
     sent, original = [], getattr(owner, attribute)
 
     def press():
         sent.append(time.perf_counter())
-        _thread.interrupt_main()
+        _thread.interrupt_main()  # handled at the next bytecode of the main thread
 
     def wrapped(*args, **kwargs):
-        if not sent:
-            if after:
-                threading.Timer(after, press).start()
-            else:
-                press()
-        return original(*args, **kwargs)
+        first = not sent
+        if first and after:
+            threading.Timer(after, press).start()
+        elif first and after is not None:
+            press()
+        result = original(*args, **kwargs)
+        if first and after is None:
+            press()
+        return result
 
     static = isinstance(inspect.getattr_static(owner, attribute), staticmethod)
     monkeypatch.setattr(owner, attribute, staticmethod(wrapped) if static else wrapped)
@@ -243,6 +248,9 @@ def interrupt_inside(monkeypatch, owner, attribute: str, after: float = 0.0) -> 
 
 
 PHASES = {
+    "arming check()'s watch, before its own interrupt handler is set":
+        lambda mp: interrupt_inside(mp, stopping.Stop, "arm"),
+    "between arming check()'s watch and starting pytest": lambda mp: interrupt_inside(mp, stopping.Stop, "arm", None),
     "collecting the test package": lambda mp: interrupt_from_hook(mp, "pytest_collectstart"),
     "loading the model": lambda mp: interrupt_inside(mp, models, "load_model", after=0.02),
     "between two tests": lambda mp: interrupt_from_hook(mp, "pytest_runtest_logfinish"),
@@ -251,6 +259,8 @@ PHASES = {
     "running the course's solution on the failed tests":
         lambda mp: interrupt_from_hook(mp, "pytest_runtest_logstart", control_run=True),
     "finishing the session": lambda mp: interrupt_from_hook(mp, "pytest_sessionfinish"),
+    "the moment the tests are over, as check() disarms its watch":
+        lambda mp: interrupt_inside(mp, stopping.Stop, "disarm"),
     "putting the process back after the tests":  # recorded then, and raised once everything is put back
         lambda mp: interrupt_inside(mp, runner._ProcessState, "restore"),
 }

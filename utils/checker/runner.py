@@ -14,7 +14,7 @@ import io
 import os
 import sys
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -212,23 +212,33 @@ def _session(part: str, name: str | list[str], plugins: list, *options: str) -> 
                 plugins=plugins)
 
 
-@contextmanager
-def _stoppable(stop: Stop, saved: _ProcessState):
-    """The body runs with `stop` armed (its time limit and the learner's interrupt raise inside it); a stop that lands
+def _run_stoppable(stop: Stop, saved: _ProcessState, body: Callable[[], None]) -> None:
+    """Run `body()` with `stop` armed (its time limit and the learner's interrupt raise inside it); a stop that lands
     there ends the body, and is recorded by `stop`, not raised. Whatever happens, the shared model is restored, then
-    the notebook gets back its streams, its torch state and its interrupt handler."""
+    the notebook gets back its streams, its torch state and its interrupt handler.
+
+    A function, not a context manager: an interrupt can land between arming and the body's first line, and a context
+    manager cannot skip its body (contextlib then fails with "generator didn't yield")."""
     try:
         stop.arm()
-        yield
+        body()
     except KeyboardInterrupt:
-        pass  # the time limit or an interrupt that landed outside pytest's hands: `stop` records which
+        # the time limit or an interrupt that landed outside pytest's hands: `stop` records which. One that came
+        # before stop's own handler was installed is recorded here, so that the caller still raises it
+        if not stop.stopped:
+            stop.interrupted = True
     except Exception:
         if not stop.stopped:
             raise
         # pytest, stopped in the middle of setting itself up or of cleaning up, can fail in other ways: what
         # happened is the stop, which the caller reports
     finally:
-        stop.disarm()  # from here on, a stop is recorded, not raised: the cleanup below always runs
+        while True:  # from disarm() on, a stop is recorded, not raised: the cleanup below always runs
+            try:
+                stop.disarm()
+                break
+            except KeyboardInterrupt:  # the first interrupt, landing just before disarm(): its handler recorded it
+                continue
         try:
             pool.restore()
         finally:  # whatever the learner's code did to the model, the notebook gets its streams and its handler back
@@ -249,14 +259,18 @@ def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None 
     saved = _ProcessState()
     start = time.perf_counter()
     stop = Stop(timeout)
-    learner_done = False
-    with _stoppable(stop, saved):
+    learner_done = False  # the learner's tests ran to the end
+
+    def body():
+        nonlocal learner_done
         _session(part, name, [collector, finder, UnderTest(part, name, obj), StopAtBoundaries(stop)])
-        learner_done = not stop.stopped
-        if learner_done:
+        if not stop.stopped:
+            learner_done = True
             outcome.likely = finder.likely(name)
             saved.torch.restore()  # the control must not inherit what the learner's code changed
             _judge_failures(part, name, obj, outcome, stop)
+
+    _run_stoppable(stop, saved, body)
     outcome.seconds = time.perf_counter() - start
     if stop.interrupted:
         raise stop.interruption(f"check({name})")
@@ -284,15 +298,19 @@ def run_several_exercise_tests(part: str, objects: dict[str, object], timeout: f
     saved = _ProcessState()
     start = time.perf_counter()
     stop = Stop(timeout)
-    learner_done = False
-    with _stoppable(stop, saved):
+    learner_done = False  # the learner's tests ran to the end
+
+    def body():
+        nonlocal learner_done
         _session(part, list(objects), [router, finder, UnderTestSeveral(part, objects), StopAtBoundaries(stop)])
-        learner_done = not stop.stopped
-        if learner_done:
+        if not stop.stopped:
+            learner_done = True
             saved.torch.restore()  # the control must not inherit what the learner's code changed
             for name, outcome in outcomes.items():
                 if outcome.failed:
                     _judge_failures(part, name, objects[name], outcome, stop)
+
+    _run_stoppable(stop, saved, body)
     seconds = time.perf_counter() - start
     if stop.interrupted:
         raise stop.interruption(f"check({', '.join(objects)})")
