@@ -150,6 +150,72 @@ def test_a_callee_not_written_yet_is_said_first(capsys):
     assert "✏️ estimator_surrogate: not written yet" not in out, out
 
 
+LEARNERS_CELLS = """
+import torch
+
+def log_ratio(logp, ref_logp):
+    return ref_logp - logp  # the wrong way round
+
+def token_kl_estimate(logp, ref_logp, kind):
+    r = log_ratio(logp, ref_logp)
+    if kind == "k1":
+        return r
+    if kind == "k2":
+        return r ** 2 / 2
+    return torch.exp(-r) - 1 + r
+"""
+
+
+def test_a_callee_checked_before_is_tested_again_only_once_something_it_uses_changed(monkeypatch, capsys):
+    """The learner checked token_kl_estimate (wrong through its helper), then checks estimator_surrogate, which calls
+    it: the earlier check's verdict is used, not run again. After the helper is fixed (token_kl_estimate itself is the
+    same object), the callee's tests run again and it is no longer blamed."""
+    notebook = {"__name__": "__main__"}
+    exec(LEARNERS_CELLS, notebook)
+    token_kl_estimate = notebook["token_kl_estimate"]
+
+    def estimator_surrogate(*args):  # wrong itself too, so that check() looks at its callees
+        return -_reference_code_calling("estimator_surrogate", "token_kl_estimate", token_kl_estimate)(*args)
+
+    callees.forget()
+    check(token_kl_estimate)
+    assert "❌ token_kl_estimate" in capsys.readouterr().out
+    runs = []
+    run_several = callees.run_several_exercise_tests
+    monkeypatch.setattr(callees, "run_several_exercise_tests", lambda *a, **k: runs.append(a) or run_several(*a, **k))
+    check(estimator_surrogate)
+    out = capsys.readouterr().out
+    assert out.startswith("❗ your `token_kl_estimate` fails its own tests"), out
+    assert runs == [], "the callee's tests ran again although nothing it uses changed"
+    exec("def log_ratio(logp, ref_logp):\n    return logp - ref_logp", notebook)  # the learner fixes the helper
+    check(estimator_surrogate)
+    out = capsys.readouterr().out
+    assert [names for _, names in runs] == [{"token_kl_estimate": token_kl_estimate}], runs
+    assert out.startswith("❌ estimator_surrogate") and "token_kl_estimate` fails" not in out, out
+    check(estimator_surrogate)  # and that verdict is kept in turn
+    assert len(runs) == 1 and "token_kl_estimate` fails" not in capsys.readouterr().out
+
+
+def test_what_decides_a_callees_result_is_followed_through_the_learners_code():
+    """dependencies(): a function's code, defaults and the values of the names it uses, through the learner's own
+    helpers; equal lists only while nothing was redefined (compared by identity, so a new function at a freed
+    address is not taken for the old one)."""
+    notebook = {"__name__": "__main__"}
+    exec(LEARNERS_CELLS, notebook)
+    token_kl_estimate = notebook["token_kl_estimate"]
+    before = callees.dependencies(token_kl_estimate)
+    assert notebook["log_ratio"] in before and notebook["log_ratio"].__code__ in before and torch in before
+    assert callees._same(before, callees.dependencies(token_kl_estimate))
+    exec("SCALE = 2.0", notebook)  # a new global that nothing uses: the same
+    assert callees._same(before, callees.dependencies(token_kl_estimate))
+    for change in ("def log_ratio(logp, ref_logp):\n    return ref_logp - logp",  # the same text, a new function
+                   "token_kl_estimate.__defaults__ = (None,)",
+                   "token_kl_estimate.__code__ = (lambda logp, ref_logp, kind: logp).__code__"):
+        now = callees.dependencies(token_kl_estimate)
+        exec(change, notebook)
+        assert not callees._same(now, callees.dependencies(token_kl_estimate)), change
+
+
 def test_the_callees_of_the_course_are_found_in_the_references():
     """The pairs this looks for exist: each is a reference calling another exercise (the list the check relies on)."""
     from utils.checker.implementations import solutions_module

@@ -9,6 +9,10 @@ of them fail their own tests.
 The callees are found the way Python finds them when the code runs: the global names its code looks up (the
 `co_names` of its code and of the functions nested in it, and of a class's methods) that its module's globals bind
 to an exercise of the course, followed through the learner's own callees in turn.
+
+What a callee's tests found is kept for the life of the process, with everything that decides what the callee
+computes (`dependencies`): in a notebook the learner has usually checked `ppo_loss` before `learn`, and while
+neither `ppo_loss` nor anything it uses has been redefined since, its tests are not run again.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from dataclasses import dataclass
 from utils.checker import environment
 from utils.checker.implementations import solutions_module
 from utils.checker.layout import built_parts, exercise_names
+from utils.checker.observe import named_by_a_library
 from utils.checker.runner import Outcome, run_several_exercise_tests
+
+# (part, exercise) -> (dependencies(obj) when its tests ran, what they found), for the life of the process
+_outcomes: dict[tuple[str, str], tuple[list, Outcome]] = {}
 
 
 @dataclass
@@ -128,22 +136,77 @@ def learners_callees(obj: object, part: str, name: str) -> list[Callee]:
     return found
 
 
+def dependencies(obj: object) -> list:
+    """Everything that decides what `obj` computes, as far as its code shows: the object, each of its functions (a
+    class's methods) with their code, defaults and the values their global and closed-over names are bound to,
+    followed through the learner's own functions and classes (not a library's). The objects themselves, not their
+    ids: kept alive in the list, none can be replaced by a new one at the same address."""
+    found, seen, queue = [], set(), [obj]
+    while queue:
+        item = queue.pop(0)
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        found.append(item)
+        for function in _functions(item):
+            found += [function, function.__code__, function.__defaults__, function.__kwdefaults__]
+            bound = _names_bound(function)
+            for used in sorted(names_used(function)):
+                if used in bound:
+                    value = bound[used]
+                    found.append(value)
+                    if (inspect.isfunction(value) or inspect.isclass(value)) and not named_by_a_library(value):
+                        queue.append(value)
+    return found
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def remember(part: str, name: str, obj: object, outcome: Outcome) -> None:
+    """Keep what the tests of exercise `name` found for `obj` (check() and the callees' runs call this). A run that
+    was stopped or could not be confirmed is not kept."""
+    if not (outcome.timed_out or outcome.unconfirmed):
+        _outcomes[(part, name)] = (dependencies(obj), outcome)
+
+
+def known_outcome(part: str, name: str, obj: object) -> Outcome | None:
+    """What the tests of `name` found for `obj`, if they ran on it as it is now (nothing it uses redefined since)."""
+    known = _outcomes.get((part, name))
+    return known[1] if known is not None and _same(known[0], dependencies(obj)) else None
+
+
+def forget() -> None:
+    """Forget every kept outcome (for tests of the checker)."""
+    _outcomes.clear()
+
+
 def failing_callees(obj: object, part: str, name: str, timeout: float | None = None
                     ) -> list[tuple[Callee, Outcome]]:
     """The learner's callees of `obj` whose own tests fail against the learner's code (or are not written yet), each
     with the outcome of its tests. A failure that the course's own solution shares here (the environment's) does not
-    count, and a run that ran out of time proves nothing: neither is listed."""
+    count, and a run that ran out of time proves nothing: neither is listed. A callee whose tests already ran on it
+    as it is now (an earlier check() of it) is not tested again."""
     found = learners_callees(obj, part, name)
+    outcomes = {}
+    for callee in found:
+        known = known_outcome(callee.part, callee.name, callee.obj)
+        if known is not None:
+            outcomes[id(callee)] = known
     groups: list[tuple[str, list[Callee]]] = []  # one session per part (each costs about 0.1 s of its own)
     for callee in found:
+        if id(callee) in outcomes:
+            continue
         group = next((g for p, g in groups if p == callee.part and all(c.name != callee.name for c in g)), None)
         if group is None:
             groups.append((callee.part, group := []))
         group.append(callee)
-    outcomes = {}
     for callee_part, group in groups:
         ran = run_several_exercise_tests(callee_part, {c.name: c.obj for c in group}, timeout=timeout)
-        outcomes.update({id(c): ran[c.name] for c in group})
+        for c in group:
+            outcomes[id(c)] = ran[c.name]
+            remember(c.part, c.name, c.obj, ran[c.name])
     failing = []
     for callee in found:
         outcome = outcomes[id(callee)]

@@ -35,6 +35,7 @@ def check(obj: object, part: str | None = None, timeout: float = DEFAULT_TIMEOUT
     part = part or part_defining(name)
     with no_progress_bars():
         outcome = run_exercise_tests(part, name, obj, timeout=timeout, diagnosis_budget=DIAGNOSIS_BUDGET_S)
+        callees.remember(part, name, obj, outcome)  # a later check of an exercise that calls this one needs it
         failing = []
         if not outcome.ok and not outcome.timed_out:  # a failure may lie in another exercise it calls
             failing = callees.failing_callees(obj, part, name, timeout=timeout)
@@ -165,6 +166,7 @@ def _row(part: str, name: str, obj: object, timeout: float | None) -> summary.Ro
     """What check(obj) finds, as a row: the same run, and no mistake named while an exercise it calls fails."""
     with no_progress_bars():
         outcome = run_exercise_tests(part, name, obj, timeout=timeout, diagnosis_budget=DIAGNOSIS_BUDGET_S)
+        callees.remember(part, name, obj, outcome)  # a later check of an exercise that calls this one needs it
         failing = []
         if not outcome.ok and not outcome.timed_out:
             failing = callees.failing_callees(obj, part, name, timeout=timeout)

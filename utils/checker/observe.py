@@ -61,7 +61,7 @@ def freeze(value: object, depth: int = 0) -> object:
         return {f.name: freeze(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
     if isinstance(value, type) and issubclass(value, BaseException):
         return value.__name__
-    if isinstance(value, torch.nn.Module) and not _named_by_a_library(type(value)):
+    if isinstance(value, torch.nn.Module) and not named_by_a_library(type(value)):
         return f"<{kind(value)}>", tuple((name, tuple(p.shape)) for name, p in value.named_parameters())[:64]
     return f"<{kind(value)}>"
 
@@ -73,7 +73,7 @@ def kind(value: object) -> str:
     whoever wrote it, and would keep a wrong version from ever matching the learner's run; what it does is recorded
     by the checks themselves."""
     for klass in type(value).__mro__:
-        if _named_by_a_library(klass):
+        if named_by_a_library(klass):
             return klass.__name__
     return "object"
 
@@ -88,7 +88,7 @@ def anonymous(text: str) -> str:
     return re.sub(r"[A-Za-z_][\w.<>]*(?=\(\))", "<callable>", text)
 
 
-def _named_by_a_library(klass: type) -> bool:
+def named_by_a_library(klass: type) -> bool:
     """Whether `klass` comes from Python or an installed library, rather than from the course, its tests or a
     learner's notebook (where the code under test, its reference and its wrong versions define classes)."""
     top = (getattr(klass, "__module__", None) or "").split(".")[0]
