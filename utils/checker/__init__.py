@@ -8,6 +8,8 @@
                         first departs from the reference's
     registry.py         the known wrong versions of each exercise, the kinds of mistake, the @mistake mark
     fingerprint.py      what one run of a test did, and when two runs are indistinguishable (no pytest in it)
+    store.py            what the checker works out once for this code on this machine (the solution's passes, the
+                        wrong versions' runs), kept on disk for the next process
     pool.py             the shared tiny model, loaded once per process and restored around every test
     implementations.py  what `--impl` names: the solutions, the notebook's stubs, a learner's notebook or module
     diagnosis.py        the plugin that replays a failed test with each wrong version and names the one that matches

@@ -5,7 +5,8 @@ of that exercise (registry.py) in its place, from the same random state, and com
 (fingerprint.py). A wrong version that saw the same values and failed at the same line is a candidate; the likely
 mistake is a candidate that explains every failure seen and fails none of the tests the learner's version passed.
 
-Runs of wrong versions are cached per test for the life of the process, so a second failure costs nothing. The
+Runs of wrong versions are cached per test for the life of the process, so a second failure costs nothing, and on disk
+for the next process with the same code on the same machine (store.py). The
 meta-test runs every wrong version once without replaying the others (`replays=False`): each one's own runs are then
 the fingerprints, and `named_from_runs` applies the same rule to them, with no replay at all.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from utils.checker import pool
+from utils.checker import pool, store
 from utils.checker.implementations import shape_checked
 from utils.checker.fingerprint import Run, fingerprints_nothing, rng_state, run_of, same_run, set_rng_state
 from utils.checker.layout import part_of
@@ -113,7 +114,7 @@ class MistakeFinder:
                 if set(funcargs) & {"monkeypatch", "capsys", "capfd", "caplog"}:
                     continue
                 for candidate in self.likely(name):
-                    if (node, candidate) in _runs or self.out_of_time():
+                    if (node, candidate) in _runs or _from_store(item, candidate) or self.out_of_time():
                         continue
                     kept, item.funcargs = item.funcargs, funcargs
                     try:
@@ -121,7 +122,7 @@ class MistakeFinder:
                     finally:
                         item.funcargs = kept
                     if not run.failed or run.where[1] in ("CheckFailure", "AssertionError", "Failed"):
-                        _runs[(node, candidate)] = run
+                        _keep(item, candidate, run)
         except Exception:  # noqa: BLE001 - naming a mistake is a courtesy; it must never break the test run
             pass
         finally:
@@ -146,7 +147,7 @@ class MistakeFinder:
         under_test = target(vars(impl).get(name))
         registered = any(under_test is m for m in wrong)
         if registered:
-            _runs[(item.nodeid, under_test)] = learner
+            _keep(item, under_test, learner)
         result = self.results[item.nodeid] = TestResult(name, wrong, passed=exc is None, under_test=under_test,
                                                         compares_traces=learner.compares_traces)
         result.diagnosable = exc is not None and not isinstance(exc, NOT_DIAGNOSED) and not fingerprints_nothing(learner)
@@ -155,8 +156,9 @@ class MistakeFinder:
         if exc is None and under_test is not None and not registered:
             self.passed[item.nodeid] = (item, dict(item.funcargs), impl, name, wrong, state)
             for candidate in self.likely(name):  # candidates named by earlier failures must pass this test too
-                if (item.nodeid, candidate) not in _runs and not self.out_of_time():
-                    _runs[(item.nodeid, candidate)] = self.timed_replay(item, impl, name, candidate, state)
+                if (item.nodeid, candidate) not in _runs and not _from_store(item, candidate) \
+                        and not self.out_of_time():
+                    _keep(item, candidate, self.timed_replay(item, impl, name, candidate, state))
         if not result.diagnosable:  # passed; not written yet, stopped, skipped, the libraries' fault (environment.py);
             return                  # or a bare assert, which recorded nothing to compare
         declared = registry_of(part)[name].trace_departures
@@ -202,10 +204,10 @@ class MistakeFinder:
             if cannot_match(candidate):
                 continue
             key = (item.nodeid, candidate)
-            if key not in _runs:
+            if key not in _runs and not _from_store(item, candidate):
                 if self.out_of_time():
                     return None  # out of time: this failure stays undiagnosed rather than half-diagnosed
-                _runs[key] = self.timed_replay(item, impl, name, candidate, state)
+                _keep(item, candidate, self.timed_replay(item, impl, name, candidate, state))
             trace_test = trace_test or _runs[key].compares_traces
             if same_run(_runs[key], learner):
                 matches.append(candidate)
@@ -251,6 +253,20 @@ class MistakeFinder:
         run = cls.run(item, exc, log)
         run.compares_traces = trace.comparisons() > compared
         return run
+
+
+def _from_store(item, candidate) -> bool:
+    """Whether the run of `candidate` on this test is known from an earlier process (store.py); it is then cached."""
+    run = store.run(part_of(item.module.__name__), item.nodeid, candidate)
+    if run is not None:
+        _runs[(item.nodeid, candidate)] = run
+    return run is not None
+
+
+def _keep(item, candidate, run: Run) -> None:
+    """Cache a replay's run for this process, and on disk for the next one."""
+    _runs[(item.nodeid, candidate)] = run
+    store.remember_run(part_of(item.module.__name__), item.nodeid, candidate, run)
 
 
 def describe_matches(name: str, matches: list) -> str:

@@ -13,6 +13,9 @@ tests that failed are run on the reference solution (the *control*), once per pr
   environment's by definition, and needs no control;
 - a control that could not finish (check()'s time limit) leaves the failure unconfirmed: no mistake is named.
 
+A test the reference passed is kept on disk for the next process with the same code on the same machine (store.py);
+one it failed is run again in each process.
+
 The control runs in this process, after the learner's code: settings a learner's code may have changed for the whole
 process (torch's grad mode, default dtype, ...) are put back first, so that the reference is not failed by them.
 """
@@ -23,6 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
+from utils.checker import store
 from utils.upstream import EnvironmentMismatch, differences_from_lock, environment_report
 
 # (part, exercise, test) -> how the reference fails that test on this machine, or None when it passes
@@ -30,9 +34,11 @@ _reference_runs: dict[tuple[str, str, str], str | None] = {}
 
 
 def remember(part: str, exercise: str, passed: Iterable[str], failed: Iterable[tuple[str, str]]) -> None:
-    """Record a run of the reference: the tests it passed, and (test, message) for those it failed."""
+    """Record a run of the reference: the tests it passed, and (test, message) for those it failed. The passes are
+    kept on disk too (store.py), for the next process on this machine."""
     for test in passed:
         _reference_runs[(part, exercise, test)] = None
+        store.remember_reference_pass(part, exercise, test)
     for test, message in failed:
         _reference_runs[(part, exercise, test)] = message
 
@@ -43,7 +49,11 @@ def forget() -> None:
 
 
 def not_yet_run(part: str, exercise: str, tests: Iterable[str]) -> list[str]:
-    """Those of `tests` whose run on the reference is not known yet in this process."""
+    """Those of `tests` whose run on the reference is not known yet: not in this process, nor as a pass kept on
+    disk by an earlier process with this code on this machine (store.py)."""
+    for t in tests:
+        if (part, exercise, t) not in _reference_runs and store.reference_passed(part, exercise, t):
+            _reference_runs[(part, exercise, t)] = None
     return [t for t in tests if (part, exercise, t) not in _reference_runs]
 
 

@@ -52,6 +52,10 @@ class UnderTestSeveral(UnderTest):
         return {marks[0]: self.objects[marks[0]]} if marks else None
 
 
+class CheckSession:
+    """A plugin object that marks a session run by check() (runner.py), as opposed to a run of pytest itself."""
+
+
 def pytest_addoption(parser):
     parser.addoption("--impl", default="solutions",
                      help="what the exercise tests run against: 'solutions' (default), 'stubs', or the path of "
@@ -64,6 +68,10 @@ def pytest_configure(config):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never wait on the network
     os.environ.setdefault("WANDB_MODE", "disabled")
     os.environ["RLHF_SHAPE_CHECKS"] = "1"  # the solutions' shape annotations are checked at every call (solutions/)
+    if not any(isinstance(p, CheckSession) for p in config.pluginmanager.get_plugins()):
+        # A run of the tests themselves: none may depend on what another run left in the checker's store on disk
+        # (store.py; the store's own tests turn it on, in a folder of their own). check()'s sessions keep it.
+        os.environ["RLHF_CHECKER_CACHE"] = "off"
     config.addinivalue_line("markers", "exercise(name): the test checks the exercise `name` of its part")
     config.addinivalue_line("markers", "slow: takes more than a few seconds (notebook runs, training)")
     config.addinivalue_line("markers", "upstream(*libraries): checks what the course relies on from these libraries")

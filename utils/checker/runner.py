@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from utils.checker import environment, pool
+from utils.checker import environment, pool, store
 from utils.checker.diagnosis import MistakeFinder
 from utils.checker.implementations import solutions_module
 from utils.checker.layout import test_modules_of, tests_of
-from utils.checker.plugin import UnderTest, UnderTestSeveral
+from utils.checker.plugin import CheckSession, UnderTest, UnderTestSeveral
 from utils.checker.stopping import Stop, StopAtBoundaries
 
 
@@ -209,7 +209,7 @@ def _session(part: str, name: str | list[str], plugins: list, *options: str) -> 
     pytest.main([*map(str, modules), *chosen, "-q",
                  "-p", "no:cacheprovider", "-p", "no:unraisableexception",
                  "-W", "ignore::pytest.PytestAssertRewriteWarning", *options],
-                plugins=plugins)
+                plugins=[*plugins, CheckSession()])
 
 
 def _run_stoppable(stop: Stop, saved: _ProcessState, body: Callable[[], None]) -> None:
@@ -242,8 +242,11 @@ def _run_stoppable(stop: Stop, saved: _ProcessState, body: Callable[[], None]) -
         try:
             pool.restore()
         finally:  # whatever the learner's code did to the model, the notebook gets its streams and its handler back
-            saved.restore()
-            stop.close()
+            try:
+                saved.restore()
+                store.save()  # what this run learnt for the next process, while an interrupt is only recorded
+            finally:
+                stop.close()
 
 
 def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None = None,

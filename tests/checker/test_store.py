@@ -1,0 +1,153 @@
+"""The checker's store on disk (utils/checker/store.py): what one process worked out (the course's solution passing a
+test here, a wrong version's run of a test) spares the next one the work, and changes nothing of what check() says;
+a failure of the solution is never kept; a change to the code or the libraries starts afresh; a damaged, hostile
+or unwritable store costs only time."""
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from tests.part0_warmup import mistakes as part0
+from utils.checker import diagnosis, environment, runner, store
+from utils.checker.diagnosis import MistakeFinder
+from utils.checker.notebook import check
+from utils.checker.plugin import UnderTest
+
+
+@pytest.fixture
+def on_disk(monkeypatch, tmp_path):
+    """The store on, in a folder of this test's own, with every per-process memory of the checker empty (and the real
+    ones put back afterwards). Returns a function that makes this process forget, as a new process would start."""
+    monkeypatch.setenv("RLHF_CHECKER_CACHE", str(tmp_path / "store"))
+    monkeypatch.setattr(diagnosis, "_runs", {})
+    monkeypatch.setattr(environment, "_reference_runs", {})
+    monkeypatch.setattr(store, "_parts", {})
+    monkeypatch.setattr(store, "_dirty", set())
+
+    def new_process():
+        diagnosis.forget_runs()
+        environment.forget()
+        store.forget()
+
+    return new_process
+
+
+def a_learners(wrong_version, name: str):
+    def learner(*args, **kwargs):
+        return wrong_version(*args, **kwargs)
+
+    learner.__name__ = name
+    return learner
+
+
+def spy(monkeypatch) -> dict:
+    """Counts the replays of wrong versions and the sessions that run the course's solution (the control)."""
+    seen = {"replays": 0, "controls": 0}
+    replay, session = MistakeFinder.replay, runner._session
+
+    def replayed(cls, *args, **kwargs):
+        seen["replays"] += 1
+        return replay.__func__(cls, *args, **kwargs)
+
+    def spied(part, name, plugins, *options):
+        if not any(isinstance(p, UnderTest) for p in plugins):
+            seen["controls"] += 1
+        return session(part, name, plugins, *options)
+
+    monkeypatch.setattr(MistakeFinder, "replay", classmethod(replayed))
+    monkeypatch.setattr(runner, "_session", spied)
+    return seen
+
+
+def test_the_next_process_reads_what_this_one_worked_out_and_says_the_same(on_disk, monkeypatch, capsys):
+    wrong = a_learners(part0._generate_drops_prompt, "generate_no_cache")
+    seen = spy(monkeypatch)
+    check(wrong)
+    first = capsys.readouterr().out
+    assert "👉 Likely mistake" in first and seen["replays"] > 0 and seen["controls"] == 1, (seen, first)
+    kept = list((store.folder() / store.key()).glob("*.pt"))
+    assert [p.name for p in kept] == ["part0_warmup.pt"], kept
+
+    on_disk()  # a new kernel, on the same machine
+    seen.update(replays=0, controls=0)
+    check(wrong)
+    assert capsys.readouterr().out == first
+    assert seen == {"replays": 0, "controls": 0}, seen
+
+
+def test_a_failure_of_the_course_solution_is_never_kept(on_disk):
+    environment.remember("part0_warmup", "generate_no_cache", ["test_a"], [("test_b", "AssertionError: broken")])
+    store.save()
+    on_disk()
+    assert environment.not_yet_run("part0_warmup", "generate_no_cache", ["test_a", "test_b"]) == ["test_b"]
+
+
+def test_a_change_to_the_code_or_the_libraries_starts_afresh(on_disk, monkeypatch):
+    environment.remember("part0_warmup", "generate_no_cache", ["test_a"], [])
+    store.save()
+    before = store.key()
+    on_disk()
+    assert store.reference_passed("part0_warmup", "generate_no_cache", "test_a")
+    threads = torch.get_num_threads()
+    changes = {"a file of the course edited": lambda m: m.setattr(store, "_code_digest", lambda: "edited"),
+               "another torch": lambda m: m.setattr(store, "installed_version", lambda name: "9.9.9"),
+               "another thread count": lambda m: torch.set_num_threads(threads + 1)}
+    for change, make in changes.items():
+        with monkeypatch.context() as m:
+            try:
+                make(m)
+                on_disk()
+                assert store.key() != before, change
+                assert not store.reference_passed("part0_warmup", "generate_no_cache", "test_a"), change
+            finally:
+                torch.set_num_threads(threads)
+    on_disk()
+    assert store.key() == before and store.reference_passed("part0_warmup", "generate_no_cache", "test_a")
+
+
+def test_a_damaged_or_hostile_file_counts_as_empty_and_is_never_executed(on_disk, tmp_path):
+    environment.remember("part0_warmup", "generate_no_cache", ["test_a"], [])
+    store.save()
+    path = store.folder() / store.key() / "part0_warmup.pt"
+
+    path.write_bytes(path.read_bytes()[:40])  # cut short
+    on_disk()
+    assert not store.reference_passed("part0_warmup", "generate_no_cache", "test_a")
+
+    witness = tmp_path / "executed"
+
+    class Hostile:
+        def __reduce__(self):
+            return os.system, (f"touch {witness}",)
+
+    path.write_bytes(pickle.dumps({"format": store.FORMAT, "passes": [Hostile()], "runs": {}}))
+    on_disk()
+    assert not store.reference_passed("part0_warmup", "generate_no_cache", "test_a")
+    assert not witness.exists(), "loading the store ran code from it"
+    environment.remember("part0_warmup", "generate_no_cache", ["test_a"], [])
+    store.save()  # and it is written anew
+    on_disk()
+    assert store.reference_passed("part0_warmup", "generate_no_cache", "test_a")
+
+
+def test_an_unwritable_store_or_one_turned_off_changes_nothing_but_time(on_disk, monkeypatch, capsys, tmp_path):
+    wrong = a_learners(part0._generate_drops_prompt, "generate_no_cache")
+    check(wrong)
+    expected = capsys.readouterr().out
+    for where in ("off", str(tmp_path / "a file")):
+        (tmp_path / "a file").write_text("not a folder")
+        monkeypatch.setenv("RLHF_CHECKER_CACHE", where)
+        on_disk()
+        check(wrong)
+        assert capsys.readouterr().out == expected, where
+        assert (tmp_path / "a file").read_text() == "not a folder"
+    assert store.folder() is not None and not (tmp_path / "a file").is_dir()
+    monkeypatch.setenv("RLHF_CHECKER_CACHE", "off")
+    assert store.folder() is None
+
+
+def test_a_run_of_the_course_tests_keeps_the_store_off():
+    """conftest's plugin turns it off for pytest itself (this very run), not for check()'s own sessions."""
+    assert os.environ["RLHF_CHECKER_CACHE"] == "off" and store.folder() is None

@@ -1,0 +1,160 @@
+"""What the checker works out once for this code on this machine, kept on disk for the next process.
+
+The first failed check of a loop exercise spends most of its time on two things that do not depend on the learner:
+running the failed tests on the course's own solution (environment.py's control, 1.5–2.5 s for `learn`) and replaying
+them with the registered wrong versions (diagnosis.py, 0.3–2 s). In a kernel both are kept in memory; this module keeps
+them on disk too, so that a restarted kernel, the next day's session or the next learner's notebook graded on the same
+machine reads them instead of running them again:
+
+- a test that the course's solution **passed** here (never one it failed: a failure may come from something a
+  learner's earlier cell changed in that kernel, so it is run again in every process);
+- how each registered wrong version ran each test it was replayed on (its fingerprint, fingerprint.Run).
+
+Each is kept under a key that names everything its result depends on: the Python, the platform, torch's thread count,
+the versions of the libraries the course relies on and of pytest (whose assertion messages are part of a
+fingerprint), and the content of every file under solutions/, tests/ and utils/ (the model's weights included). A
+change to any of them starts an empty store. Files are written whole (a temporary file, then renamed) and read with
+`torch.load(weights_only=True)`; one that cannot be read counts as empty, and one that cannot be written is skipped:
+the store only ever saves time, and check() gives the same answers without it.
+
+Where: $RLHF_CHECKER_CACHE, else $XDG_CACHE_HOME/rlhf-from-first-principles/checker, else
+~/.cache/rlhf-from-first-principles/checker. RLHF_CHECKER_CACHE=off turns it off (the course's own tests do,
+conftest.py, so that no run of them depends on another's).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from utils.checker.fingerprint import Run
+from utils.checker.layout import ROOT
+from utils.upstream import installed_version
+
+FORMAT = 1
+CODE_FOLDERS = ("solutions", "tests", "utils")
+LIBRARIES = ("torch", "transformers", "transformer_lens", "numpy", "pytest", "safetensors", "peft")
+
+# part -> what is known of it: {"passes": {(exercise, test)}, "runs": {(node id, wrong version): Run's fields}}
+_parts: dict[str, dict] = {}
+_dirty: set[str] = set()
+
+
+def folder() -> Path | None:
+    """Where the store is kept, or None when it is turned off."""
+    chosen = os.environ.get("RLHF_CHECKER_CACHE")
+    if chosen is not None:
+        return None if chosen.strip().lower() in ("", "off", "0", "none") else Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rlhf-from-first-principles" / "checker"
+
+
+@functools.cache
+def _code_digest() -> str:
+    digest = hashlib.sha256()
+    for top in CODE_FOLDERS:
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def key() -> str:
+    """The name of the store for this code on this machine: a digest of everything the kept results depend on."""
+    parts = [f"format {FORMAT}", sys.version, platform.system(), platform.machine(),
+             f"threads {torch.get_num_threads()}", *(f"{n} {installed_version(n)}" for n in LIBRARIES), _code_digest()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _file(part: str) -> Path | None:
+    where = folder()
+    return None if where is None else where / key() / f"{part}.pt"
+
+
+def _read(path: Path | None) -> dict:
+    empty = {"passes": set(), "runs": {}}
+    if path is None or not path.exists():
+        return empty
+    try:
+        with torch.serialization.safe_globals([frozenset]):
+            data = torch.load(path, weights_only=True)
+        if data.get("format") != FORMAT:
+            return empty
+        return {"passes": set(data["passes"]), "runs": dict(data["runs"])}
+    except Exception:  # noqa: BLE001 - unreadable (cut short, another version): start again
+        return empty
+
+
+def _known(part: str) -> dict:
+    if part not in _parts:
+        _parts[part] = _read(_file(part))
+    return _parts[part]
+
+
+def reference_passed(part: str, exercise: str, test: str) -> bool:
+    """Whether the course's solution is known to pass `test` of `exercise` on this machine, with this code."""
+    return folder() is not None and (exercise, test) in _known(part)["passes"]
+
+
+def remember_reference_pass(part: str, exercise: str, test: str) -> None:
+    if folder() is not None and (exercise, test) not in _known(part)["passes"]:
+        _known(part)["passes"].add((exercise, test))
+        _dirty.add(part)
+
+
+def _name(wrong) -> str:
+    return f"{getattr(wrong, '__module__', '?')}.{getattr(wrong, '__qualname__', repr(wrong))}"
+
+
+def run(part: str, node: str, wrong) -> Run | None:
+    """How the registered wrong version `wrong` ran the test `node` on this machine, if that is known."""
+    if folder() is None:
+        return None
+    fields = _known(part)["runs"].get((node, _name(wrong)))
+    return None if fields is None else Run(**fields)
+
+
+def remember_run(part: str, node: str, wrong, result: Run) -> None:
+    if folder() is not None:
+        _known(part)["runs"][(node, _name(wrong))] = {
+            "failed": result.failed, "where": result.where, "message": result.message,
+            "observations": result.observations, "departure": result.departure,
+            "compares_traces": result.compares_traces}
+        _dirty.add(part)
+
+
+def save() -> None:
+    """Write what was learnt since the last save, merged with what another process may have written meanwhile."""
+    for part in sorted(_dirty):
+        path = _file(part)
+        if path is None:
+            continue
+        on_disk, mine = _read(path), _parts[part]
+        merged = {"format": FORMAT, "passes": sorted(on_disk["passes"] | mine["passes"]),
+                  "runs": {**on_disk["runs"], **mine["runs"]}}
+        temporary = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
+                temporary = handle.name
+                torch.save(merged, handle)
+            os.replace(temporary, path)
+        except Exception:  # noqa: BLE001 - a read-only or full disk: the store only ever saves time
+            if temporary is not None and os.path.exists(temporary):
+                os.unlink(temporary)
+            continue
+        _parts[part] = {"passes": set(merged["passes"]), "runs": merged["runs"]}
+    _dirty.clear()
+
+
+def forget() -> None:
+    """Forget what was read from disk in this process (the files stay)."""
+    _parts.clear()
+    _dirty.clear()
