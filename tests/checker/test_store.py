@@ -9,72 +9,26 @@ import pickle
 import pytest
 import torch
 
+from tests.checker.conftest import a_learners
 from tests.part0_warmup import mistakes as part0
-from utils.checker import diagnosis, environment, runner, store
-from utils.checker.diagnosis import MistakeFinder
+from utils.checker import environment, store
 from utils.checker.notebook import check
-from utils.checker.plugin import UnderTest
 
 
-@pytest.fixture
-def on_disk(monkeypatch, tmp_path):
-    """The store on, in a folder of this test's own, with every per-process memory of the checker empty (and the real
-    ones put back afterwards). Returns a function that makes this process forget, as a new process would start."""
-    monkeypatch.setenv("RLHF_CHECKER_CACHE", str(tmp_path / "store"))
-    monkeypatch.setattr(diagnosis, "_runs", {})
-    monkeypatch.setattr(environment, "_reference_runs", {})
-    monkeypatch.setattr(store, "_parts", {})
-    monkeypatch.setattr(store, "_dirty", set())
-
-    def new_process():
-        diagnosis.forget_runs()
-        environment.forget()
-        store.forget()
-
-    return new_process
-
-
-def a_learners(wrong_version, name: str):
-    def learner(*args, **kwargs):
-        return wrong_version(*args, **kwargs)
-
-    learner.__name__ = name
-    return learner
-
-
-def spy(monkeypatch) -> dict:
-    """Counts the replays of wrong versions and the sessions that run the course's solution (the control)."""
-    seen = {"replays": 0, "controls": 0}
-    replay, session = MistakeFinder.replay, runner._session
-
-    def replayed(cls, *args, **kwargs):
-        seen["replays"] += 1
-        return replay.__func__(cls, *args, **kwargs)
-
-    def spied(part, name, plugins, *options):
-        if not any(isinstance(p, UnderTest) for p in plugins):
-            seen["controls"] += 1
-        return session(part, name, plugins, *options)
-
-    monkeypatch.setattr(MistakeFinder, "replay", classmethod(replayed))
-    monkeypatch.setattr(runner, "_session", spied)
-    return seen
-
-
-def test_the_next_process_reads_what_this_one_worked_out_and_says_the_same(on_disk, monkeypatch, capsys):
+def test_the_next_process_reads_what_this_one_worked_out_and_says_the_same(on_disk, work, capsys):
     wrong = a_learners(part0._generate_drops_prompt, "generate_no_cache")
-    seen = spy(monkeypatch)
     check(wrong)
     first = capsys.readouterr().out
-    assert "👉 Likely mistake" in first and seen["replays"] > 0 and seen["controls"] == 1, (seen, first)
-    kept = list((store.folder() / store.key()).glob("*.pt"))
-    assert [p.name for p in kept] == ["part0_warmup.pt"], kept
+    assert "👉 Likely mistake" in first and "replay" in work and work.count("control") == 1, (work, first)
+    kept = sorted((store.folder() / store.key()).rglob("*.pt"))
+    assert [p.relative_to(store.folder() / store.key()).as_posix() for p in kept] == \
+        ["part0_warmup/generate_no_cache.pt"], kept
 
     on_disk()  # a new kernel, on the same machine
-    seen.update(replays=0, controls=0)
+    work.clear()
     check(wrong)
     assert capsys.readouterr().out == first
-    assert seen == {"replays": 0, "controls": 0}, seen
+    assert work == [], work
 
 
 def test_a_failure_of_the_course_solution_is_never_kept(on_disk):
@@ -110,7 +64,7 @@ def test_a_change_to_the_code_or_the_libraries_starts_afresh(on_disk, monkeypatc
 def test_a_damaged_or_hostile_file_counts_as_empty_and_is_never_executed(on_disk, tmp_path):
     environment.remember("part0_warmup", "generate_no_cache", ["test_a"], [])
     store.save()
-    path = store.folder() / store.key() / "part0_warmup.pt"
+    path = store.folder() / store.key() / "part0_warmup" / "generate_no_cache.pt"
 
     path.write_bytes(path.read_bytes()[:40])  # cut short
     on_disk()

@@ -114,7 +114,7 @@ class MistakeFinder:
                 if set(funcargs) & {"monkeypatch", "capsys", "capfd", "caplog"}:
                     continue
                 for candidate in self.likely(name):
-                    if (node, candidate) in _runs or _from_store(item, candidate) or self.out_of_time():
+                    if (node, candidate) in _runs or _from_store(item, name, candidate) or self.out_of_time():
                         continue
                     kept, item.funcargs = item.funcargs, funcargs
                     try:
@@ -122,7 +122,7 @@ class MistakeFinder:
                     finally:
                         item.funcargs = kept
                     if not run.failed or run.where[1] in ("CheckFailure", "AssertionError", "Failed"):
-                        _keep(item, candidate, run)
+                        _keep(item, name, candidate, run)
         except Exception:  # noqa: BLE001 - naming a mistake is a courtesy; it must never break the test run
             pass
         finally:
@@ -147,7 +147,7 @@ class MistakeFinder:
         under_test = target(vars(impl).get(name))
         registered = any(under_test is m for m in wrong)
         if registered:
-            _keep(item, under_test, learner)
+            _keep(item, name, under_test, learner)
         result = self.results[item.nodeid] = TestResult(name, wrong, passed=exc is None, under_test=under_test,
                                                         compares_traces=learner.compares_traces)
         result.diagnosable = exc is not None and not isinstance(exc, NOT_DIAGNOSED) and not fingerprints_nothing(learner)
@@ -156,9 +156,9 @@ class MistakeFinder:
         if exc is None and under_test is not None and not registered:
             self.passed[item.nodeid] = (item, dict(item.funcargs), impl, name, wrong, state)
             for candidate in self.likely(name):  # candidates named by earlier failures must pass this test too
-                if (item.nodeid, candidate) not in _runs and not _from_store(item, candidate) \
+                if (item.nodeid, candidate) not in _runs and not _from_store(item, name, candidate) \
                         and not self.out_of_time():
-                    _keep(item, candidate, self.timed_replay(item, impl, name, candidate, state))
+                    _keep(item, name, candidate, self.timed_replay(item, impl, name, candidate, state))
         if not result.diagnosable:  # passed; not written yet, stopped, skipped, the libraries' fault (environment.py);
             return                  # or a bare assert, which recorded nothing to compare
         declared = registry_of(part)[name].trace_departures
@@ -204,10 +204,10 @@ class MistakeFinder:
             if cannot_match(candidate):
                 continue
             key = (item.nodeid, candidate)
-            if key not in _runs and not _from_store(item, candidate):
+            if key not in _runs and not _from_store(item, name, candidate):
                 if self.out_of_time():
                     return None  # out of time: this failure stays undiagnosed rather than half-diagnosed
-                _keep(item, candidate, self.timed_replay(item, impl, name, candidate, state))
+                _keep(item, name, candidate, self.timed_replay(item, impl, name, candidate, state))
             trace_test = trace_test or _runs[key].compares_traces
             if same_run(_runs[key], learner):
                 matches.append(candidate)
@@ -255,18 +255,19 @@ class MistakeFinder:
         return run
 
 
-def _from_store(item, candidate) -> bool:
-    """Whether the run of `candidate` on this test is known from an earlier process (store.py); it is then cached."""
-    run = store.run(part_of(item.module.__name__), item.nodeid, candidate)
+def _from_store(item, name: str, candidate) -> bool:
+    """Whether the run of `candidate` (a wrong version of exercise `name`) on this test is known from an earlier
+    process (store.py); it is then cached."""
+    run = store.run(part_of(item.module.__name__), name, item.nodeid, candidate)
     if run is not None:
         _runs[(item.nodeid, candidate)] = run
     return run is not None
 
 
-def _keep(item, candidate, run: Run) -> None:
-    """Cache a replay's run for this process, and on disk for the next one."""
+def _keep(item, name: str, candidate, run: Run) -> None:
+    """Cache a run of `candidate` (a wrong version of exercise `name`) for this process, and on disk for the next."""
     _runs[(item.nodeid, candidate)] = run
-    store.remember_run(part_of(item.module.__name__), item.nodeid, candidate, run)
+    store.remember_run(part_of(item.module.__name__), name, item.nodeid, candidate, run)
 
 
 def describe_matches(name: str, matches: list) -> str:

@@ -42,9 +42,9 @@ FORMAT = 1
 CODE_FOLDERS = ("solutions", "tests", "utils")
 LIBRARIES = ("torch", "transformers", "transformer_lens", "numpy", "pytest", "safetensors", "peft")
 
-# part -> what is known of it: {"passes": {(exercise, test)}, "runs": {(node id, wrong version): Run's fields}}
-_parts: dict[str, dict] = {}
-_dirty: set[str] = set()
+# (part, exercise) -> what is known of it: {"passes": {test}, "runs": {(node id, wrong version): Run's fields}}
+_exercises: dict[tuple[str, str], dict] = {}
+_dirty: set[tuple[str, str]] = set()
 
 
 def folder() -> Path | None:
@@ -73,9 +73,10 @@ def key() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
-def _file(part: str) -> Path | None:
+def _file(part: str, exercise: str) -> Path | None:
+    """One file per exercise: a check reads only its own (`learn`'s holds 30 MB of the model's updates)."""
     where = folder()
-    return None if where is None else where / key() / f"{part}.pt"
+    return None if where is None else where / key() / part / f"{exercise}.pt"
 
 
 def _read(path: Path | None) -> dict:
@@ -92,51 +93,51 @@ def _read(path: Path | None) -> dict:
         return empty
 
 
-def _known(part: str) -> dict:
-    if part not in _parts:
-        _parts[part] = _read(_file(part))
-    return _parts[part]
+def _known(part: str, exercise: str) -> dict:
+    if (part, exercise) not in _exercises:
+        _exercises[(part, exercise)] = _read(_file(part, exercise))
+    return _exercises[(part, exercise)]
 
 
 def reference_passed(part: str, exercise: str, test: str) -> bool:
     """Whether the course's solution is known to pass `test` of `exercise` on this machine, with this code."""
-    return folder() is not None and (exercise, test) in _known(part)["passes"]
+    return folder() is not None and test in _known(part, exercise)["passes"]
 
 
 def remember_reference_pass(part: str, exercise: str, test: str) -> None:
-    if folder() is not None and (exercise, test) not in _known(part)["passes"]:
-        _known(part)["passes"].add((exercise, test))
-        _dirty.add(part)
+    if folder() is not None and test not in _known(part, exercise)["passes"]:
+        _known(part, exercise)["passes"].add(test)
+        _dirty.add((part, exercise))
 
 
 def _name(wrong) -> str:
     return f"{getattr(wrong, '__module__', '?')}.{getattr(wrong, '__qualname__', repr(wrong))}"
 
 
-def run(part: str, node: str, wrong) -> Run | None:
-    """How the registered wrong version `wrong` ran the test `node` on this machine, if that is known."""
+def run(part: str, exercise: str, node: str, wrong) -> Run | None:
+    """How `wrong`, a registered wrong version of `exercise`, ran the test `node` on this machine, if that is known."""
     if folder() is None:
         return None
-    fields = _known(part)["runs"].get((node, _name(wrong)))
+    fields = _known(part, exercise)["runs"].get((node, _name(wrong)))
     return None if fields is None else Run(**fields)
 
 
-def remember_run(part: str, node: str, wrong, result: Run) -> None:
+def remember_run(part: str, exercise: str, node: str, wrong, result: Run) -> None:
     if folder() is not None:
-        _known(part)["runs"][(node, _name(wrong))] = {
+        _known(part, exercise)["runs"][(node, _name(wrong))] = {
             "failed": result.failed, "where": result.where, "message": result.message,
             "observations": result.observations, "departure": result.departure,
             "compares_traces": result.compares_traces}
-        _dirty.add(part)
+        _dirty.add((part, exercise))
 
 
 def save() -> None:
     """Write what was learnt since the last save, merged with what another process may have written meanwhile."""
-    for part in sorted(_dirty):
-        path = _file(part)
+    for part, exercise in sorted(_dirty):
+        path = _file(part, exercise)
         if path is None:
             continue
-        on_disk, mine = _read(path), _parts[part]
+        on_disk, mine = _read(path), _exercises[(part, exercise)]
         merged = {"format": FORMAT, "passes": sorted(on_disk["passes"] | mine["passes"]),
                   "runs": {**on_disk["runs"], **mine["runs"]}}
         temporary = None
@@ -150,11 +151,11 @@ def save() -> None:
             if temporary is not None and os.path.exists(temporary):
                 os.unlink(temporary)
             continue
-        _parts[part] = {"passes": set(merged["passes"]), "runs": merged["runs"]}
+        _exercises[(part, exercise)] = {"passes": set(merged["passes"]), "runs": merged["runs"]}
     _dirty.clear()
 
 
 def forget() -> None:
     """Forget what was read from disk in this process (the files stay)."""
-    _parts.clear()
+    _exercises.clear()
     _dirty.clear()

@@ -1,0 +1,56 @@
+"""Fixtures of the checker's tests that use the store on disk (test_store.py, test_warm.py)."""
+
+import pytest
+
+from utils.checker import diagnosis, environment, runner, store
+from utils.checker.diagnosis import MistakeFinder
+from utils.checker.plugin import UnderTest
+
+
+@pytest.fixture
+def on_disk(monkeypatch, tmp_path):
+    """The store on (utils/checker/store.py), in a folder of this test's own, with every per-process memory of the
+    checker empty (the real ones put back afterwards). Returns a function that makes this process forget, as a new
+    process (a restarted kernel) would start."""
+    monkeypatch.setenv("RLHF_CHECKER_CACHE", str(tmp_path / "store"))
+    monkeypatch.setattr(diagnosis, "_runs", {})
+    monkeypatch.setattr(environment, "_reference_runs", {})
+    monkeypatch.setattr(store, "_exercises", {})
+    monkeypatch.setattr(store, "_dirty", set())
+
+    def new_process():
+        diagnosis.forget_runs()
+        environment.forget()
+        store.forget()
+
+    return new_process
+
+
+@pytest.fixture
+def work(monkeypatch) -> list:
+    """The work check() does beyond the learner's own tests, as it happens: "replay" for each replay of a wrong
+    version, "control" for each session on the course's solution."""
+    done = []
+    replay, session = MistakeFinder.replay, runner._session
+
+    def replayed(cls, *args, **kwargs):
+        done.append("replay")
+        return replay.__func__(cls, *args, **kwargs)
+
+    def spied(part, name, plugins, *options):
+        if not any(isinstance(p, UnderTest) for p in plugins):
+            done.append("control")
+        return session(part, name, plugins, *options)
+
+    monkeypatch.setattr(MistakeFinder, "replay", classmethod(replayed))
+    monkeypatch.setattr(runner, "_session", spied)
+    return done
+
+
+def a_learners(wrong_version, name: str):
+    """A registered wrong version as a learner's own function: the same code, under the exercise's name."""
+    def learner(*args, **kwargs):
+        return wrong_version(*args, **kwargs)
+
+    learner.__name__ = name
+    return learner
