@@ -38,11 +38,13 @@ class _Kernel(types.ModuleType):
 def test_the_setup_cell_starts_a_preparation_only_in_a_kernel_and_only_when_there_is_something_to_do(
         on_disk, monkeypatch):
     started = []
-    monkeypatch.setattr(warm, "start_in_background", lambda parts: started.append(parts) or object())
+    gone = types.SimpleNamespace(pid=999999999)  # a process that has ended by the time it is looked for
+    monkeypatch.setattr(warm, "start_in_background", lambda parts: started.append(parts) or gone)
     monkeypatch.setitem(sys.modules, "IPython", _Kernel(shell=None))  # IPython imported, but not in a kernel
     assert not warm.prepare_checks("part0_warmup") and started == []
     monkeypatch.setitem(sys.modules, "IPython", _Kernel(shell=object()))
     assert warm.prepare_checks("part0_warmup") and started == [["part0_warmup"]]
+    assert warm._marker("part0_warmup", warm.RUNNING).read_text() == str(gone.pid)  # marked at once
 
     running = warm._marker("part0_warmup", warm.RUNNING)
     running.parent.mkdir(parents=True, exist_ok=True)

@@ -120,7 +120,12 @@ def prepare_checks(part: str) -> bool:
         in_a_kernel = ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
         if store.folder() is None or not in_a_kernel or prepared(part) or _being_prepared(part):
             return False
-        return start_in_background([part]) is not None
+        process = start_in_background([part])
+        if process is None:
+            return False
+        _marker(part, RUNNING).parent.mkdir(parents=True, exist_ok=True)
+        _marker(part, RUNNING).write_text(str(process.pid))  # at once: the cell run again must not start another
+        return True
     except Exception:  # noqa: BLE001 - a courtesy: never in the learner's way
         return False
 
