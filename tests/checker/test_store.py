@@ -52,11 +52,13 @@ def test_a_change_to_the_code_or_the_libraries_starts_afresh(on_disk, monkeypatc
         with monkeypatch.context() as m:
             try:
                 make(m)
+                store._machine.cache_clear()
                 on_disk()
                 assert store.key() != before, change
                 assert not store.reference_passed("part0_warmup", "generate_no_cache", "test_a"), change
             finally:
                 torch.set_num_threads(threads)
+        store._machine.cache_clear()
     on_disk()
     assert store.key() == before and store.reference_passed("part0_warmup", "generate_no_cache", "test_a")
 
@@ -105,3 +107,18 @@ def test_an_unwritable_store_or_one_turned_off_changes_nothing_but_time(on_disk,
 def test_a_run_of_the_course_tests_keeps_the_store_off():
     """conftest's plugin turns it off for pytest itself (this very run), not for check()'s own sessions."""
     assert os.environ["RLHF_CHECKER_CACHE"] == "off" and store.folder() is None
+
+
+def test_only_the_stores_of_the_last_few_versions_are_kept(on_disk):
+    """Each edit of the course's code makes a new store (a prepared part takes up to 50 MB): the first result of a new
+    version removes all but the most recently used stores of other versions."""
+    where = store.folder()
+    for age, name in enumerate(["newest", "newer", "older", "oldest"]):
+        (where / name / "part0_warmup").mkdir(parents=True)
+        os.utime(where / name, (1e9 - age * 1000, 1e9 - age * 1000))
+    environment.remember("part0_warmup", "generate_no_cache", ["test_a"], [])
+    store.save()
+    assert sorted(p.name for p in where.iterdir()) == sorted([store.key(), "newest", "newer"])
+    environment.remember("part0_warmup", "get_logprobs", ["test_b"], [])
+    store.save()  # a store in use is not pruned again
+    assert sorted(p.name for p in where.iterdir()) == sorted([store.key(), "newest", "newer"])

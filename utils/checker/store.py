@@ -28,6 +28,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +40,7 @@ from utils.checker.layout import ROOT
 from utils.upstream import installed_version
 
 FORMAT = 1
+KEEP_VERSIONS = 3  # stores of this many versions of the course (or of its libraries) are kept side by side
 CODE_FOLDERS = ("solutions", "tests", "utils")
 LIBRARIES = ("torch", "transformers", "transformer_lens", "numpy", "pytest", "safetensors", "peft")
 
@@ -66,10 +68,17 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
+@functools.cache
+def _machine() -> tuple[str, ...]:
+    """What the kept results depend on that cannot change while the process runs (a library installed meanwhile
+    takes effect in the next process only)."""
+    return (f"format {FORMAT}", sys.version, platform.system(), platform.machine(),
+            *(f"{n} {installed_version(n)}" for n in LIBRARIES), _code_digest())
+
+
 def key() -> str:
     """The name of the store for this code on this machine: a digest of everything the kept results depend on."""
-    parts = [f"format {FORMAT}", sys.version, platform.system(), platform.machine(),
-             f"threads {torch.get_num_threads()}", *(f"{n} {installed_version(n)}" for n in LIBRARIES), _code_digest()]
+    parts = [*_machine(), f"threads {torch.get_num_threads()}"]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -142,7 +151,10 @@ def save() -> None:
                   "runs": {**on_disk["runs"], **mine["runs"]}}
         temporary = None
         try:
+            if not path.parent.parent.exists():  # the first result of this version of the course here
+                _prune(path.parent.parent.parent)
             path.parent.mkdir(parents=True, exist_ok=True)
+            os.utime(path.parent.parent)  # used now: the last to be pruned
             with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
                 temporary = handle.name
                 torch.save(merged, handle)
@@ -153,6 +165,16 @@ def save() -> None:
             continue
         _exercises[(part, exercise)] = {"passes": set(merged["passes"]), "runs": merged["runs"]}
     _dirty.clear()
+
+
+def _prune(where: Path, keep: int = KEEP_VERSIONS - 1) -> None:
+    """Remove all but the `keep` most recently used stores of other versions (each edit of the course's code makes a
+    new one, and a prepared part takes up to 50 MB)."""
+    if not where.is_dir():
+        return
+    stores = sorted((p for p in where.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in stores[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def forget() -> None:
