@@ -5,6 +5,7 @@ or unwritable store costs only time."""
 
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,16 @@ def test_only_the_stores_of_the_last_few_versions_are_kept(on_disk):
     environment.remember("part0_warmup", "get_logprobs", ["test_b"], [])
     store.save()  # a store in use is not pruned again
     assert sorted(p.name for p in where.iterdir()) == sorted([store.key(), "newest", "newer"])
+
+
+def test_without_a_home_folder_there_is_no_store(monkeypatch):
+    """A process whose home cannot be found (no HOME, an unknown user) checks as well, with no store."""
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("RLHF_CHECKER_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", classmethod(no_home))
+    assert store.folder() is None
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
+    assert store.folder() == Path("/somewhere/rlhf-from-first-principles/checker")

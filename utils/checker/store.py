@@ -54,7 +54,10 @@ def folder() -> Path | None:
     chosen = os.environ.get("RLHF_CHECKER_CACHE")
     if chosen is not None:
         return None if chosen.strip().lower() in ("", "off", "0", "none") else Path(chosen).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    try:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    except (RuntimeError, KeyError):  # no home folder to be found: no store
+        return None
     return Path(base) / "rlhf-from-first-principles" / "checker"
 
 

@@ -115,6 +115,8 @@ def prepare_checks(part: str) -> bool:
     nothing to do here: the store is off, this is not a Jupyter kernel (a script, the grading worker, a test), the
     part is prepared already on this machine, or a preparation of it is running. Returns whether one was started.
     It never fails the cell: a preparation that cannot start only leaves check() as fast as it was."""
+    if os.name != "posix":  # detaching, lowering the priority and probing a process as done here are POSIX's
+        return False
     try:
         ipython = sys.modules.get("IPython")
         in_a_kernel = ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
