@@ -493,7 +493,11 @@ def _rounded(curve: list[dict]) -> list[dict]:
 
 
 def _sum_asked(prompt: str) -> int:
-    a, b = prompt.rstrip("=").split("+")
+    """The sum an "a+b=" prompt asks for (parsed as the course's exact verifier parses it, part3_grpo)."""
+    a, sep, b = prompt.strip().rstrip("=").partition("+")
+    if not (sep and a.isdigit() and b.isdigit()):
+        raise ValueError(f"{prompt!r} is not an addition prompt \"a+b=\": the gold score of the reward-hacking "
+                         "experiment is the exact verifier's, which only scores additions (see _eval_prompts)")
     return int(a) + int(b)
 
 

@@ -231,6 +231,17 @@ def test_exact_answer_probability_is_how_often_the_policy_samples_the_bare_sum(t
         hacking.exact_answer_probability(tiny_model, ["51+49="], max_new_tokens=3)  # "100" and EOS: 4 tokens
 
 
+def test_the_gold_score_refuses_a_prompt_that_is_not_an_addition(tiny_model):
+    """The gold score is the exact verifier's, which scores "a+b=" prompts only: another prompt is refused with what
+    it takes, not a bare int() error from deep inside."""
+    from solutions.part6_lab import hacking
+
+    assert hacking._sum_asked(" 12+30= ") == 42
+    for prompt in ("Tell me a joke", "12-3=", "a+b=", "1+2+3="):
+        with pytest.raises(ValueError, match="not an addition prompt"):
+            hacking.exact_answer_probability(tiny_model, ["12+30=", prompt], max_new_tokens=8)
+
+
 def test_rl_peak_on_hand_made_curves():
     """Hand-made runs of four prompts each: two whose gold rises, peaks and falls by far more than the spread of the
     per-prompt differences; one whose far end (its largest KL) is its peak although its last step is low, which is
