@@ -1,6 +1,8 @@
 """The trace of a training loop (utils/checker/trace.py): what the recorder captures of a small hand-written loop,
 that it puts everything back (also when the loop raises), and where the comparison says two traces first part."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -184,8 +186,24 @@ def test_the_first_departure_of_hand_made_traces():
     assert same_rows.observed == ("forward", 2, "rows", (0, 1))
 
     doubled = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=2.0), sizes), want)
-    assert "The loss of your backward 2 (update 2 of 2) is 2; the reference's is 1 (2 times the reference's" in \
-        doubled.message, doubled.message
+    assert "The loss of your backward 2 (update 2 of 2) is 2; the reference's is 1 (2 times the reference's: a sum " \
+        "where a mean belongs?)." in doubled.message, doubled.message
+    # a cause is suggested only where the factor points at it: not for the opposite sign, or a negative multiple
+    negated = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=-1.0), sizes), want)
+    assert "is -1; the reference's is 1 (the reference's with the opposite sign)." in negated.message, negated.message
+    tripled = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=-3.0), sizes), want)
+    assert "is -3; the reference's is 1 (-3 times the reference's)." in tripled.message, tripled.message
+    for loss in (math.nan, math.inf):  # a loss gone NaN or infinite is reported as it is, never a crash
+        broken = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=loss), sizes), want)
+        assert f"is {loss}; the reference's is 1." in broken.message, broken.message
+    zero = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=0.0), sizes),
+                           Trace(_update([0, 1]) + _update([2, 3], loss=0.0), sizes))
+    assert zero is None
+    from_zero = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=1.0), sizes),
+                                Trace(_update([0, 1]) + _update([2, 3], loss=0.0), sizes))
+    assert "is 1; the reference's is 0." in from_zero.message, from_zero.message
+    halved = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=0.5), sizes), want)
+    assert "is 0.5; the reference's is 1." in halved.message and "mean" not in halved.message, halved.message
 
     no_grad = Trace([_forward([0, 1], grad=False)] + _update([0, 1]) + _update([2, 3]), sizes)
     extra = first_departure(no_grad, want)

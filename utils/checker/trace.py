@@ -488,9 +488,15 @@ class _Describer:
             if a["loss"] is not None and b["loss"] is not None and not math.isclose(
                     a["loss"], b["loss"], rel_tol=rtol, abs_tol=atol):
                 ratio = a["loss"] / b["loss"] if b["loss"] else math.inf
-                factor = ""
-                if abs(ratio - round(ratio)) < 1e-3 and round(ratio) not in (0, 1):
+                # A cause is suggested only where the factor points at one: a whole multiple N >= 2 is what a sum
+                # over N terms gives where their mean belongs; -1 is only the opposite sign
+                factor, whole = "", math.isfinite(ratio) and abs(ratio - round(ratio)) < 1e-3
+                if whole and round(ratio) == -1:
+                    factor = " (the reference's with the opposite sign)"
+                elif whole and round(ratio) >= 2:
                     factor = f" ({round(ratio)} times the reference's: a sum where a mean belongs?)"
+                elif whole and round(ratio) <= -2:
+                    factor = f" ({round(ratio)} times the reference's)"
                 return self.departure(f"The loss of your backward {n}{at} is {a['loss']:.6g}; the reference's "
                                       f"is {b['loss']:.6g}{factor}.", "backward", n, "loss", a["loss"])
             return None
