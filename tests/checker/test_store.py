@@ -136,3 +136,16 @@ def test_without_a_home_folder_there_is_no_store(monkeypatch):
     assert store.folder() is None
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
     assert store.folder() == Path("/somewhere/rlhf-from-first-principles/checker")
+
+
+def test_what_another_process_writes_meanwhile_is_seen(on_disk, monkeypatch):
+    """The background preparation writes an exercise's file after this kernel read it: the next lookup sees it."""
+    assert not store.reference_passed("part0_warmup", "generate_no_cache", "test_a")  # read: nothing yet
+    mine = store._exercises
+    with monkeypatch.context() as m:  # another process, with memories of its own
+        m.setattr(store, "_exercises", {})
+        m.setattr(store, "_dirty", set())
+        environment.remember("part0_warmup", "generate_no_cache", ["test_a"], [])
+        store.save()
+    assert store._exercises is mine
+    assert store.reference_passed("part0_warmup", "generate_no_cache", "test_a")

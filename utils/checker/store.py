@@ -18,8 +18,8 @@ change to any of them starts an empty store. Files are written whole (a temporar
 the store only ever saves time, and check() gives the same answers without it.
 
 Where: $RLHF_CHECKER_CACHE, else $XDG_CACHE_HOME/rlhf-from-first-principles/checker, else
-~/.cache/rlhf-from-first-principles/checker. RLHF_CHECKER_CACHE=off turns it off (the course's own tests do,
-conftest.py, so that no run of them depends on another's).
+~/.cache/rlhf-from-first-principles/checker. RLHF_CHECKER_CACHE=off turns it off (a run of the course's own tests
+does, utils/checker/plugin.py, so that no run of them depends on another's).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ KEEP_VERSIONS = 3  # stores of this many versions of the course (or of its libra
 CODE_FOLDERS = ("solutions", "tests", "utils")
 LIBRARIES = ("torch", "transformers", "transformer_lens", "numpy", "pytest", "safetensors", "peft")
 
-# (part, exercise) -> what is known of it: {"passes": {test}, "runs": {(node id, wrong version): Run's fields}}
+# (part, exercise) -> what is known of it: {"passes": {test}, "runs": {(node id, wrong version): Run's fields},
+# "read": the file's modification time when it was read (another process, the background preparation, may write it)}
 _exercises: dict[tuple[str, str], dict] = {}
 _dirty: set[tuple[str, str]] = set()
 
@@ -91,24 +92,35 @@ def _file(part: str, exercise: str) -> Path | None:
     return None if where is None else where / key() / part / f"{exercise}.pt"
 
 
+def _modified(path: Path | None) -> float | None:
+    try:
+        return None if path is None else path.stat().st_mtime
+    except OSError:
+        return None
+
+
 def _read(path: Path | None) -> dict:
-    empty = {"passes": set(), "runs": {}}
-    if path is None or not path.exists():
+    empty = {"passes": set(), "runs": {}, "read": _modified(path)}
+    if empty["read"] is None:
         return empty
     try:
         with torch.serialization.safe_globals([frozenset]):
             data = torch.load(path, weights_only=True)
         if data.get("format") != FORMAT:
             return empty
-        return {"passes": set(data["passes"]), "runs": dict(data["runs"])}
+        return {"passes": set(data["passes"]), "runs": dict(data["runs"]), "read": empty["read"]}
     except Exception:  # noqa: BLE001 - unreadable (cut short, another version): start again
         return empty
 
 
 def _known(part: str, exercise: str) -> dict:
-    if (part, exercise) not in _exercises:
-        _exercises[(part, exercise)] = _read(_file(part, exercise))
-    return _exercises[(part, exercise)]
+    """What is known of `exercise`, read again when another process (the background preparation, another kernel) has
+    written its file since, unless this process has results of its own to save first (save() merges the two)."""
+    known = _exercises.get((part, exercise))
+    path = _file(part, exercise)
+    if known is None or (_modified(path) != known["read"] and (part, exercise) not in _dirty):
+        _exercises[(part, exercise)] = known = _read(path)
+    return known
 
 
 def reference_passed(part: str, exercise: str, test: str) -> bool:
@@ -131,7 +143,10 @@ def run(part: str, exercise: str, node: str, wrong) -> Run | None:
     if folder() is None:
         return None
     fields = _known(part, exercise)["runs"].get((node, _name(wrong)))
-    return None if fields is None else Run(**fields)
+    try:
+        return None if fields is None else Run(**fields)
+    except TypeError:  # not what this module writes: as if unknown
+        return None
 
 
 def remember_run(part: str, exercise: str, node: str, wrong, result: Run) -> None:
@@ -166,7 +181,8 @@ def save() -> None:
             if temporary is not None and os.path.exists(temporary):
                 os.unlink(temporary)
             continue
-        _exercises[(part, exercise)] = {"passes": set(merged["passes"]), "runs": merged["runs"]}
+        _exercises[(part, exercise)] = {"passes": set(merged["passes"]), "runs": merged["runs"],
+                                        "read": _modified(path)}
     _dirty.clear()
 
 
