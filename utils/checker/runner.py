@@ -212,16 +212,24 @@ def _session(part: str, name: str | list[str], plugins: list, *options: str) -> 
                 plugins=[*plugins, CheckSession()])
 
 
-def _run_stoppable(stop: Stop, saved: _ProcessState, body: Callable[[], None]) -> None:
-    """Run `body()` with `stop` armed (its time limit and the learner's interrupt raise inside it); a stop that lands
-    there ends the body, and is recorded by `stop`, not raised. Whatever happens, the shared model is restored, then
-    the notebook gets back its streams, its torch state and its interrupt handler.
+def _run_stoppable(timeout: float | None, learners_tests: Callable[[Stop], None],
+                   then: Callable[[Stop], None]) -> tuple[Stop, bool]:
+    """Run `learners_tests(stop)`, then, unless it was stopped, `then(stop)` (naming and confirming what failed),
+    with a Stop armed (the time limit and the learner's interrupt raise inside them); a stop that lands there ends
+    them, and is recorded by the Stop, not raised. Whatever happens, the shared model is restored, then the notebook
+    gets back its streams, its torch state and its interrupt handler. Returns the Stop (what happened) and whether
+    the learner's tests ran to the end.
 
-    A function, not a context manager: an interrupt can land between arming and the body's first line, and a context
-    manager cannot skip its body (contextlib then fails with "generator didn't yield")."""
+    The two run inside this function, not under a context manager: an interrupt can land between arming and their
+    first line, and a context manager cannot skip its body (contextlib then fails with "generator didn't yield")."""
+    saved, stop, learner_done = _ProcessState(), Stop(timeout), False
     try:
         stop.arm()
-        body()
+        learners_tests(stop)
+        if not stop.stopped:
+            learner_done = True
+            saved.torch.restore()  # the control must not inherit what the learner's code changed
+            then(stop)
     except KeyboardInterrupt:
         # the time limit or an interrupt that landed outside pytest's hands: `stop` records which. One that came
         # before stop's own handler was installed is recorded here, so that the caller still raises it
@@ -247,6 +255,7 @@ def _run_stoppable(stop: Stop, saved: _ProcessState, body: Callable[[], None]) -
                 store.save()  # what this run learnt for the next process, while an interrupt is only recorded
             finally:
                 stop.close()
+    return stop, learner_done
 
 
 def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None = None,
@@ -259,21 +268,16 @@ def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None 
     outcome = Outcome(name)
     collector = _Collector(outcome)
     finder = outcome.diagnosis = MistakeFinder(budget_s=diagnosis_budget, replays=replays)
-    saved = _ProcessState()
     start = time.perf_counter()
-    stop = Stop(timeout)
-    learner_done = False  # the learner's tests ran to the end
 
-    def body():
-        nonlocal learner_done
+    def learners_tests(stop: Stop) -> None:
         _session(part, name, [collector, finder, UnderTest(part, name, obj), StopAtBoundaries(stop)])
-        if not stop.stopped:
-            learner_done = True
-            outcome.likely = finder.likely(name)
-            saved.torch.restore()  # the control must not inherit what the learner's code changed
-            _judge_failures(part, name, obj, outcome, stop)
 
-    _run_stoppable(stop, saved, body)
+    def then(stop: Stop) -> None:
+        outcome.likely = finder.likely(name)
+        _judge_failures(part, name, obj, outcome, stop)
+
+    stop, learner_done = _run_stoppable(timeout, learners_tests, then)
     outcome.seconds = time.perf_counter() - start
     if stop.interrupted:
         raise stop.interruption(f"check({name})")
@@ -298,22 +302,17 @@ def run_several_exercise_tests(part: str, objects: dict[str, object], timeout: f
     finder = MistakeFinder(budget_s=0, replays=False)
     for outcome in outcomes.values():
         outcome.diagnosis = finder
-    saved = _ProcessState()
     start = time.perf_counter()
-    stop = Stop(timeout)
-    learner_done = False  # the learner's tests ran to the end
 
-    def body():
-        nonlocal learner_done
+    def learners_tests(stop: Stop) -> None:
         _session(part, list(objects), [router, finder, UnderTestSeveral(part, objects), StopAtBoundaries(stop)])
-        if not stop.stopped:
-            learner_done = True
-            saved.torch.restore()  # the control must not inherit what the learner's code changed
-            for name, outcome in outcomes.items():
-                if outcome.failed:
-                    _judge_failures(part, name, objects[name], outcome, stop)
 
-    _run_stoppable(stop, saved, body)
+    def then(stop: Stop) -> None:
+        for name, outcome in outcomes.items():
+            if outcome.failed:
+                _judge_failures(part, name, objects[name], outcome, stop)
+
+    stop, learner_done = _run_stoppable(timeout, learners_tests, then)
     seconds = time.perf_counter() - start
     if stop.interrupted:
         raise stop.interruption(f"check({', '.join(objects)})")
