@@ -114,7 +114,7 @@ class MistakeFinder:
                 if set(funcargs) & {"monkeypatch", "capsys", "capfd", "caplog"}:
                     continue
                 for candidate in self.likely(name):
-                    if (node, candidate) in _runs or _from_store(item, name, candidate) or self.out_of_time():
+                    if _run_known(item, name, candidate) or self.out_of_time():
                         continue
                     kept, item.funcargs = item.funcargs, funcargs
                     try:
@@ -156,8 +156,7 @@ class MistakeFinder:
         if exc is None and under_test is not None and not registered:
             self.passed[item.nodeid] = (item, dict(item.funcargs), impl, name, wrong, state)
             for candidate in self.likely(name):  # candidates named by earlier failures must pass this test too
-                if (item.nodeid, candidate) not in _runs and not _from_store(item, name, candidate) \
-                        and not self.out_of_time():
+                if not _run_known(item, name, candidate) and not self.out_of_time():
                     _keep(item, name, candidate, self.timed_replay(item, impl, name, candidate, state))
         if not result.diagnosable:  # passed; not written yet, stopped, skipped, the libraries' fault (environment.py);
             return                  # or a bare assert, which recorded nothing to compare
@@ -204,7 +203,7 @@ class MistakeFinder:
             if cannot_match(candidate):
                 continue
             key = (item.nodeid, candidate)
-            if key not in _runs and not _from_store(item, name, candidate):
+            if not _run_known(item, name, candidate):
                 if self.out_of_time():
                     return None  # out of time: this failure stays undiagnosed rather than half-diagnosed
                 _keep(item, name, candidate, self.timed_replay(item, impl, name, candidate, state))
@@ -255,9 +254,11 @@ class MistakeFinder:
         return run
 
 
-def _from_store(item, name: str, candidate) -> bool:
-    """Whether the run of `candidate` (a wrong version of exercise `name`) on this test is known from an earlier
-    process (store.py); it is then cached."""
+def _run_known(item, name: str, candidate) -> bool:
+    """Whether the run of `candidate` (a wrong version of exercise `name`) on this test is known: cached in this
+    process, or kept on disk by an earlier one (store.py), then cached."""
+    if (item.nodeid, candidate) in _runs:
+        return True
     run = store.run(part_of(item.module.__name__), name, item.nodeid, candidate)
     if run is not None:
         _runs[(item.nodeid, candidate)] = run
