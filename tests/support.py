@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from utils.checker.compare import CheckFailure, assert_close, assert_equal, describe_difference, expect, show  # noqa
+from utils.checker.compare import (CheckFailure, aside, assert_close, assert_equal, describe_difference, expect,  # noqa
+                                   show)
 from utils.checker.layout import ROOT
 from utils.checker.observe import anonymous
 from utils.checker.properties import (assert_defaults_match, assert_gradients_match, assert_hooks_clean,  # noqa

@@ -35,6 +35,24 @@ class CheckFailure(AssertionError):
     """A failed check whose message was written for the learner; the checker's plugins recognise it."""
 
 
+# A sentence that the learner's run does not confirm (what a test is about, the causes a difference often has) is an
+# aside: it follows this mark in a failure's message, and check() shows it only when asked (check(fn, verbose=True)),
+# under a heading that says it was not checked on the learner's run. What a message says before the first mark is
+# measured on the learner's own outputs.
+ASIDE = "\n[about this test] "
+
+
+def aside(text: str) -> str:
+    """`text` as an aside of a failure's message (see ASIDE): append it to the message, e.g. f"{finding}{aside(why)}"."""
+    return ASIDE + text
+
+
+def split_asides(message: str) -> tuple[str, list[str]]:
+    """(what was measured, the asides) of a failure's message."""
+    found, *asides = message.split(ASIDE)
+    return found.rstrip(), [a.strip() for a in asides if a.strip()]
+
+
 # --- showing tensors ----------------------------------------------------------------------------------------
 
 def _number(x: float) -> str:
