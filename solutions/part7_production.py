@@ -127,7 +127,8 @@ def peft_state_dict(adapters: nn.ModuleDict) -> dict[str, Tensor]:
     are. No scale is folded in: peft's own scaling (lora_alpha / r, from the config) carries it.
 
     Returns: {"base_model.model.transformer.h.{layer}.{module}.lora_A.weight": [rank, d_in], "....lora_B.weight":
-    [d_out, rank]}, detached, on the CPU.
+    [d_out, rank]}, each a tensor of its own (a copy: no memory shared with the adapters, which go on training), on
+    the CPU.
     """
     modules: dict[str, dict[str, LoRA]] = {}  # Hugging Face module name -> {target: adapter}
     for key, adapter in adapters.items():
@@ -140,8 +141,8 @@ def peft_state_dict(adapters: nn.ModuleDict) -> dict[str, Tensor]:
         else:
             (adapter,) = found.values()  # one target per other module
             A, B = adapter.A.detach(), adapter.B.detach()
-        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = A.cpu().contiguous()
-        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = B.cpu().contiguous()
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = A.cpu().clone(memory_format=torch.contiguous_format)
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = B.cpu().clone(memory_format=torch.contiguous_format)
     return tensors
 
 

@@ -14,13 +14,15 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import re
 
 import pytest
 
 from utils.checker import implementations
 from utils.checker.diagnosis import recorded_departures
 from utils.checker.layout import exercise_names, marked_in_source, provided_names, tests_of
-from utils.checker.registry import KINDS, kind_of, registry_of
+from utils.checker.notebook import report
+from utils.checker.registry import KINDS, explanation, kind_of, registry_of
 from utils.checker.runner import run_exercise_tests
 from utils.checker.usage import usage_of
 
@@ -133,6 +135,9 @@ def meta_test(part: str):
         untouched = sorted(set(usage.defaults) - usage.varied - set(entry.always_default))
         assert not untouched, (f"{part}.{name}: no test passes a non-default value for {untouched}; test each "
                                "argument away from its default (or list it in always_default with the reason)")
+        identities = [p for p in usage.only_identities() if p not in entry.always_default]
+        assert not identities, (f"{part}.{name}: every test gives {identities} only 0 or 1, where a factor, a divisor "
+                                "or an offset that is dropped changes nothing: test each at another value as well")
         unraised = sorted(set(usage.raise_lines) - usage.raised)
         assert not unraised, (f"{part}.{name}: no test reaches the `raise` at lines {unraised} of its solution: "
                               "test every documented refusal")
@@ -154,13 +159,44 @@ def meta_test(part: str):
         for wrong, outcome in outcomes:
             assert outcome.failed, (f"{part}.{name}: the wrong version {wrong.__name__} ({inspect.getdoc(wrong)}) "
                                     "passes every test")
-            assert any(m is wrong for m in outcome.diagnosis.named_from_runs(name)), (
+            named = outcome.diagnosis.named_from_runs(name)
+            assert any(m is wrong for m in named), (
                 f"{part}.{name}: the wrong version {wrong.__name__} fails {[t for t, _ in outcome.failed]} but no "
                 "failure names it: make the failing check record what it saw (assert_close, assert_equal, expect, "
                 f"... rather than a bare assert). Messages: {outcome.failed}")
+            outcome.likely = named
+            check_message(part, name, wrong, outcome)
         check_trace_departures(part, name, entry)
 
     return test_exercise_tests_pass_on_solution_and_fail_on_stub_and_wrong_versions
+
+
+MESSAGE_LINES = 10  # check()'s default message, at most (the rest behind check(fn, verbose=True))
+# What a sentence that guesses at a cause looks like. The default message holds only what the learner's run confirmed
+# (a difference measured, a change of the call that reproduces it, a wrong version replayed): a guess is an aside.
+GUESS = re.compile(r"\b(usually|probably|perhaps|maybe|typically|often)\b|\?(\s|\)|$)", re.IGNORECASE)
+PREVIEW = re.compile(r"^\s*expected: (.*)\n\s*got:      (.*)$", re.MULTILINE)
+
+
+def check_message(part: str, name: str, wrong, outcome) -> None:
+    """What check() prints for a registered wrong version: short (MESSAGE_LINES), no block twice, no guess at a cause
+    outside the named mistake's own explanation (confirmed by replay) and the asides, and no two previews that look
+    alike. The same rules hold for every learner, whose mistakes are not registered: they are rules of the message's
+    form, checked here on every wrong version the course knows."""
+    text = report(outcome, part)
+    label = f"{part}.{name}: check() of the wrong version {wrong.__name__} prints"
+    lines = text.splitlines()
+    assert len(lines) <= MESSAGE_LINES, f"{label} {len(lines)} lines (at most {MESSAGE_LINES}):\n{text}"
+    blocks = [line.strip() for line in lines if len(line.strip()) > 30]
+    assert len(blocks) == len(set(blocks)), f"{label} a line twice:\n{text}"
+    judged = text
+    for m in outcome.likely:
+        judged = judged.replace(" ".join(explanation(m).split()), "")
+    guess = GUESS.search(judged)
+    assert guess is None, f"{label} a guess at a cause ({guess.group(0)!r}) that its run did not confirm:\n{text}"
+    full = report(outcome, part, verbose=True)
+    for expected, got in PREVIEW.findall(full):
+        assert expected != got, f"{label} two previews that look alike ({expected}):\n{full}"
 
 
 def check_trace_departures(part: str, name: str, entry) -> None:

@@ -90,6 +90,14 @@ def calling(fn, *args, what: str, explain=None, **kwargs):
         expect(False, what, f"raised {text}{'. ' + why if why else ''}", observed=error_seen(error))
 
 
+def with_finding(message: str, finding: str) -> str:
+    """A failure's `message` with the sentence `finding`, measured on the learner's run, added to what it says it
+    measured: before its asides and details (utils/checker/compare.py), which check() shows only on request."""
+    from utils.checker.compare import add_finding
+
+    return add_finding(message, finding)
+
+
 @contextlib.contextmanager
 def function_checks_only():
     """Shape annotations are checked before a function's body runs (jaxtyping: on the reference by its import hook,
@@ -167,12 +175,16 @@ def deep_adapters(model, targets=("q", "k", "v", "o", "mlp_in", "mlp_out"), seed
     return adapters
 
 
-def deep_hint(blocks: list[int]) -> str:
-    """What to say when, on the 12-block model, the blocks `blocks` are the wrong ones."""
-    text = f"On the 12-block model, blocks {blocks} are the wrong ones (the others are right)."
-    if blocks and all(b == 1 or b >= 10 for b in blocks):
-        text += (" Blocks 10 and 11 are keyed \"L10_...\" and \"L11_...\" (and named \"blocks.10.\", \"blocks.11.\"): "
-                 "a layer read from one character (\"L10_q\"[1] is \"1\") or blocks found by a prefix "
-                 "(\"L10_q\".startswith(\"L1\")) mix them up with block 1. Read the whole number: "
-                 "int(key[1:].split(\"_\", 1)[0])")
-    return text
+def deep_finding(blocks: list[int]) -> tuple[str, str | None]:
+    """(finding, aside) when, on the 12-block model, the blocks `blocks` are the wrong ones. The finding is measured:
+    which blocks, and, where they are all among 1, 10 and 11, that these are the blocks whose keys share "L1" (what a
+    layer read from one character, or a prefix match, mixes up). The aside is the fix, which that does not prove."""
+    finding = (f"On the 12-block model, blocks {blocks} are the wrong ones (the others are right)."
+               if len(blocks) < DEEP_LAYERS else f"On the 12-block model, all {DEEP_LAYERS} blocks are wrong.")
+    if not (blocks and all(b == 1 or b >= 10 for b in blocks)):
+        return finding, None
+    finding += (" Their keys all start \"L1\" (\"L1_...\", \"L10_...\", \"L11_...\"): the blocks that are mixed up "
+                "when a layer is read from one character (\"L10_q\"[1] is \"1\") or found by a prefix "
+                "(\"L10_q\".startswith(\"L1\")).")
+    return finding, ("Blocks 10 and 11 are keyed \"L10_...\" and \"L11_...\" (and named \"blocks.10.\", "
+                     "\"blocks.11.\"): read the whole number, int(key[1:].split(\"_\", 1)[0]).")

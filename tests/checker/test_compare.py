@@ -16,7 +16,7 @@ MASK = torch.arange(5)[None] < torch.tensor([5, 1, 3, 5, 2, 4])[:, None]
 
 CASES = [
     ("sign", -E, {}, "opposite sign"),
-    ("half", 0.5 * E, {}, "factor of 1/2"),
+    ("half", 0.5 * E, {}, "times 0.5, which is 1/2"),
     ("Bessel", E * 8 / 7, {"group_size": 8}, "G/(G-1) with G = 8"),
     ("temperature", E / 0.7, {"factors": {"1/T with T = 0.7": 1 / 0.7}}, "1/T with T = 0.7"),
     ("tokens", E * MASK.sum().item() / MASK.numel(), {"mask": MASK}, "real tokens / all positions"),
@@ -38,7 +38,7 @@ CASES = [
     ("size-1 dimension", E[:, :, None], {}, "a dimension of size 1"),
     ("not reduced", E, {"expected": torch.tensor(0.5)}, "a single number"),
     ("dtype", (E > 0), {"expected": (E > 0).float()}, "dtype torch.bool"),
-    ("None", None, {}, "returned nothing"),
+    ("None", None, {}, "got None where the reference has a value (a tensor of shape (6, 5))"),
     ("list", E.tolist(), {}, "got a list"),
 ]
 
@@ -106,3 +106,46 @@ def test_assert_equal_and_assert_raises_say_what_happened():
         assert_raises(ValueError, lambda: 4, what="f()", why="a reason")
     with pytest.raises(CheckFailure, match="raised TypeError"):
         assert_raises(ValueError, lambda: math.floor("x"), what="f()", why="a reason")
+
+
+# --- only what was measured ---------------------------------------------------------------------------------------
+
+def test_a_factor_is_named_by_every_quantity_it_equals_and_by_no_cause():
+    """6/7 on a [7, 6] tensor is (n-1)/n for n = 7 and the ratio of the two sizes alike: both are said, as equalities."""
+    e = torch.randn(7, 6)
+    text = describe_difference(e * 6 / 7, e)
+    assert "(n-1)/n with n = 7 the size of dimension 0" in text and "the size of dimension 1 over that of dimension 0" \
+        in text, text
+    assert "Bessel" not in text, text
+
+
+def test_most_columns_wrong_is_not_called_a_few_positions():
+    e = torch.randn(4, 8)
+    a = e.clone()
+    a[:, :7] += 1
+    text = describe_difference(a, e)
+    assert "only positions" not in text, text
+
+
+def test_a_hint_is_an_aside_and_the_first_difference_has_its_index():
+    from utils.checker.compare import split_message
+
+    with pytest.raises(CheckFailure) as failure:
+        assert_close(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.5, 3.0]), "f(x)", hint="f doubles its input")
+    main, details, asides = split_message(str(failure.value))
+    assert "f doubles" not in main and asides == ["f doubles its input"], str(failure.value)
+    assert "the first is at [1]: got 2, expected 2.5" in main, main
+    assert details and "expected: [3] [1, 2.5, 3]" in details[0], details
+
+
+def test_a_none_inside_a_list_is_not_said_to_be_a_missing_return():
+    with pytest.raises(CheckFailure) as failure:
+        assert_close(None, torch.ones(2), "f(x)[1]")
+    assert "return" not in str(failure.value) and "got None where the reference has a value" in str(failure.value)
+
+
+def test_identical_looking_previews_are_not_shown_and_the_difference_has_enough_digits():
+    with pytest.raises(CheckFailure) as failure:
+        assert_close(torch.tensor([1.0, 2.0001]), torch.tensor([1.0, 2.0]), "f(x)", atol=1e-6, rtol=1e-6)
+    text = str(failure.value)
+    assert "got 2.0001, expected 2" in text, text

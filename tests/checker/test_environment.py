@@ -1,6 +1,7 @@
 """Never a false blame (utils/checker/environment.py): what fails on the course's own solution here is the
 environment's, and no mistake is named where a test cannot be judged."""
 
+import functools
 import sys
 import time
 
@@ -9,13 +10,18 @@ import torch
 
 import tests
 from solutions import part0_warmup as ref0
+from solutions import part2_lora as ref2
+from solutions import part3_grpo as ref3
 from tests.part0_warmup import mistakes as part0
 from tests.part0_warmup import test_completion_logprobs as completion_tests
 from utils import upstream
 from utils.checker import diagnosis, environment, implementations, pool, runner
 from utils.checker.notebook import check
 from utils.checker.plugin import UnderTest
+from utils.checker.layout import ROOT
 from utils.checker.registry import explanation, registry_of
+from utils.checker.shapes import checked_like
+from utils.checker.usage import usage_of
 
 
 # --- never a false blame: what fails on the course's own solution here is the environment's ----------------------
@@ -66,7 +72,7 @@ def test_a_test_the_course_fails_here_blames_the_environment_not_the_learner(mon
     break_generate(monkeypatch)
     check(ref0.generate_no_cache)
     out = capsys.readouterr().out
-    assert out.startswith("⚠️ generate_no_cache: 1 of 2 tests failed, and not because of your code"), out
+    assert out.startswith("⚠️ generate_no_cache: 1 of 3 tests failed, and not because of your code"), out
     assert "test_generate_no_cache_greedy_matches_generate: (not your code" in out, out
     assert "fails on the course's own solution on this machine too" in out and says_what_to_install(out), out
     assert names_no_mistake(out, "generate_no_cache"), out
@@ -79,8 +85,8 @@ def test_a_wrong_version_where_a_test_cannot_be_judged_is_not_named(monkeypatch,
     break_generate(monkeypatch)
     check(a_learners(part0._generate_drops_prompt, "generate_no_cache"))
     out = capsys.readouterr().out
-    assert out.startswith("❌ generate_no_cache: 2 of 2 tests failed."), out
-    assert "test_generate_no_cache_greedy_matches_generate: (not your code" in out, out
+    assert out.startswith("❌ generate_no_cache: 2 of 3 tests failed."), out
+    assert "test_generate_no_cache_greedy_matches_generate (not your code" in out, out
     assert "test_generate_no_cache_samples_with_top_k:\n" in out, out
     assert "No likely mistake is named" in out and says_what_to_install(out), out
     assert names_no_mistake(out, "generate_no_cache"), out
@@ -188,3 +194,127 @@ def test_the_course_solution_runs_only_failed_tests_once(monkeypatch, checker_me
     runner.run_exercise_tests("part0_warmup", "get_logprobs", wrong)
     assert sessions[4:] == [("learner", None), ("learner", None)], sessions
 
+
+
+# --- only the checker's own wrappers of the course's solution are the course's solution --------------------------
+
+def test_a_learners_wrapper_of_the_course_solution_is_the_learners_code(capsys, checker_memory):
+    """functools.wraps(solution) marks a learner's function as a wrapper of the course's solution (`__wrapped__`), but
+    it may do anything with what the solution returns: here it negates it. Its failures are the learner's, confirmed
+    on the course's solution like any other (❌, with no word of the environment)."""
+    @functools.wraps(ref3.group_advantages)
+    def group_advantages(*args, **kwargs):
+        return -ref3.group_advantages(*args, **kwargs)
+
+    assert not environment.is_the_reference(group_advantages, ref3.group_advantages)
+    check(group_advantages)
+    out = capsys.readouterr().out
+    assert out.startswith("❌ group_advantages:") and "opposite sign" in out, out
+    assert "⚠️" not in out and "not your code" not in out and "environment" not in out, out
+
+
+def test_the_checkers_own_wrappers_of_the_course_solution_are_the_course_solution():
+    """What the checker wraps around what it tests (the shape checks, the meta-test's recording wrapper, for a function
+    or a class), in any number of layers, is still the course's solution: its run is the control. A learner's
+    functools.wraps of one of them copies the mark with the rest of its attributes, and is not; nor is a subclass."""
+    solution = ref3.group_advantages
+    recorded = usage_of(solution).wrapped
+    checked = checked_like(recorded, solution)
+    assert recorded is not solution and checked is not recorded
+    assert environment.is_the_reference(recorded, solution) and environment.is_the_reference(checked, solution)
+    assert environment.is_the_reference(solution, solution)
+
+    @functools.wraps(checked)
+    def copied(*args, **kwargs):
+        return -checked(*args, **kwargs)
+
+    assert "__checker_wraps__" in vars(copied) and not environment.is_the_reference(copied, solution)
+    assert not environment.is_the_reference(checked_like(copied, solution), solution)
+
+    recorded_class = usage_of(ref2.LoRA).wrapped
+    assert environment.is_the_reference(recorded_class, ref2.LoRA)
+    assert not environment.is_the_reference(type("LoRA", (recorded_class,), {}), ref2.LoRA)
+
+
+# --- the pytest route: a mistake is named only for a failure the course's own solution does not share ------------
+
+class _Reports:
+    """A pytest plugin that keeps each failed test's report, as pytest prints it."""
+
+    def __init__(self):
+        self.failed: dict[str, str] = {}
+        self.passed: list[str] = []
+
+    def pytest_runtest_logreport(self, report):
+        name = report.nodeid.split("::")[-1]
+        if report.failed:
+            self.failed[name] = report.longreprtext
+        elif report.when == "call":
+            self.passed.append(name)
+
+
+def run_pytest_route(monkeypatch, impl: str) -> _Reports:
+    """`python -m pytest tests/part0_warmup/test_generate_no_cache.py --impl IMPL`, in this process (the route the
+    README offers beside check(): no check() around it, the mistake finder registered by the course's plugin)."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("RLHF_CHECKER_CACHE", "off")
+    reports = _Reports()
+    pytest.main([str(ROOT / "tests" / "part0_warmup" / "test_generate_no_cache.py"), "--impl", impl, "-q",
+                 "-p", "no:cacheprovider", "--rootdir", str(ROOT), "-W", "ignore::pytest.PytestAssertRewriteWarning"],
+                plugins=[reports])
+    return reports
+
+
+def learners_file(tmp_path, body: str) -> str:
+    path = tmp_path / "my_generate.py"
+    path.write_text(body)
+    return str(path)
+
+
+DROPS_PROMPT = """from tests.part0_warmup.mistakes import _generate_drops_prompt
+
+
+def generate_no_cache(model, tokens, max_new_tokens, temperature=1.0, top_k=None):
+    return _generate_drops_prompt(model, tokens, max_new_tokens, temperature, top_k)
+"""
+
+COPY_OF_THE_SOLUTION = """from solutions.part0_warmup import generate_no_cache as solution
+
+
+def generate_no_cache(model, tokens, max_new_tokens, temperature=1.0, top_k=None):
+    return solution(model, tokens, max_new_tokens, temperature, top_k)
+"""
+
+GREEDY = "test_generate_no_cache_greedy_matches_generate"
+
+
+def test_the_pytest_route_names_a_wrong_version_where_the_environment_is_fine(monkeypatch, tmp_path, checker_memory):
+    reports = run_pytest_route(monkeypatch, learners_file(tmp_path, DROPS_PROMPT))
+    assert set(reports.failed) == {GREEDY, "test_generate_no_cache_samples_with_top_k"}, reports.failed
+    for test, text in reports.failed.items():
+        assert "Likely mistake" in text and explanation(part0._generate_drops_prompt) in text, (test, text)
+        assert "Not your code" not in text, (test, text)
+
+
+def test_the_pytest_route_names_no_mistake_for_a_test_the_course_fails_here(monkeypatch, tmp_path, checker_memory):
+    """With generate broken, the course's own generate_no_cache fails the test that compares with it. On the pytest
+    route, that test's report says so instead of naming a mistake, for a learner's real mistake as for a copy of the
+    course's solution; and nothing is ever named for the course's solution itself (--impl solutions)."""
+    break_generate(monkeypatch)
+    reports = run_pytest_route(monkeypatch, learners_file(tmp_path, DROPS_PROMPT))
+    assert GREEDY in reports.failed, reports.failed
+    text = reports.failed[GREEDY]
+    assert (f"Not your code: `{GREEDY}` fails on the course's own solution on this machine too" in text
+            and says_what_to_install(text)), text
+    for test, text in reports.failed.items():  # a wrong version is recognised by how it fails every test
+        assert names_no_mistake(text, "generate_no_cache"), (test, text)
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    reports = run_pytest_route(monkeypatch, learners_file(copy, COPY_OF_THE_SOLUTION))
+    assert list(reports.failed) == [GREEDY] and "Not your code" in reports.failed[GREEDY], reports.failed
+    assert names_no_mistake(reports.failed[GREEDY], "generate_no_cache"), reports.failed
+
+    reports = run_pytest_route(monkeypatch, "solutions")
+    assert list(reports.failed) == [GREEDY], reports.failed
+    assert names_no_mistake(reports.failed[GREEDY], "generate_no_cache"), reports.failed

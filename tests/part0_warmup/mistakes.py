@@ -161,6 +161,14 @@ def _generate_ignores_top_k(model, tokens, max_new_tokens, temperature=1.0, top_
     return ref.generate_no_cache(model, tokens, max_new_tokens, temperature, None)
 
 
+@mistake("argument")
+@torch.no_grad()
+def _generate_temperature_dropped(model, tokens, max_new_tokens, temperature=1.0, top_k=None):
+    """Greedy when the temperature is 0, but every other temperature samples at 1: the temperature is only tested for
+    0, and not passed on to sample_next_token. Pass temperature on."""
+    return ref.generate_no_cache(model, tokens, max_new_tokens, 0.0 if temperature == 0 else 1.0, top_k)
+
+
 @torch.no_grad()
 def _generate_drops_prompt(model, tokens, max_new_tokens, temperature=1.0, top_k=None):
     """Only the new tokens are returned: the result must keep the prompt in front of them."""
@@ -337,7 +345,7 @@ REGISTRY = Registry("part0_warmup", {
     ),
     "generate_no_cache": Exercise(
         wrong=[_generate_first_position, _generate_not_fed_back, _generate_ignores_temperature,
-               _generate_ignores_top_k, _generate_drops_prompt, _generate_one_too_many],
+               _generate_ignores_top_k, _generate_drops_prompt, _generate_one_too_many, _generate_temperature_dropped],
         not_applicable={"inputs": "the loop only ever builds new tensors with torch.cat; the property is still "
                                   "tested, but no realistic version of this loop writes into its prompt"},
     ),

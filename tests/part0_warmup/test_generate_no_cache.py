@@ -4,7 +4,7 @@ import torch
 
 from solutions import part0_warmup as ref
 from tests.part0_warmup.common import prompt_tokens
-from tests.support import assert_close, assert_inputs_unchanged, exercise, expect
+from tests.support import aside, assert_close, assert_inputs_unchanged, exercise, expect
 
 
 @exercise("generate_no_cache")
@@ -35,5 +35,26 @@ def test_generate_no_cache_samples_with_top_k(impl, tiny_model):
                  hint="with top_k=1 sampling must equal greedy decoding")
     out = impl.generate_no_cache(tiny_model, tokens, max_new_tokens=3, temperature=1.0)
     distinct = len({tuple(r) for r in out[:, -3:].tolist()})
-    expect(distinct > 1, "64 samples of generate_no_cache(temperature=1)", "all 64 are identical: is the "
-           "temperature passed on to sample_next_token (and not replaced by greedy decoding)?", observed=distinct)
+    as_greedy = isinstance(out, torch.Tensor) and out.shape == greedy.shape and torch.equal(out, greedy)
+    expect(distinct > 1, "64 samples of generate_no_cache(temperature=1)", "all 64 are identical"
+           + (", and equal to greedy decoding's (temperature=0)" if as_greedy else "")
+           + aside("Common causes: the temperature not passed on to sample_next_token, or greedy decoding used "
+                   "where temperature > 0 asks for sampling."), observed=distinct)
+
+
+@exercise("generate_no_cache")
+def test_generate_no_cache_passes_the_temperature_on(impl, tiny_model):
+    """At temperature 2 the most likely next token of "12+34=" has probability 0.24; at 1, 0.60; greedy, 1. Its
+    frequency over 256 samples (a binomial standard error of at most 0.03) tells them apart."""
+    tokens = prompt_tokens(tiny_model, ["12+34="] * 256)
+    logits = tiny_model(tokens[:1])[0, -1]
+    top = int(logits.argmax())
+    out = impl.generate_no_cache(tiny_model, tokens, max_new_tokens=1, temperature=2.0)
+    frequency = (out[:, -1] == top).float().mean().item()
+    want, at_one = (torch.softmax(logits / t, -1)[top].item() for t in (2.0, 1.0))
+    tolerance = 4 * (want * (1 - want) / len(tokens)) ** 0.5
+    like_one = abs(frequency - at_one) <= 4 * (at_one * (1 - at_one) / len(tokens)) ** 0.5
+    expect(abs(frequency - want) <= tolerance, "the most likely token's frequency, generate_no_cache(temperature=2)",
+           f"the most likely token came {frequency:.3f} of the time, where temperature 2 gives it probability "
+           f"{want:.3f} (± {tolerance:.3f}; {at_one:.3f} at temperature 1)"
+           + (": the frequency that temperature 1 gives" if like_one else ""), observed=round(frequency, 3))

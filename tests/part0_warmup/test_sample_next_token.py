@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.part0_warmup.common import random_logits
-from tests.support import assert_close, assert_equal, assert_inputs_unchanged, exercise, expect
+from tests.support import aside, assert_close, assert_equal, assert_inputs_unchanged, exercise, expect
 
 
 LOGITS_ROW = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -46,8 +46,9 @@ def test_sample_next_token_distribution(impl, temperature, top_k):
         expect(not (got[top_k:] > 0).any(), what, f"tokens outside the {top_k} most likely ones were sampled: "
                f"{got.numpy().round(3)}", observed=(got[top_k:] > 0))
         expect(not (got[:top_k] == 0).any(), what, f"some of the {top_k} most likely tokens are never sampled "
-               f"({got.numpy().round(3)}): the draw collapsed onto fewer than k tokens (usually: the k-th token "
-               "masked out too, <= instead of <; or greedy decoding where sampling was asked for)",
+               f"({got.numpy().round(3)}): the draw collapsed onto fewer than k tokens"
+               + aside("Common causes: the k-th token masked out too (<= instead of <), or greedy decoding where "
+                       "sampling was asked for."),
                observed=(got[:top_k] == 0))
 
     def top_k_of(probs):

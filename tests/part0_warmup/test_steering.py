@@ -5,7 +5,7 @@ import torch
 
 from solutions import part0_warmup as ref
 from tests.part0_warmup.common import prompt_tokens
-from tests.support import (active_hooks, assert_close, assert_gradients_match, assert_hooks_clean,
+from tests.support import (active_hooks, aside, assert_close, assert_gradients_match, assert_hooks_clean,
                            assert_inputs_unchanged, exercise, expect)
 
 
@@ -42,8 +42,10 @@ def test_steered_logprobs_matches_reference(impl, tiny_model):
             got = assert_inputs_unchanged(impl.steered_logprobs, tiny_model, tokens, layer, direction.clone(), 3.0,
                                           what=f"steered_logprobs(layer={layer})")
             expect(not active_hooks(tiny_model), f"hooks after steered_logprobs(layer={layer})",
-                   f"hooks are still attached after the call ({active_hooks(tiny_model)}): use run_with_hooks or the "
-                   "model.hooks() context manager, not add_hook", observed=active_hooks(tiny_model))
+                   f"hooks are still attached after the call ({active_hooks(tiny_model)})"
+                   + aside("A hook added with add_hook stays until it is removed; run_with_hooks and the "
+                           "model.hooks() context manager remove theirs when they end."),
+                   observed=active_hooks(tiny_model))
             elsewhere = {}  # the same steering at the other hook points a learner might pick
             for point in ("hook_resid_pre", "hook_resid_mid", "hook_attn_out", "hook_mlp_out"):
                 hook = ref.make_steering_hook(direction, 3.0)

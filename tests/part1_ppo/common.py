@@ -107,17 +107,17 @@ def loop_models(tiny_model, case):
     return ref.PolicyWithValueHead(policy_model, d_hidden=16), CountingModel(reference)
 
 
-def gradient_sweep_hint(got, want, label, rule: str) -> str | None:
+def gradient_sweep_finding(got, want, label) -> str | None:
     """For a gradient over a sweep of inputs: the positions where it differs from the reference's, each named by
-    label(row, column), then `rule` (when a token gets which gradient). None where they agree or cannot be compared
-    (the comparison itself then says why)."""
+    label(row, column) (measured: a finding). None where they agree or cannot be compared (the comparison itself then
+    says why). The rule of when a token gets which gradient is the test's aside (hint=), not part of this."""
     if not (isinstance(got, torch.Tensor) and got.shape == want.shape):
         return None
     bad = ~torch.isclose(got, want, atol=1e-7)
     if not bad.any():
         return None
     where = [label(i, j) for i, j in bad.nonzero().tolist()]
-    return f"the gradient differs at {', '.join(where[:4])}{', ...' if len(where) > 4 else ''}. {rule}"
+    return f"The gradient differs at {', '.join(where[:4])}{', ...' if len(where) > 4 else ''}."
 
 
 def value_head_hooks(policy):

@@ -4,7 +4,7 @@ vanishes over a sweep of ratios."""
 import torch
 
 from solutions import part1_ppo as ref
-from tests.part1_ppo.common import gradient_sweep_hint, leaf, randn, random_mask, token_factors
+from tests.part1_ppo.common import gradient_sweep_finding, leaf, randn, random_mask, token_factors
 from tests.support import assert_close, assert_gradients_match, assert_inputs_unchanged, calling, exercise
 
 
@@ -57,12 +57,12 @@ def test_clipped_surrogate_clip_range(impl):
             what="clipped_surrogate(...).backward() over a sweep of ratios")
     ref.clipped_surrogate(leaves[1], torch.zeros_like(lp), adv, mask, eps).backward()
     got, want = leaves[0].grad, leaves[1].grad
-    hint = gradient_sweep_hint(got, want, lambda i, j: f"ratio {ratios[j]:.4g} with A {'> 0' if i == 0 else '< 0'}",
-                               f"With clip_eps = {eps}, a token gets no gradient exactly when A > 0 and ratio > "
-                               f"{1 + eps}, or A < 0 and ratio < {1 - eps}; elsewhere it gets A * ratio / (number of "
-                               "valid tokens)")
+    finding = gradient_sweep_finding(got, want,
+                                     lambda i, j: f"ratio {ratios[j]:.4g} with A {'> 0' if i == 0 else '< 0'}")
     assert_close(got, want, "the gradient of clipped_surrogate with respect to logprobs, over ratios 0.51 .. 1.49",
-                 check_grad=False, hint=hint)
+                 check_grad=False, finding=finding,
+                 hint=f"With clip_eps = {eps}, a token gets no gradient exactly when A > 0 and ratio > {1 + eps}, or "
+                      f"A < 0 and ratio < {1 - eps}; elsewhere it gets A * ratio / (number of valid tokens)")
 
 
 @exercise("clipped_surrogate")

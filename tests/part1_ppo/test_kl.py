@@ -5,7 +5,7 @@ import torch
 
 from solutions import part1_ppo as ref
 from tests.part1_ppo.common import kl_inputs, leaf, randn, vocab_factors
-from tests.support import assert_close, assert_gradients_match, assert_inputs_unchanged, exercise, expect
+from tests.support import aside, assert_close, assert_gradients_match, assert_inputs_unchanged, exercise, expect
 
 
 # --- kl_exact ----------------------------------------------------------------------------------------------
@@ -29,9 +29,17 @@ def test_kl_exact_is_zero_for_the_same_model(impl):
     kl = impl.kl_exact(logits, ref_logits, mask)
     if isinstance(kl, torch.Tensor) and kl.numel():
         lowest = kl.detach().min().item()
+        logp, logq = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+        wrong = {"the sum of q · (log p - log q), weighted by the reference's probabilities q rather than the "
+                 "policy's p": (logq.exp() * (logp - logq)).sum(-1) * mask,
+                 "the sum of p · (log q - log p), the KL with its sign flipped": (logp.exp() * (logq - logp)).sum(-1)
+                 * mask}
+        matched = [name for name, value in wrong.items() if value.shape == kl.shape
+                   and torch.allclose(kl.detach().float(), value, atol=1e-5, rtol=1e-4)]
         expect(lowest >= -1e-6, "the sign of kl_exact", f"a value of {lowest:.4g}, but a KL divergence is never "
-               "negative. Usually: the sum weighted by the reference's probabilities q rather than the policy's p, "
-               "or log q - log p in place of log p - log q", observed=lowest < -1e-6)
+               "negative" + (f". The values equal {matched[0]}" if matched else aside(
+                   "Common causes: the sum weighted by the reference's probabilities q rather than the policy's p, "
+                   "or log q - log p in place of log p - log q.")), observed=lowest < -1e-6)
 
 
 @exercise("kl_exact")

@@ -7,8 +7,9 @@ import torch
 
 from solutions import part1_ppo as ref
 from tests.part1_ppo.common import LOOP_PROMPTS, length_reward, loop_config, loop_models, value_head_hooks
-from tests.support import (assert_close, assert_equal, assert_inputs_unchanged, assert_reproducible,
-                           assert_same_trace, calling, exercise, expect, namespaces_of, reference_trace, tracing)
+from tests.support import (CheckFailure, assert_close, assert_equal, assert_inputs_unchanged, assert_reproducible,
+                           assert_same_trace, calling, describe_difference, exercise, expect, namespaces_of,
+                           reference_trace, tracing, with_finding)
 
 
 def learning_setup(tiny_model, **overrides):
@@ -128,10 +129,23 @@ def test_learn_makes_the_reference_update(impl, tiny_model):
                      hint=f"{steps} minibatches ({cfg.epochs} epochs of {cfg.batch_size // cfg.minibatch_size}): one "
                           "optimiser step and one scheduler step each, every step with the gradient of its own "
                           "minibatch's loss")
-        assert_close(updates["value_head"], want_updates["value_head"], f"the update of the value head's "
-                     f"parameters by learn {where}", atol=1e-6, check_grad=False,
-                     hint="the value head learns from the value loss term of ppo_loss, through the values of this "
-                          "forward pass, clipped around the memory's values when cfg.clip_value is set")
+        # The value head is compared first, but its update depends on the model's (the head reads the model's
+        # activations, and the loss's gradient reaches both): a failure says whether the model's update is right,
+        # and what the value head learns from only when it is
+        model_difference = describe_difference(updates["model"], want_updates["model"], atol=1e-6)
+        try:
+            assert_close(updates["value_head"], want_updates["value_head"], f"the update of the value head's "
+                         f"parameters by learn {where}", atol=1e-6, check_grad=False,
+                         hint=None if model_difference else
+                         "the value head learns from the value loss term of ppo_loss, through the values of this "
+                         "forward pass, clipped around the memory's values when cfg.clip_value is set")
+        except CheckFailure as failure:
+            finding = (f"The update of the language model's parameters differs too ({model_difference}); the value "
+                       "head reads the model's activations, so a difference in either update changes both."
+                       if model_difference else "The update of the language model's parameters matches the "
+                       "reference's.")
+            failure.args = (with_finding(str(failure.args[0]), finding),)
+            raise
         assert_close(updates["model"], want_updates["model"], f"the update of the language model's parameters by "
                      f"learn {where}", atol=1e-6, check_grad=False)
 

@@ -24,13 +24,13 @@ def lr_schedule(opt, sched, steps):
 
 def assert_schedule(got, want, what, warmup, total):
     bad = ~torch.isclose(got, want, rtol=1e-4, atol=1e-12) if got.shape == want.shape else None
-    hint = None
+    finding = None
     if bad is not None and bad.any():
         step = int(bad.any(-1).nonzero()[0])
         phase = "during the warm-up" if step < warmup else "during the decay" if step <= total else \
             "after total_steps, where the multiplier stays at final_lr_fraction"
-        hint = f"the first difference is at step {step}, {phase} (warmup_steps={warmup}, total_steps={total})"
-    assert_close(got, want, what, hint=hint, check_grad=False)
+        finding = f"The first step that differs is step {step}, {phase} (warmup_steps={warmup}, total_steps={total})."
+    assert_close(got, want, what, finding=finding, check_grad=False)
 
 
 @exercise("make_optimizer")

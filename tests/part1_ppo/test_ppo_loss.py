@@ -74,10 +74,13 @@ def test_ppo_loss_each_term_enters_with_its_coefficient(impl):
         low, _ = impl.ppo_loss(*with_leaves(inputs), **base)
         high, _ = impl.ppo_loss(*with_leaves(inputs), **(base | {coef: base[coef] + 1.0}))
         change = torch.as_tensor(high).detach() - torch.as_tensor(low).detach()
+        signed = f"{'+' if sign > 0 else '-'}{term}"
         assert_close(change, torch.tensor(sign * terms[term]), f"how ppo_loss changes when {coef} grows by 1",
                      check_grad=False, factors=token_factors(inputs[-1]),
-                     hint=f"expected {'+' if sign > 0 else '-'}{term} = {sign * terms[term]:.4g}: the loss has "
-                          f"{'+' if sign > 0 else '-'} {coef} * {term}, with {term} averaged over the valid tokens")
+                     finding=f"Only {coef} changed between the two calls: the part of your loss that depends on "
+                             f"{coef} is not {coef} × ({signed}), with {term} = {terms[term]:.4g} here.",
+                     hint=f"The loss has {'+' if sign > 0 else '-'} {coef} * {term}, with {term} averaged over the "
+                          "valid tokens.")
 
 
 @exercise("ppo_loss")

@@ -6,7 +6,7 @@ import torch
 
 from solutions import part1_ppo as ref
 from tests.part1_ppo import mistakes
-from tests.support import assert_close, assert_inputs_unchanged, calling, exercise, expect
+from tests.support import aside, assert_close, assert_inputs_unchanged, calling, exercise, expect
 
 
 # --- reward_char_count -------------------------------------------------------------------------------------
@@ -92,12 +92,23 @@ def test_reward_classifier_is_a_probability(impl, small_classifier):
         return  # the value tests say what is wrong with the shape
     everything = torch.stack(per_label).detach().float()
     low, high = everything.min().item(), everything.max().item()
+    with torch.no_grad():  # the classifier's logits, [label, text]: what the likely wrong answers are made of
+        inputs = tokenizer(CLASSIFIER_TEXTS, padding=True, truncation=True, return_tensors="pt")
+        logits = classifier(**inputs).logits.float().T
+    ways = {"the classifier's raw logits": logits, "its log-probabilities (log_softmax)": logits.log_softmax(0),
+            "1 where the label is the argmax, 0 elsewhere": (logits == logits.max(0).values).float()}
+    same = {name: bool(torch.allclose(everything, value, atol=1e-4)) for name, value in ways.items()}
+    named = next((name for name, equal in same.items() if equal), None)
     expect(low >= 0 and high <= 1, "the range of reward_classifier's rewards",
-           f"rewards from {low:.4g} to {high:.4g}, but a probability lies in [0, 1]. Usually: the raw logits or the "
-           "log-probabilities (log_softmax) were returned rather than softmax(logits)", observed=(low, high))
+           f"rewards from {low:.4g} to {high:.4g}, but a probability lies in [0, 1]"
+           + (f". They are {named}, where the reward is softmax(logits)[:, positive_label]" if named else aside(
+               "Common causes: the raw logits or the log-probabilities (log_softmax) returned rather than "
+               "softmax(logits).")), observed=(low, high))
     hard = bool(((everything == 0) | (everything == 1)).all())
-    expect(not hard, "the values of reward_classifier's rewards", "every reward is exactly 0 or 1: a hard decision "
-           "(argmax == positive_label) rather than the probability softmax(logits)[:, positive_label]", observed=hard)
+    expect(not hard, "the values of reward_classifier's rewards", "every reward is exactly 0 or 1, where the "
+           "probability softmax(logits)[:, positive_label] lies strictly between"
+           + (f": they are {named}" if named else aside("Common cause: a hard decision (argmax == positive_label) "
+                                                        "rather than the probability.")), observed=hard)
     assert_close(everything.sum(0), torch.ones(3), "the rewards of labels 0, 1 and 2 summed, for each text",
                  hint="they are the probabilities of all the labels, so they sum to 1: softmax over the labels "
                       "(dim=-1), indexed with positive_label")

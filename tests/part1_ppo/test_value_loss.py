@@ -4,7 +4,7 @@ values, and where the gradient is cut)."""
 import torch
 
 from solutions import part1_ppo as ref
-from tests.part1_ppo.common import gradient_sweep_hint, leaf, randn, random_mask, token_factors
+from tests.part1_ppo.common import gradient_sweep_finding, leaf, randn, random_mask, token_factors
 from tests.support import assert_close, assert_gradients_match, assert_inputs_unchanged, calling, exercise
 
 
@@ -73,12 +73,13 @@ def test_value_loss_clip_cuts_the_gradient_past_the_clip(impl):
             what="value_loss(..., old_values, clip).backward() over a sweep of values")
     ref.value_loss(leaves[1], returns, mask, old_values, clip).backward()
     got, want = leaves[0].grad, leaves[1].grad
-    hint = gradient_sweep_hint(got, want, lambda i, j: f"value {moves[j]:.4g} with return {1 if i == 0 else -1}",
-                               f"With old value 0 and clip = {clip}, a token gets no gradient exactly when its value "
-                               f"is above {clip} with the return above it, or below {-clip} with the return below it; "
-                               "elsewhere it gets (value - return) / (number of valid tokens)")
+    finding = gradient_sweep_finding(got, want,
+                                     lambda i, j: f"value {moves[j]:.4g} with return {1 if i == 0 else -1}")
     assert_close(got, want, "the gradient of the clipped value_loss with respect to values, over values -0.49 .. 0.49 "
-                 "around an old value of 0", check_grad=False, hint=hint)
+                 "around an old value of 0", check_grad=False, finding=finding,
+                 hint=f"With old value 0 and clip = {clip}, a token gets no gradient exactly when its value is above "
+                      f"{clip} with the return above it, or below {-clip} with the return below it; elsewhere it gets "
+                      "(value - return) / (number of valid tokens)")
 
 
 @exercise("value_loss")

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from solutions import part2_lora as ref
-from tests.support import adapters_with_random_B, assert_close, assert_equal, calling
+from tests.support import adapters_with_random_B, aside, assert_close, assert_equal, calling
 
 ALL_TARGETS = tuple(ref.TARGETS)
 
@@ -27,9 +27,12 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def attempt(label: str, fn, *args, causes: str | None = None, **kwargs):
-    """support.calling with the check's label first, and a fixed sentence on the usual causes."""
-    return calling(lambda: fn(*args, **kwargs), what=label, explain=(lambda text: causes) if causes else None)
+def attempt(label: str, fn, *args, causes=None, **kwargs):
+    """support.calling with the check's label first. causes: a fixed sentence on the usual causes of an exception
+    (shown as an aside: nothing on the learner's run confirms it), or a function of the exception's text that returns
+    what that text confirms (and asides for the rest)."""
+    explain = causes if callable(causes) else (lambda text: aside(causes)) if causes else None
+    return calling(lambda: fn(*args, **kwargs), what=label, explain=explain)
 
 
 def state_of(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from solutions import part2_lora as ref
 from tests.part2_lora.common import assert_state_unchanged, attempt, error_text, random_adapters, some_tokens, state_of
-from tests.support import assert_close, assert_equal, assert_inputs_unchanged, assert_raises, exercise, expect
+from tests.support import aside, assert_close, assert_equal, assert_inputs_unchanged, assert_raises, exercise, expect
 
 
 def open_safetensors(path, what: str):
@@ -19,8 +19,15 @@ def open_safetensors(path, what: str):
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {})
     except Exception as error:  # noqa: BLE001
-        expect(False, what, f"the file is not a safetensors file ({error_text(error)}): write it with "
-               "safetensors.torch.save_file (torch.save writes a pickle)", observed=type(error).__name__)
+        start = Path(path).read_bytes()[:4] if Path(path).is_file() else None
+        written_by = (": there is no file at that path" if start is None
+                      else ": it is a zip archive, which is what torch.save writes" if start.startswith(b"PK\x03\x04")
+                      else ": it is a pickle, which is what torch.save(..., _use_new_zipfile_serialization=False) "
+                      "writes" if start.startswith(b"\x80") else "")
+        expect(False, what, f"the file is not a safetensors file ({error_text(error)}){written_by}. An adapter file is "
+               "written by safetensors.torch.save_file" + ("" if written_by else aside(
+                   "Common cause: the file written with torch.save, which writes a pickle.")),
+               observed=type(error).__name__)
 
 
 def number(text, kind):
@@ -43,13 +50,13 @@ def test_save_adapter_writes_every_tensor_with_rank_and_alpha(impl, tiny_model, 
     for name, p in adapters.state_dict().items():
         assert_close(tensors[name], p, f"the tensor {name} in the file", atol=0, rtol=0)
     assert_equal(sorted(k for k in ("rank", "alpha") if k in meta), ["alpha", "rank"], "rank and alpha in the "
-                 "file's metadata", hint=f"save_file(..., metadata={{'rank': str(rank), 'alpha': str(alpha)}}); the "
-                                         f"file's metadata: {meta!r}")
+                 "file's metadata", finding=f"The file's metadata: {meta!r}.",
+                 hint="save_file(..., metadata={'rank': str(rank), 'alpha': str(alpha)})")
     rank, alpha = number(meta.get("rank"), float), number(meta.get("alpha"), float)
     expect(not (rank == 8.0 and alpha == 3.0), "rank and alpha in the file's metadata", "they are swapped: "
            f"{meta!r} for adapters of rank 3 and alpha 8", observed=(rank, alpha))
     assert_equal(rank, 3.0, "the rank in the file's metadata (float(metadata['rank']))",
-                 hint=f"the rank is A.shape[0] (A is [rank, d_in]); the file's metadata: {meta!r}")
+                 finding=f"The file's metadata: {meta!r}.", hint="the rank is A.shape[0] (A is [rank, d_in])")
     assert_close(torch.tensor(float("nan") if alpha is None else alpha), torch.tensor(8.0),
                  "the alpha in the file's metadata (float(metadata['alpha']))",
                  factors={"1/rank (the scale alpha / rank was stored, not alpha)": 1 / 3}, atol=1e-6)
@@ -72,8 +79,12 @@ def test_save_adapter_round_trip(impl, tiny_model, tmp_path):
 def test_save_adapter_creates_its_folder(impl, tiny_model, tmp_path):
     adapters = random_adapters(tiny_model, ("q",), rank=2, alpha=4.0)
     path = tmp_path / "runs" / "seed0" / "a.safetensors"  # neither folder exists yet
+    def missing_folder(text: str) -> str:
+        return ("The folders did not exist when the file was opened: create them first, "
+                "Path(path).parent.mkdir(parents=True, exist_ok=True)" if "No such file or directory" in text else "")
+
     attempt("save_adapter(adapters, path) into folders that do not exist yet", impl.save_adapter, adapters, path,
-            causes="create them first: Path(path).parent.mkdir(parents=True, exist_ok=True)")
+            causes=missing_folder)
     expect(path.is_file(), "the file save_adapter wrote into folders that did not exist yet", f"no file at {path}",
            observed=path.is_file())
 

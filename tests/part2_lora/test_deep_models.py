@@ -6,7 +6,7 @@ import re
 import torch
 
 from solutions import part2_lora as ref
-from tests.support import (assert_close, assert_defaults_match, calling, deep_adapters, deep_hint, deep_model,
+from tests.support import (assert_close, assert_defaults_match, calling, deep_adapters, deep_finding, deep_model,
                            describe_difference, exercise)
 
 
@@ -43,11 +43,11 @@ def test_lora_hooks_on_a_model_with_twelve_blocks(impl):
     want = logits_with(model, ref.lora_hooks(model, adapters), ids)
     hooks = calling(impl.lora_hooks, model, adapters, what="lora_hooks(a 12-block model, its adapters)")
     got = logits_with(model, hooks, ids)
-    hint = None
+    finding, why = None, None
     if describe_difference(got, want):
-        hint = deep_hint(wrong_blocks_of_hooks(model, adapters, impl.lora_hooks, ids))
+        finding, why = deep_finding(wrong_blocks_of_hooks(model, adapters, impl.lora_hooks, ids))
     assert_close(got, want, "the logits of a 12-block model with lora_hooks(model, adapters) on every block",
-                 hint=hint)
+                 finding=finding, hint=why)
 
 
 def merged_state(merge, model, adapters, *args):
@@ -64,7 +64,7 @@ def test_merge_lora_on_a_model_with_twelve_blocks(impl):
     want = merged_state(ref.merge_lora, model, adapters)
     got = merged_state(impl.merge_lora, model, adapters)
     ids = some_tokens(model)
-    hint = deep_hint(wrong_blocks_of_weights(got, want))
+    wrong = wrong_blocks_of_weights(got, want)
     model = deep_model()
     model.load_state_dict(got)
     with torch.no_grad():
@@ -73,8 +73,9 @@ def test_merge_lora_on_a_model_with_twelve_blocks(impl):
     with torch.no_grad():
         want_logits = model(ids)
     deep_model()
+    finding, why = deep_finding(wrong) if wrong and describe_difference(got_logits, want_logits) else (None, None)
     assert_close(got_logits, want_logits, "the logits of a 12-block model after merge_lora(model, adapters) on every "
-                 "block", hint=hint if describe_difference(got_logits, want_logits) else None)
+                 "block", finding=finding, hint=why)
 
 
 @exercise("unmerge_lora")
@@ -89,10 +90,11 @@ def test_unmerge_lora_on_a_model_with_twelve_blocks(impl):
     with torch.no_grad():
         got = model(ids)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    hint = None
+    finding, why = None, None
     if describe_difference(got, want, atol=1e-4):
         pristine = {k: v.detach().clone() for k, v in deep_model().state_dict().items()}
-        hint = deep_hint(wrong_blocks_of_weights(state, pristine))
+        wrong = wrong_blocks_of_weights(state, pristine)
+        finding, why = deep_finding(wrong) if wrong else (None, None)
     deep_model()
     assert_close(got, want, "the logits of a 12-block model after merge_lora then unmerge_lora (the model as it was)",
-                 atol=1e-4, hint=hint)
+                 atol=1e-4, finding=finding, hint=why)

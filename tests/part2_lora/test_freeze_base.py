@@ -43,7 +43,7 @@ def test_freeze_base_counts(impl, tiny_model):
     n_adapters, n_base = sum(p.numel() for p in adapters.parameters()), ref.count_parameters(tiny_model)
     known = {n_adapters: "the adapters' parameter count", n_base: "the base model's parameter count "
              "(count_parameters(model))", n_base + n_adapters: "the base model's and the adapters' together",
-             0: "0 (a count of trainable parameters only, after freezing?)",
+             0: "the number of the base model's parameters that require grad after freezing",
              len(list(adapters.parameters())): "the number of adapter tensors (not their elements)",
              sum(p.numel() for p in tiny_model.parameters()): "every tensor of model.parameters(), with the fused "
              "qkv copy that the bridge keeps and never uses (count_parameters leaves it out)"}

@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from tests.part2_lora.common import attempt
-from tests.support import assert_close, assert_equal, assert_gradients_match, assert_inputs_unchanged, exercise, expect
+from tests.support import (aside, assert_close, assert_equal, assert_gradients_match, assert_inputs_unchanged, exercise,
+                           expect)
 from utils.checker.observe import kind  # what a class is, not the name its author gave it
 
 
@@ -57,8 +58,8 @@ def test_lora_initialisation(impl):
            f"(nn.init.kaiming_uniform_(A, a=math.sqrt(5))); got values up to {largest:.3g}× that bound with a "
            f"standard deviation {spread:.3g}× the uniform one" + (
                ": every value is 0, so B gets no gradient and the adapter can never learn" if largest == 0 else
-               f" (a standard deviation of {A.std().item():.3g}: drawn from a normal distribution, torch.randn?)"
-               if abs(A.std().item() - 1) < 0.1 else ""),
+               f" (a standard deviation of {A.std().item():.3g}, that of a standard normal distribution)"
+               + aside("Common cause: A drawn with torch.randn.") if abs(A.std().item() - 1) < 0.1 else ""),
            observed=(round(largest, 2), round(spread, 2)))
 
 

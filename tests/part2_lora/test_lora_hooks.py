@@ -6,8 +6,8 @@ import torch
 
 from solutions import part2_lora as ref
 from tests.part2_lora.common import ALL_TARGETS, attempt, error_text, random_adapters, some_tokens
-from tests.support import (CheckFailure, assert_close, assert_equal, assert_gradients_match, assert_hooks_clean,
-                           error_seen, exercise, expect)
+from tests.support import (CheckFailure, aside, assert_close, assert_equal, assert_gradients_match,
+                           assert_hooks_clean, error_seen, exercise, expect, with_finding)
 from utils.sampling import sample
 
 SHAPE_WORDS = ("shape", "size", "mat1", "mat2", "dimension", "broadcast")
@@ -68,9 +68,12 @@ def owners(model) -> dict[str, str]:
             for target, points in ref.TARGETS.items() for point in points}
 
 
-def hook_usage(model, calls: list, adapters) -> str | None:
-    """What the spies saw, when it explains a failure: a hook that used another projection's adapter (the last
-    one of the loop, every time, is late binding), or adapters that no hook used."""
+def hook_usage(model, calls: list, adapters, complete: bool = True) -> tuple[str | None, str | None]:
+    """What the spies saw, when it explains a failure, as (finding, aside): the finding is what they measured, a hook
+    that used another projection's adapter (the last one of the loop, every time), or adapters that no hook used
+    (only when the forward pass was `complete`: one that raised never reached the later adapters); the aside is the
+    cause that such a finding commonly has (late binding, ...), which the spies do not prove. (None, None) when
+    nothing is amiss."""
     owner = owners(model)
     wrong = [(point, sorted(set(used)), owner[point]) for point, used in calls
              if point in owner and used and set(used) != {owner[point]}]
@@ -78,42 +81,54 @@ def hook_usage(model, calls: list, adapters) -> str | None:
     if wrong and all(used == [last] for _, used, _ in wrong):
         point, _, own = wrong[0]
         return (f"every hook used adapter {last}, the last one the loop made (the hook at {point} used {last} instead "
-                f"of {own}). A function defined in a loop looks up the loop's variables (adapter, key, ...) when it "
-                "runs, which is after the loop has ended: bind them when the function is made, as default arguments "
-                "(def add_update(out, hook, adapter=adapter): ...), or make each pair in a helper function")
+                f"of {own})",
+                "Common cause: late binding. A function defined in a loop looks up the loop's variables (adapter, key, "
+                "...) when it runs, which is after the loop has ended: bind them when the function is made, as default "
+                "arguments (def add_update(out, hook, adapter=adapter): ...), or make each pair in a helper function.")
     if wrong:
         point, used, own = wrong[0]
-        return (f"the hook at {point} used adapter(s) {used} instead of {own}: each adapter acts on its own "
-                "projection, whose input and output hook points are TARGETS[target] in its own block")
+        return (f"the hook at {point} used adapter(s) {used} instead of {own}",
+                "Each adapter acts on its own projection, whose input and output hook points are TARGETS[target] in "
+                "its own block.")
     read = {key for _, used in calls for key in used}
     unused = [key for key in adapters if key not in read]
-    if read and unused:
-        return (f"no hook used adapters {unused[:4]}{'...' if len(unused) > 4 else ''}: is a pair returned for every "
-                "adapter in `adapters` (every layer, every target)?")
-    return None
+    if read and unused and complete:
+        return (f"no hook used adapters {unused[:4]}{'...' if len(unused) > 4 else ''}",
+                "Common cause: no pair returned for some adapters; lora_hooks returns pairs for every adapter in "
+                "`adapters` (every layer, every target).")
+    return None, None
 
 
-SHAPE_CAUSES = ("Usually: a hook applied to another projection's tensor (the wrong hook point, or another adapter), "
+def as_text(seen: tuple[str | None, str | None]) -> str | None:
+    """hook_usage's (finding, aside) as one message fragment: the finding, then the aside marked as one."""
+    finding, why = seen
+    return finding + (aside(why) if why else "") if finding else None
+
+
+SHAPE_CAUSES = ("Common causes of a shape error here: a hook applied to another projection's tensor (the wrong hook "
+                "point, or another adapter), "
                 "a per-head tensor [batch, pos, head, d_head] not flattened to [batch, pos, head · d_head] before "
                 "the adapter (o reads the per-head z), or the update not reshaped to the output's shape (q, k and v "
                 "write [batch, pos, head, d_head]), or an input kept from an earlier forward pass (generate runs the "
-                "hooks once per new token, on one new position)")
-MISSING_INPUT = ("A hook looked for an input that no hook had kept (yet): in a forward pass each output hook runs "
-                 "right after the input hook of its own projection, TARGETS[target] = (input point, output point) "
-                 "in the adapter's own block. Check that the output hook reads what that input hook kept, and that "
-                 "every forward pass keeps a fresh input for every output hook")
+                "hooks once per new token, on one new position).")
+MISSING_INPUT = ("Common cause of this kind of error here: a hook that looks for an input that no hook has kept (yet). "
+                 "In a forward pass each output hook runs right after the input hook of its own projection, "
+                 "TARGETS[target] = (input point, output point) in the adapter's own block: the output hook reads what "
+                 "that input hook kept, and every forward pass keeps a fresh input for every output hook.")
 
 
 def hooks_error(what: str, error: Exception, calls: list, model, adapters) -> None:
     """Fail, saying what the learner's hooks raised, where, and what the spies or the error imply."""
-    seen = hook_usage(model, calls, adapters)
+    seen = as_text(hook_usage(model, calls, adapters))
+    said = as_text(hook_usage(model, calls, adapters, complete=False))  # the pass stopped: later adapters unreached
     where = calls[-1][0] if calls else None
     text = str(error).lower()
-    cause = seen or (SHAPE_CAUSES if any(w in text for w in SHAPE_WORDS)
-                     else MISSING_INPUT if isinstance(error, (KeyError, IndexError, AttributeError)) or "pop" in text
-                     else "")
+    usual = (SHAPE_CAUSES if any(w in text for w in SHAPE_WORDS)
+             else MISSING_INPUT if isinstance(error, (KeyError, IndexError, AttributeError)) or "pop" in text
+             else "")
+    cause = f"; {said}" if said else aside(usual) if usual else ""  # what the spies saw, else the usual causes
     expect(False, what, f"the forward pass with your hooks raised {error_text(error)}"
-           + (f" in the hook at {where}" if where else "") + (f". {cause}" if cause else ""),
+           + (f" in the hook at {where}" if where else "") + cause,
            observed=(error_seen(error), where, seen))
 
 
@@ -134,8 +149,9 @@ def pairs_from(impl, model, adapters) -> list:
            "on (and, inside the with-block, run twice)", observed=added)
     removed = sorted(n for n in before if after.get(n, 0) < before[n])
     expect(not removed, "the caller's hooks after calling lora_hooks", f"lora_hooks removed hooks that were on the "
-           f"model (at {removed[:3]}): model.reset_hooks() removes every hook, the caller's too (e.g. a value "
-           "head's); lora_hooks only returns pairs", observed=removed)
+           f"model (at {removed[:3]}); lora_hooks only returns pairs" + aside(
+               "Common cause: model.reset_hooks(), which removes every hook, the caller's too (e.g. a value head's)."),
+           observed=removed)
     ok = isinstance(pairs, list) and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
                                          and callable(p[1]) for p in pairs)
     expect(ok, "what lora_hooks returns", f"expected a list of (hook point name, hook function) pairs, as "
@@ -149,8 +165,8 @@ def pairs_from(impl, model, adapters) -> list:
 
 
 def with_learners_hooks(impl, model, adapters, body, what: str):
-    """body(pairs) with the learner's pairs (traced), and what the spies saw (None when nothing is amiss); an error
-    raised on the way is reported with where it happened and what it implies."""
+    """body(pairs) with the learner's pairs (traced), and what the spies saw (hook_usage's (finding, aside), both None
+    when nothing is amiss); an error raised on the way is reported with where it happened and what it implies."""
     calls: list = []
     pairs = traced(pairs_from(impl, model, adapters), calls)
     try:
@@ -183,9 +199,9 @@ def test_lora_hooks_with_zero_B_leave_the_model_unchanged(impl, tiny_model):
         with torch.no_grad(), tiny_model.hooks(fwd_hooks=pairs):
             return tiny_model(tokens)
 
-    got, seen = with_learners_hooks(impl, tiny_model, adapters, run, "logits with fresh adapters (B = 0)")
+    got, (seen, why) = with_learners_hooks(impl, tiny_model, adapters, run, "logits with fresh adapters (B = 0)")
     base = reference_run("base logits", lambda: tiny_model(tokens).detach())
-    assert_close(got, base, "logits with fresh adapters (B = 0) on every target", atol=1e-5, hint=seen or
+    assert_close(got, base, "logits with fresh adapters (B = 0) on every target", atol=1e-5, finding=seen, hint=why or
                  "with B = 0 every update is 0, so the hooks must give back each output unchanged (output + update)")
 
 
@@ -204,14 +220,14 @@ def test_lora_hooks_match_the_reference(impl, tiny_model):
             with torch.no_grad(), tiny_model.hooks(fwd_hooks=pairs + [capture(point, kept)]):
                 return tiny_model(tokens), kept.get(point)
 
-        (got, got_out), seen = with_learners_hooks(impl, tiny_model, adapters, run, what)
+        (got, got_out), (seen, why) = with_learners_hooks(impl, tiny_model, adapters, run, what)
         expected, expected_out = reference_run(("logits", targets), lambda: run(ref.lora_hooks(tiny_model, adapters)))
         plain_out = reference_run(("plain", point), lambda: run([])[1])
         assert_close(got_out - plain_out, expected_out - plain_out, f"the update your hooks add at {point} (adapter "
-                     f"{first}, on the first block's unchanged input)", atol=1e-5, hint=seen,
+                     f"{first}, on the first block's unchanged input)", atol=1e-5, finding=seen, hint=why,
                      factors={f"{SPY_SCALE:g} = the adapter's scale alpha / rank (so the scale was applied twice)":
                               SPY_SCALE, f"1/{SPY_SCALE:g} = 1/scale (the scale left out)": 1 / SPY_SCALE})
-        assert_close(got, expected, what, atol=1e-4, hint=seen)
+        assert_close(got, expected, what, atol=1e-4, finding=seen, hint=why)
 
 
 @exercise("lora_hooks")
@@ -242,17 +258,18 @@ def test_lora_hooks_gradients_reach_the_adapters_and_the_earlier_layers(impl, ti
         checks = [("the adapters' A and B", lambda: assert_gradients_match(
                       lambda: yours(offset), lambda: reference(offset), what="the logits with LoRA hooks",
                       modules={"adapters": adapters}, atol=1e-4, rtol=1e-3),
-                   "usually the update detached, or computed under torch.no_grad(), or A and B used through .data"),
+                   "the update detached, or computed under torch.no_grad(), or A and B used through .data"),
                   ("the embeddings", lambda: assert_gradients_match(
                       yours, reference, (offset,), what="the logits with LoRA hooks", atol=1e-4, rtol=1e-3),
-                   "usually a tensor detached inside a hook: the adapter's input (x.detach(), or kept under "
+                   "a tensor detached inside a hook: the adapter's input (x.detach(), or kept under "
                    "torch.no_grad()), or the projection's output before the update is added to it")]
         for where, check, causes in checks:
             try:
                 check()
             except CheckFailure as failure:
-                raise CheckFailure(f"{failure}\n  The logits are right, but the gradient that flows back into "
-                                   f"{where} is not: {causes}.") from None
+                found = with_finding(str(failure), f"The logits are right, but the gradient that flows back into "
+                                                   f"{where} is not.")
+                raise CheckFailure(found + aside(f"Common causes: {causes}.")) from None
     except (NotImplementedError, CheckFailure):
         raise
     except Exception as error:  # noqa: BLE001
@@ -322,9 +339,9 @@ def test_lora_hooks_act_in_generate_under_the_context_manager_only(impl, tiny_mo
     expected = reference_run("adapted samples", lambda: greedy(ref.lora_hooks(tiny_model, adapters)))
     if torch.equal(expected, plain):
         raise RuntimeError("test set-up: these adapters should change greedy samples")
-    got, seen = with_learners_hooks(impl, tiny_model, adapters, greedy, "greedy samples with your hooks on "
-                                    "(generate uses the KV cache: one new position per step)")
-    assert_close(got, expected, "token ids sampled greedily with your hooks on", hint=seen or (
+    got, (seen, why) = with_learners_hooks(impl, tiny_model, adapters, greedy, "greedy samples with your hooks on "
+                                           "(generate uses the KV cache: one new position per step)")
+    assert_close(got, expected, "token ids sampled greedily with your hooks on", finding=seen, hint=why or (
         "generate runs the hooks once per new token, with the KV cache (inputs of one position): a hook must use "
         "the input of the forward pass that is running, not one kept from an earlier pass"))
     after = sample(tiny_model, prompts, max_new_tokens=8, temperature=0).ids

@@ -7,7 +7,7 @@ import torch
 
 from solutions import part2_lora as ref
 from tests.part2_lora.common import ALL_TARGETS, assert_state_unchanged, attempt, random_adapters, some_tokens, state_of
-from tests.support import assert_close, exercise, expect
+from tests.support import aside, assert_close, exercise, expect
 from utils.models import load_model
 
 _OWN_MODEL: list = []  # [model, {name: pristine tensor}], loaded once per process
@@ -59,8 +59,10 @@ def assert_weights_changed_by(model, adapters, before, expected: dict, what: str
         key = adapted.get(id(p))
         expect(p.grad_fn is None and p.requires_grad == requires_grad, f"the weight {name} after {what}",
                f"it is no longer a plain weight (requires_grad={p.requires_grad}, grad_fn={type(p.grad_fn).__name__}"
-               f", expected requires_grad={requires_grad} and no grad_fn): it was changed with gradient tracking on. "
-               "Change weights under torch.no_grad() (e.g. decorate the function with @torch.no_grad())",
+               f", expected requires_grad={requires_grad} and no grad_fn)"
+               + (": a grad_fn means it was changed with gradient tracking on. Change weights under torch.no_grad() "
+                  "(e.g. decorate the function with @torch.no_grad())" if p.grad_fn is not None else aside(
+                      "Changed under torch.no_grad(), a weight keeps its requires_grad as it was.")),
                observed=(p.requires_grad, p.grad_fn is None))
         if key is not None:
             assert_close(p.detach() - before[name], expected[key], f"the change {what} made to the weight that "
@@ -80,16 +82,21 @@ def merge_setup(model, seed, frozen=True):
     return adapters, parameters_of(model), state_of(adapters)
 
 
-RAISED_WHILE_CHANGING = ("usually: a weight changed in place while gradients are tracked (wrap the change in "
-                         "torch.no_grad()), or an update of the wrong shape (scale · B A is [d_out, d_in]; "
-                         "base_weight says when the weight is stored [d_in, d_out])")
+def raised_while_changing(text: str) -> str:
+    """What the text of an exception raised by merge_lora or unmerge_lora confirms, and the usual causes as asides."""
+    if "leaf Variable that requires grad" in text:
+        return ("torch refused to change a weight that requires grad in place while autograd was recording: change "
+                "weights under torch.no_grad()")
+    return aside("Common causes: a weight changed in place while gradients are tracked (wrap the change in "
+                 "torch.no_grad()), or an update of the wrong shape (scale · B A is [d_out, d_in]; base_weight says "
+                 "when the weight is stored [d_in, d_out]).")
 
 
 @exercise("merge_lora")
 def test_merge_adds_each_update_to_its_weight(impl, fresh_model):
     adapters, before, adapters_before = merge_setup(fresh_model, seed=3)
     expected = updates_of(fresh_model, adapters)
-    attempt("merge_lora(model, adapters)", impl.merge_lora, fresh_model, adapters, causes=RAISED_WHILE_CHANGING)
+    attempt("merge_lora(model, adapters)", impl.merge_lora, fresh_model, adapters, causes=raised_while_changing)
     assert_weights_changed_by(fresh_model, adapters, before, expected, "merge_lora", requires_grad=False)
     assert_state_unchanged(adapters, adapters_before, "the adapters after merge_lora")
 
@@ -100,7 +107,7 @@ def test_merged_model_computes_what_the_hooked_one_did(impl, fresh_model):
     tokens = some_tokens(fresh_model)
     with torch.no_grad():
         hooked = ref.LoRAModel(fresh_model, adapters)(tokens)
-        attempt("merge_lora(model, adapters)", impl.merge_lora, fresh_model, adapters, causes=RAISED_WHILE_CHANGING)
+        attempt("merge_lora(model, adapters)", impl.merge_lora, fresh_model, adapters, causes=raised_while_changing)
         merged = fresh_model(tokens)
     assert_close(merged, hooked, "logits of the merged model (no hooks)", atol=1e-4)
 
@@ -111,7 +118,7 @@ def test_merge_sign_scales_the_update(impl, fresh_model):
         adapters, before, _ = merge_setup(fresh_model, seed=5)
         expected = updates_of(fresh_model, adapters, sign)
         attempt(f"merge_lora(model, adapters, sign={sign})", impl.merge_lora, fresh_model, adapters, sign=sign,
-                causes=RAISED_WHILE_CHANGING)
+                causes=raised_while_changing)
         assert_weights_changed_by(fresh_model, adapters, before, expected, f"merge_lora(..., sign={sign})",
                                   requires_grad=False)
 
@@ -121,7 +128,7 @@ def test_merge_on_a_trainable_base(impl, fresh_model):
     adapters, before, _ = merge_setup(fresh_model, seed=6, frozen=False)  # requires_grad=True, as loaded
     expected = updates_of(fresh_model, adapters)
     attempt("merge_lora(model, adapters) on a model whose weights require gradients", impl.merge_lora, fresh_model,
-            adapters, causes=RAISED_WHILE_CHANGING)
+            adapters, causes=raised_while_changing)
     assert_weights_changed_by(fresh_model, adapters, before, expected, "merge_lora on a trainable model",
                               requires_grad=True)
 
@@ -131,7 +138,7 @@ def test_unmerge_takes_each_update_out_again(impl, fresh_model):
     adapters, _, adapters_before = merge_setup(fresh_model, seed=7)
     ref.merge_lora(fresh_model, adapters)
     merged, expected = parameters_of(fresh_model), updates_of(fresh_model, adapters, -1.0)
-    attempt("unmerge_lora(model, adapters)", impl.unmerge_lora, fresh_model, adapters, causes=RAISED_WHILE_CHANGING)
+    attempt("unmerge_lora(model, adapters)", impl.unmerge_lora, fresh_model, adapters, causes=raised_while_changing)
     assert_weights_changed_by(fresh_model, adapters, merged, expected, "unmerge_lora (after merge_lora)",
                               requires_grad=False)
     assert_state_unchanged(adapters, adapters_before, "the adapters after unmerge_lora")
@@ -145,10 +152,14 @@ def test_unmerge_restores_the_base_model(impl, fresh_model):
         base = fresh_model(tokens)
     ref.merge_lora(fresh_model, adapters)
     attempt("unmerge_lora(model, adapters) on a model whose weights require gradients", impl.unmerge_lora,
-            fresh_model, adapters, causes=RAISED_WHILE_CHANGING)
+            fresh_model, adapters, causes=raised_while_changing)
     with torch.no_grad():
         after = fresh_model(tokens)
     assert_close(after, base, "logits after merge_lora then unmerge_lora", atol=1e-4)
     grads = [n for n, p in fresh_model.named_parameters() if p.grad_fn is not None or not p.requires_grad]
+    tracked = [n for n in grads if dict(fresh_model.named_parameters())[n].grad_fn is not None]
     expect(not grads, "the weights after unmerge_lora on a trainable model", f"{grads[:2]} are no longer trainable "
-           "leaves: change weights under torch.no_grad()", observed=grads)
+           "leaves" + (f" ({tracked[:2]} have a grad_fn: they were changed with gradient tracking on). Change weights "
+                       "under torch.no_grad()" if tracked else " (requires_grad=False)" + aside(
+                           "Changed under torch.no_grad(), a weight keeps its requires_grad as it was.")),
+           observed=grads)

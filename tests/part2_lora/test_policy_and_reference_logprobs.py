@@ -8,8 +8,8 @@ import torch
 from solutions import part2_lora as ref
 from solutions.part0_warmup import completion_logprobs
 from tests.part2_lora.common import attempt, random_adapters
-from tests.support import (assert_close, assert_gradients_match, assert_hooks_clean, assert_inputs_unchanged, exercise,
-                           expect)
+from tests.support import (aside, assert_close, assert_gradients_match, assert_hooks_clean, assert_inputs_unchanged,
+                           exercise, expect)
 from utils.sampling import sample
 
 _SAMPLES: dict[int, object] = {}  # seed -> samples drawn from that LoRA model (sampling is the slow part)
@@ -30,17 +30,20 @@ def lora_setup(model, seed=2):
     return lora_model, adapters, samples
 
 
-def padded_rows_hint(got, expected, samples) -> str | None:
-    """When exactly the rows whose prompt is left-padded are wrong, say so: that is what leaving out the attention
-    mask does (the padding is attended to, and the positions are off)."""
+def padded_rows(got, expected, samples) -> tuple[str | None, str | None]:
+    """(finding, aside): when exactly the rows whose prompt is left-padded are wrong, the finding says so (measured),
+    and the aside what leaving out the attention mask does (the padding is attended to, and the positions are off),
+    which that pattern does not prove. (None, None) otherwise."""
     if not (isinstance(got, torch.Tensor) and got.shape == expected.shape):
-        return None
+        return None, None
     wrong = ~torch.isclose(got.detach(), expected, atol=1e-5, rtol=1e-4).all(dim=1)
     padded = samples.attention_mask[:, 0] == 0
     if wrong.any() and padded.any() and torch.equal(wrong, padded):
-        return ("exactly the rows whose prompt is left-padded are wrong: the forward pass must get "
-                "attention_mask=samples.attention_mask (completion_logprobs passes it)")
-    return None
+        return (f"The wrong rows, {padded.nonzero().flatten().tolist()}, are exactly those whose prompt is "
+                "left-padded.",
+                "A forward pass without attention_mask=samples.attention_mask attends to the padding and puts the "
+                "tokens at other positions; completion_logprobs passes it.")
+    return None, None
 
 
 def pair_of(out, what: str):
@@ -66,17 +69,20 @@ def test_reference_is_the_base_model_without_hooks(impl, tiny_model):
     swapped = equal(logprobs, base) and equal(ref_logprobs, adapted)
     expect(not swapped, "the order of the pair", "the first is the reference's log-probs and the second the policy's: "
            "return (policy log-probs, reference log-probs)", observed=swapped)
-    expect(not equal(ref_logprobs, adapted), "reference log-probs", "they are the LoRA model's own log-probs: the "
-           "reference ran with the LoRA hooks on (through lora_model itself, inside lora_model.adapted(), or with "
-           "hooks added by add_hook still on), or is a copy of the policy's. The reference is lora_model.base "
-           "called with no hooks", observed=equal(ref_logprobs, adapted))
+    expect(not equal(ref_logprobs, adapted), "reference log-probs", "they are the LoRA model's own log-probs, where "
+           "the reference is lora_model.base called with no hooks" + aside(
+               "Common causes: the reference run with the LoRA hooks on (through lora_model itself, inside "
+               "lora_model.adapted(), or with hooks added by add_hook still on), or a copy of the policy's "
+               "log-probs."), observed=equal(ref_logprobs, adapted))
     expect(not equal(logprobs, base), "policy log-probs", "they are the base model's: the policy ran without the LoRA "
            "hooks. The policy is lora_model itself, whose forward adds them", observed=equal(logprobs, base))
+    finding, why = padded_rows(ref_logprobs, base, samples)
     assert_close(ref_logprobs, base, "reference log-probs (lora_model.base, no hooks)", mask=mask, atol=1e-5,
-                 hint=padded_rows_hint(ref_logprobs, base, samples))
+                 finding=finding, hint=why)
     expected = completion_logprobs(lora_model, samples)
+    finding, why = padded_rows(logprobs, expected.detach(), samples)
     assert_close(logprobs, expected, "policy log-probs (lora_model, with its hooks)", mask=mask, atol=1e-5,
-                 hint=padded_rows_hint(logprobs, expected.detach(), samples))
+                 finding=finding, hint=why)
 
 
 @exercise("policy_and_reference_logprobs")

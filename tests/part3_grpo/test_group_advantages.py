@@ -14,42 +14,47 @@ from tests.support import assert_close, assert_inputs_unchanged, assert_raises, 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.5, 3.0, 1.0])  # 3 groups of 4 (one flat)
 
 
-def by_group(got, expected, group_size) -> str | None:
-    """What the rows of got.view(-1, G) show, when the values differ: whether each group's advantages still sum to 0
-    (they do, around each group's own mean), and whether each group is off by its own factor or constant."""
+def by_group(got, expected, group_size) -> tuple[str | None, str | None]:
+    """(finding, aside) from the rows of got.view(-1, G), when the values differ: the finding is what the groups
+    measure (whether each group's advantages still sum to 0, as they do around each group's own mean, and whether each
+    group is off by its own factor); the aside is the cause such a pattern commonly has, which it does not prove.
+    (None, None) where there is nothing to say."""
     if not (isinstance(got, Tensor) and got.shape == expected.shape and got.dim() == 1 and got.is_floating_point()
             and len(got) % group_size == 0 and torch.isfinite(got).all() and not expected.isnan().any()):
-        return None
+        return None, None
     groups, want = got.detach().view(-1, group_size), expected.view(-1, group_size)
     if want.abs().sum(1).gt(0).any() and not torch.allclose(want.sum(1), torch.zeros(len(want)), atol=1e-4):
-        return None  # unscored rewards (advantage 0) break the zero sums: nothing to say
+        return None, None  # unscored rewards (advantage 0) break the zero sums: nothing to say
     if not torch.allclose(groups.sum(1), torch.zeros(len(groups)), atol=1e-4):
         if len(groups) > 1 and torch.allclose(groups.sum(0), torch.zeros(group_size), atol=1e-4):
             return ("The advantages sum to 0 down each column of rewards.view(-1, G) instead of along each group "
-                    "(row): the group statistics were taken over dim 0, the other groups, instead of dim 1.")
+                    "(row).",
+                    "Group statistics taken over dim 0 (the other groups) instead of dim 1 give this.")
         sums = [round(x, 3) for x in groups.sum(1).tolist()]
         if torch.equal(groups.sign(), want.sign()):  # each reward on the right side of its group's mean
             return (f"Each group's advantages should sum to 0; here they do not (sums: {sums}), yet each one is on the "
-                    "right side of 0 (positive exactly where the reward is above its own group's mean): the rewards "
-                    "of a group were divided by different amounts. Usually the std was taken over another set of "
-                    "rewards than the group (e.g. over dim 0 of rewards.view(-1, G)).")
-        return ("Each group's advantages should sum to 0 (each reward minus its own group's mean); here they do not, "
-                f"and some are on the wrong side of 0, which no division can do: what was subtracted is not each "
-                f"group's mean (sums: {sums}).")
+                    "right side of 0 (positive exactly where the reward is above its own group's mean).",
+                    "The rewards of a group divided by different amounts give this: e.g. the std taken over another "
+                    "set of rewards than the group (over dim 0 of rewards.view(-1, G)).")
+        return (f"Each group's advantages should sum to 0 (each reward minus its own group's mean); here they do not "
+                f"(sums: {sums}), and not every one has the sign of the reference's.",
+                "No division by a positive spread moves an advantage across 0: what was subtracted is not each "
+                "group's mean.")
     spread = want.abs().sum(1) > 0  # a group without spread has advantages 0, which no factor can describe
     if spread.sum() >= 2:
         found = describe_difference(groups[spread], want[spread])
         if found and found.startswith("each row is off by its own factor"):
-            return ("Each group with spread is off by its own factor, e.g. "
-                    f"{found.split('e.g. ', 1)[1].split(':')[0]}: the division by each group's spread differs (which "
-                    "standard deviation, with or without Bessel's correction, over which rewards, or how eps enters).")
-    return None
+            example = found.split('e.g. ', 1)[1].split(':')[0]
+            return (f"Each group with spread is off by its own factor, e.g. {example}.",
+                    "The division by each group's spread differs: which standard deviation, with or without Bessel's "
+                    "correction, over which rewards, or how eps enters.")
+    return None, None
 
 
 def assert_advantages(got, expected, what, group_size, **kwargs):
     """assert_close with the rows in groups, adding what the groups show when the values differ."""
-    hint = by_group(got, expected, group_size) if describe_difference(got, expected) else None
-    assert_close(got, expected, what, group_size=group_size, hint=hint, **kwargs)
+    finding, why = by_group(got, expected, group_size) if describe_difference(got, expected) else (None, None)
+    assert_close(got, expected, what, group_size=group_size, finding=finding, hint=why, **kwargs)
 
 
 @exercise("group_advantages")

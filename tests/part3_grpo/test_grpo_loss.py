@@ -9,7 +9,7 @@ from torch import Tensor
 from solutions import part3_grpo as ref
 from tests.against_trl import loss_inputs
 from tests.part3_grpo.common import SETTINGS
-from tests.support import (assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises,
+from tests.support import (aside, assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises,
                            describe_difference, exercise, expect)
 
 
@@ -85,9 +85,12 @@ def same_whichever_token(got, expected, inputs, settings) -> str | None:
     everywhere = ref.grpo_loss(logprobs.detach(), old, ref_lp, adv, torch.ones(logprobs.shape, dtype=torch.bool),
                                **rest)
     ignored = (everywhere, everywhere * logprobs.numel())
-    if value.abs() > 1e-6 and any(torch.isclose(value, v, rtol=1e-4, atol=1e-6) for v in ignored):
+    if value.abs() > 1e-6 and torch.isclose(value, ignored[0], rtol=1e-4, atol=1e-6):
         return ("The loss is the same whichever single token the mask keeps, and it is the loss over every position: "
                 "the mask does not reach the loss (every position counts, padding included).")
+    if value.abs() > 1e-6 and torch.isclose(value, ignored[1], rtol=1e-4, atol=1e-6):
+        return ("The loss is the same whichever single token the mask keeps, and it is the sum of every position's "
+                "loss, padding included (divided by the one token the mask keeps).")
     return (f"The loss is {value.item():.4g} whichever single token the mask keeps, where the reference's changes from "
             "token to token.")
 
@@ -96,16 +99,16 @@ def assert_per_token(got, expected, what, advantages=None, resembles=None, input
     """assert_close of each token's own loss (rows: sequences); says so when it is the same whichever token the mask
     keeps (`inputs`: logprobs, old, ref_lp, adv, and `settings`, for what that value is), or when the wrong rows are
     exactly those with advantages of one sign."""
-    hint = kwargs.pop("hint", None)
+    finding = None
     if got.unique().numel() == 1 and expected.unique().numel() > 1:
-        hint = same_whichever_token(got, expected, inputs, settings or {})
+        finding = same_whichever_token(got, expected, inputs, settings or {})
     elif advantages is not None and advantages.any():
         wrong = ~torch.isclose(got, expected, rtol=1e-4, atol=1e-5).all(1)
         for sign, rows in (("negative", advantages < 0), ("positive", advantages > 0)):
             if wrong.any() and torch.equal(wrong, rows):
-                hint = (f"Exactly the rows with a {sign} advantage (rows {rows.nonzero().flatten().tolist()}) are "
-                        "wrong.")
-    assert_close(got, expected, what, resembles=resembles, hint=hint, check_grad=False, **kwargs)
+                finding = (f"Exactly the rows with a {sign} advantage (rows {rows.nonzero().flatten().tolist()}) are "
+                           "wrong.")
+    assert_close(got, expected, what, resembles=resembles, finding=finding, check_grad=False, **kwargs)
 
 
 @exercise("grpo_loss")
@@ -154,25 +157,27 @@ def values_differ(got, expected) -> bool:
             and describe_difference(got.detach(), expected.detach()) is not None)
 
 
-def per_token_or_aggregation(fn, args, settings) -> str | None:
-    """Where a loss differs from the reference's, whether each token's own loss (the loss with that one token alone
-    in the mask) already differs, or only the way they are aggregated."""
+def per_token_or_aggregation(fn, args, settings) -> tuple[str | None, str | None]:
+    """(finding, aside) where a loss differs from the reference's: the finding says whether each token's own loss (the
+    loss with that one token alone in the mask) already differs, or is right, so that the difference appears only
+    when several tokens count together; the aside names what decides that (which it does not prove)."""
     logprobs, old, ref_lp, adv, mask = args
     rest = {k: v for k, v in settings.items() if k not in ("loss_type", "max_completion_length")}
     try:
         got = per_token_losses(fn, logprobs.detach(), old, ref_lp, adv, **rest)
     except Exception:  # noqa: BLE001 - only a diagnosis
-        return None
+        return None, None
     expected = per_token_losses(ref.grpo_loss, logprobs.detach(), old, ref_lp, adv, **rest)
     difference = describe_difference(got, expected)
     same = same_whichever_token(got, expected, (logprobs, old, ref_lp, adv), settings)
     if same:
-        return same
+        return same, None
     if difference is None:
-        return ("Each token's own loss is right (computed with that one token alone in the mask), so the difference "
-                f"is in how loss_type={settings.get('loss_type', 'dapo')!r} aggregates the tokens, or in what the mask "
-                "lets through.")
-    return f"Each token's own loss (that one token alone in the mask) already differs: {difference}."
+        return ("Each token's own loss is right (computed with that one token alone in the mask): the difference "
+                "appears only when several tokens count together.",
+                f"How loss_type={settings.get('loss_type', 'dapo')!r} aggregates the tokens, and what the mask lets "
+                "through, decide the loss over several tokens.")
+    return f"Each token's own loss (that one token alone in the mask) already differs: {difference}.", None
 
 
 @exercise("grpo_loss")
@@ -188,8 +193,9 @@ def test_grpo_loss_matches_reference(impl):
                 "grpo_loss(on-policy, every option at its default: loss_type 'dapo', beta 0)")
         got = impl.grpo_loss(logprobs, *fresh(args[1:]), **settings)
         expected = ref.grpo_loss(*args, **settings)
-        hint = per_token_or_aggregation(impl.grpo_loss, args, settings) if values_differ(got, expected) else None
-        assert_close(got, expected, what, factors=aggregation_factors(mask), hint=hint,
+        finding, why = (per_token_or_aggregation(impl.grpo_loss, args, settings) if values_differ(got, expected)
+                        else (None, None))
+        assert_close(got, expected, what, factors=aggregation_factors(mask), finding=finding, hint=why,
                      resembles=other_loss_types(settings.get("loss_type", "dapo"), args, settings))
 
 
@@ -202,10 +208,11 @@ def test_grpo_loss_dr_grpo_divides_by_max_completion_length(impl):
     for settings in cases:
         args = (logprobs, old, ref_lp if settings.get("beta") else None, adv, mask)
         got, expected = impl.grpo_loss(*fresh(args), **settings), ref.grpo_loss(*args, **settings)
-        hint = per_token_or_aggregation(impl.grpo_loss, args, settings) if values_differ(got, expected) else None
+        finding, why = (per_token_or_aggregation(impl.grpo_loss, args, settings) if values_differ(got, expected)
+                        else (None, None))
         assert_close(got, expected, f"grpo_loss({settings}) with mask.shape[1] = 5 (max_completion_length matters to "
                      "'dr_grpo' only)", factors=aggregation_factors(mask, settings["max_completion_length"]),
-                     check_grad=False, hint=hint)
+                     check_grad=False, finding=finding, hint=why)
 
 
 @exercise("grpo_loss")
@@ -235,8 +242,11 @@ def test_grpo_loss_ignores_padding(impl):
             leaf = lp.clone().requires_grad_(True)
             loss = impl.grpo_loss(leaf, *fresh((*rest, adv, mask)), **settings)
             expect(isinstance(loss, Tensor) and loss.requires_grad, f"the gradient of {what}",
-                   "the loss carries no gradient back to logprobs (a Python number, or computed without autograd)",
-                   observed="none")
+                   "the loss carries no gradient back to logprobs: " + (
+                       "it is a tensor that does not require grad" + aside(
+                           "Common causes: computed under torch.no_grad(), detached, or rebuilt from numbers with "
+                           "torch.tensor / .item().") if isinstance(loss, Tensor)
+                       else f"it is a {type(loss).__name__}, not a tensor"), observed="none")
             loss.backward()
             runs.append((loss.detach(), leaf.grad))
         (clean, clean_grad), (padded, padded_grad) = runs

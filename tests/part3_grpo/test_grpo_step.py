@@ -95,21 +95,23 @@ def checked_step(impl, tiny_model, cfg, what, steps=1):
 
 def compare_steps(got, expected, what, tiny_model=None, cfg=None):
     """The samples, the advantages, the counters, the loss and the update, in the order a step makes them."""
-    hint = None
+    finding, hint = None, None
     if tiny_model is not None and got.out.samples.ids.shape == expected.out.samples.ids.shape:
         torch.manual_seed(11)
         base = ref.sample_groups(tiny_model, STEP_PROMPTS, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
         if torch.equal(got.out.samples.ids, base.ids) and not torch.equal(base.ids, expected.out.samples.ids):
-            hint = ("They are the base model's samples: sampling ran without the LoRA hooks. Sample from the LoRA "
-                    "model itself (sample_groups(model, ...)): the policy being trained must make its own samples.")
-    assert_close(got.out.samples.ids, expected.out.samples.ids, f"{what}: the sampled token ids (same seed)", hint=hint)
+            finding = "They are exactly the base model's samples with the same seed (no LoRA hooks)."
+            hint = ("Sampling that runs without the LoRA hooks gives these: sample from the LoRA model itself "
+                    "(sample_groups(model, ...)), so that the policy being trained makes its own samples.")
+    assert_close(got.out.samples.ids, expected.out.samples.ids, f"{what}: the sampled token ids (same seed)",
+                 finding=finding, hint=hint)
     assert_close(got.out.advantages, expected.out.advantages, f"{what}: the advantages", check_grad=False)
     assert_close(got.out.mask, expected.out.mask, f"{what}: the loss mask (which tokens count)")
     assert_equal(got.reference_calls, expected.reference_calls, f"{what}: calls of `reference`",
                  hint=f"With beta={cfg.beta}, the reference runs once per step when beta != 0 (through `reference`, "
                       "which Part 4 replaces) and never when beta == 0.")
     assert_equal(got.forward_passes, expected.forward_passes, f"{what}: forward passes of the model (the reference's "
-                 "included; sampling's lean decoder makes none)",
+                 "included; sampling makes none: it decodes with the course's own decoder, utils/decoder.py)",
                  hint=f"One per update ({cfg.num_iterations}), plus one for the old log-probs when num_iterations > "
                       "1 (once, before the updates), plus the reference's when beta != 0.")
     assert_equal(got.optimizer_steps, expected.optimizer_steps, f"{what}: optimizer steps",
@@ -155,7 +157,8 @@ def test_grpo_step_with_a_kl_term_and_two_updates(impl, tiny_model):
     got, expected = checked_step(impl, tiny_model, cfg, what)
     compare_steps(got, expected, what, tiny_model, cfg)
     expect(got.out.old_logprobs is not None and not got.out.old_logprobs.requires_grad, f"{what}: the old log-probs",
-           "with num_iterations > 1, the old log-probs are the policy's at sampling time, computed once, as constants "
+           f"they are {'None' if got.out.old_logprobs is None else 'a tensor that requires grad'}, where with "
+           "num_iterations > 1 the old log-probs are the policy's at sampling time, computed once, as constants "
            "(under torch.no_grad())", observed=None if got.out.old_logprobs is None else got.out.old_logprobs)
 
 

@@ -141,11 +141,12 @@ def test_compose_rewards_marks_unscorable_completions_nan(impl):
     what = "compose_rewards, where no function judged completion 1 (both returned None)"
     total, per_function = calling(impl.compose_rewards, fns, ["1+1=", "Hello", "2+2="], ["2", "there", "44"],
                                   what=what, explain=async_reward_cause)
-    hint = None
+    finding = None
     if isinstance(total, Tensor) and total.shape == (3,) and not total[1].isnan():
-        hint = ("A completion that no function judged is unscorable: its total is NaN, not a number (0 would be a "
-                "verdict, and would drag its group's mean down).")
-    assert_close(total, torch.tensor([1 + 0.25, NAN, 1 + 0.5]), f"{what}: the total", hint=hint,
+        finding = f"The total of completion 1, which no function judged, is {total[1].item():.4g}, not NaN."
+    assert_close(total, torch.tensor([1 + 0.25, NAN, 1 + 0.5]), f"{what}: the total", finding=finding,
+                 hint="A completion that no function judged is unscorable: its total is NaN, not a number (0 would be "
+                      "a verdict, and would drag its group's mean down).",
                  factors={"1/1.25 (one over the sum of the weights)": 0.8, "0.25 (the weight of 'length')": 0.25})
 
 

@@ -1,5 +1,5 @@
 """Part 4's shared set-up: the adapters "as if trained", padded samples and a fixed dataset of the tiny model, and
-the checks several exercises' tests make (log-prob hints, memory sharing, requires_grad flags, syncs)."""
+the checks several exercises' tests make (log-probs of padded rows, memory sharing, requires_grad flags, syncs)."""
 
 import copy
 import dataclasses
@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from solutions import part4_reference as ref
-from tests.support import adapters_with_random_B, expect
+from tests.support import adapters_with_random_B, aside, expect
 from utils.sampling import Samples, completion_mask_from_ids, sample
 
 S = ref.ReferenceSettings
@@ -47,16 +47,20 @@ def padded_samples(model, prompts=("12+34=", "This is", "The", "56+21="), max_ne
     return copy.deepcopy(_SAMPLED[key])
 
 
-def logprob_hint(got, expected: Tensor, samples: Samples) -> str | None:
-    """A cause, only where the difference implies it: exactly the rows with a left-padded prompt are wrong."""
+def padded_rows(got, expected: Tensor, samples: Samples) -> tuple[str | None, str | None]:
+    """(finding, aside), only where the difference shows it: exactly the rows with a left-padded prompt are wrong (the
+    finding), which a forward pass without the attention mask gives (the aside: the pattern does not prove it).
+    (None, None) otherwise."""
     if not isinstance(got, Tensor) or got.shape != expected.shape:
-        return None
+        return None, None
     wrong = ~torch.isclose(got.detach().double(), expected.double(), atol=1e-4, rtol=1e-4).all(-1)
     padded = (samples.attention_mask[:, :samples.prompt_len] == 0).any(-1)
     if wrong.any() and torch.equal(wrong, padded):
-        return ("Exactly the rows whose prompt is left-padded are wrong: usually the forward pass ran without "
-                "attention_mask=samples.attention_mask (which also sets each token's position).")
-    return None
+        return (f"The wrong rows, {padded.nonzero().flatten().tolist()}, are exactly those whose prompt is "
+                "left-padded.",
+                "A forward pass without attention_mask=samples.attention_mask (which also sets each token's position) "
+                "gives this.")
+    return None, None
 
 
 def named_parameters(modules) -> dict[str, Tensor]:
@@ -96,9 +100,9 @@ def flags_unchanged(modules: dict[str, nn.Module], call, what: str):
     stopped = (": the adapters being trained would stop learning" if any(".adapters." in n for n in off) else
                ": the weights being trained would stop learning" if off else "")
     expect(not changed, f"{what}: which parameters require grad", f"it changed requires_grad of {len(changed)} "
-           f"parameters (e.g. {changed[:2]}){stopped}. "
-           "It must only read the model; to compute without gradients use torch.no_grad(), which changes no flag",
-           observed=changed)
+           f"parameters (e.g. {changed[:2]}){stopped}. It must only read the model" + aside(
+               "Common cause: requires_grad_(False) used to compute without gradients; torch.no_grad() does that "
+               "and changes no flag."), observed=changed)
     return result
 
 

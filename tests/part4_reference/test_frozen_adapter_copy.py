@@ -6,11 +6,11 @@ import torch.nn as nn
 from torch import Tensor
 
 from tests.part4_reference.common import ALPHA, named_parameters, storage, trained_adapters
-from tests.support import assert_close, assert_equal, assert_inputs_unchanged, exercise, expect
+from tests.support import aside, assert_close, assert_equal, assert_inputs_unchanged, exercise, expect
 from utils.checker.observe import observe
 
-COPY_FACTORS = {f"{16.0 / ALPHA:.4g} = 16/{ALPHA:g}, LoRA's default alpha over the adapters' alpha (the copy was "
-                f"built with LoRA(d_in, d_out, rank), whose scale is not the adapters')": 16.0 / ALPHA}
+COPY_FACTORS = {f"{16.0 / ALPHA:.4g} = 16/{ALPHA:g}, LoRA's default alpha (16) over the adapters' alpha ({ALPHA:g})":
+                16.0 / ALPHA}
 
 
 @exercise("frozen_adapter_copy")
@@ -44,8 +44,8 @@ def test_frozen_adapter_copy_is_frozen_and_the_adapters_are_not(impl, tiny_model
     trainable = [n for n, p in params.items() if p.requires_grad]
     expect(not trainable, "the copy's requires_grad", f"{len(trainable)} of its {len(params)} parameters still "
            f"require grad (e.g. {trainable[:2]}): an optimiser given them, or a loss through them, would train the "
-           "reference. Freeze the copy: .requires_grad_(False) on it (torch.no_grad() around the copying does not "
-           "freeze anything)", observed=trainable)
+           "reference. Freeze the copy: .requires_grad_(False) on it" + aside(
+               "Common cause: the copying done under torch.no_grad(), which freezes nothing."), observed=trainable)
     frozen_live = [n for n, p in adapters.named_parameters() if not p.requires_grad]
     expect(not frozen_live, "the live adapters' requires_grad after the copy", f"the adapters that train on were "
            f"frozen too ({len(frozen_live)} parameters, e.g. {frozen_live[:2]}): they would never learn. Freeze "
@@ -60,8 +60,9 @@ def test_frozen_adapter_copy_does_not_follow_training(impl, tiny_model):
     shared = [live[storage(p)] for p in named_parameters(frozen).values() if storage(p) in live]
     expect(not shared, "memory shared by the copy and the live adapters", f"the copy shares memory with the live "
            f"adapters at {shared[:3]}{'...' if len(shared) > 3 else ''}: every training step would move the "
-           "reference with the policy. Make new tensors: copy.deepcopy(adapters) does; the same modules in a new "
-           "ModuleDict, copy.copy, and .detach() (a view of the same memory) do not", observed=shared)
+           "reference with the policy. Make new tensors: copy.deepcopy(adapters) does" + aside(
+               "Common causes: the same modules in a new ModuleDict, copy.copy, or .detach() (a view of the same "
+               "memory); none of them makes new tensors."), observed=shared)
     g = torch.Generator().manual_seed(2)
     inputs = {key: torch.randn(3, a.A.shape[1], generator=g) for key, a in adapters.items()}
     with torch.no_grad():

@@ -5,7 +5,7 @@ import torch
 
 from solutions import part4_reference as ref
 from solutions.part2_lora import LoRAModel
-from tests.part4_reference.common import (RANK, flags_unchanged, logprob_hint, padded_samples,
+from tests.part4_reference.common import (RANK, flags_unchanged, padded_rows, padded_samples,
                                           trained_adapters)
 from tests.support import assert_close, assert_hooks_clean, assert_inputs_unchanged, exercise, expect
 
@@ -38,8 +38,8 @@ def check_old_adapter_logprobs(impl, lora_model, old, samples, what):
                        "hooks, lora_hooks(lora_model.base, old_adapters)", observed="size mismatch")
             raise
     got = flags_unchanged({"lora_model": lora_model, "old_adapters": old}, call, what)
-    assert_close(got, expected, what, mask=samples.completion_mask, atol=1e-4,
-                 hint=logprob_hint(got, expected, samples))
+    finding, why = padded_rows(got, expected, samples)
+    assert_close(got, expected, what, mask=samples.completion_mask, atol=1e-4, finding=finding, hint=why)
 
 
 @exercise("old_adapter_logprobs")

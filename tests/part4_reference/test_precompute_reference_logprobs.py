@@ -7,9 +7,9 @@ from torch import Tensor
 
 from solutions.part0_warmup import completion_logprobs
 from solutions.part2_lora import LoRAModel
-from tests.part4_reference.common import fixed_dataset, flags_unchanged, logprob_hint, trained_adapters
-from tests.support import (assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged, assert_raises,
-                           exercise, expect)
+from tests.part4_reference.common import fixed_dataset, flags_unchanged, padded_rows, trained_adapters
+from tests.support import (aside, assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged,
+                           assert_raises, exercise, expect)
 from utils.sampling import Samples
 
 
@@ -25,10 +25,12 @@ def check_table(table, expected: list[Tensor], dataset: list[Samples], what: str
             same = torch.allclose(got.detach().double(), expected[j].double(), atol=1e-4, rtol=1e-4)
             expect(False, f"{what}: table[{i}]", f"it {'holds' if same else 'has the shape of'} batch {j}'s "
                    f"log-probs {shapes[j]}, not batch {i}'s {shapes[i]}: table[i] must be dataset[i]'s (training "
-                   "looks batch i up as table[i]). Usually: the batches were reordered (sorted, reversed, popped "
-                   "from the end), or one batch's result was used for another", observed=(i, j, same))
-        assert_close(got, want, f"{what}: table[{i}]", mask=batch.completion_mask, atol=1e-4,
-                     hint=logprob_hint(got, want, batch))
+                   "looks batch i up as table[i])" + aside(
+                       "Common causes: the batches reordered (sorted, reversed, popped from the end), or one batch's "
+                       "result used for another."), observed=(i, j, same))
+        finding, why = padded_rows(got, want, batch)
+        assert_close(got, want, f"{what}: table[{i}]", mask=batch.completion_mask, atol=1e-4, finding=finding,
+                     hint=why)
 
 
 @exercise("precompute_reference_logprobs")

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from tests.part4_reference.common import call_sync, padded_samples, storage
-from tests.support import assert_close, assert_inputs_unchanged, exercise, expect
+from tests.support import CheckFailure, aside, assert_close, assert_inputs_unchanged, exercise, expect, with_finding
 
 
 def policy_and_reference(seed, alpha_gap=1.0):
@@ -27,9 +27,9 @@ def alpha_factors(alpha: float) -> dict[str, float]:
             f"alpha = {alpha:g}: alpha applied twice": alpha}
 
 
-NOT_MOVED = ("the reference did not move at all. Usually: the new value was assigned to a name (p_ref = ...) or "
+NOT_MOVED = ("Common causes of a reference that does not move: the new value assigned to a name (p_ref = ...) or "
              "computed out of place (torch.lerp / .lerp instead of .lerp_, a new state_dict never loaded), or only "
-             "parameters that require grad were synced (a frozen reference has none)")
+             "the parameters that require grad synced (a frozen reference has none).")
 
 
 @exercise("sync_full")
@@ -40,11 +40,17 @@ def test_sync_full_moves_the_reference_alpha_of_the_way(impl):
     assert_inputs_unchanged(lambda policy: call_sync(impl.sync_full, policy, reference, 0.3, what="sync_full"),
                             policy, what="sync_full(policy, reference, alpha=0.3), on the policy,")
     moved = {n: p.detach() - ref_start[n] for n, p in reference.named_parameters()}
-    hint = NOT_MOVED if all(not m.any() for m in moved.values()) else None
+    not_moved = all(not m.any() for m in moved.values())
     for name, m in moved.items():
-        assert_close(m, 0.3 * (policy_start[name] - ref_start[name]), f"how far reference weight {name} moved "
-                     "(after - before), for ref <- 0.3 * policy + 0.7 * ref", factors=alpha_factors(0.3),
-                     hint=hint, check_grad=False)
+        try:
+            assert_close(m, 0.3 * (policy_start[name] - ref_start[name]), f"how far reference weight {name} moved "
+                         "(after - before), for ref <- 0.3 * policy + 0.7 * ref", factors=alpha_factors(0.3),
+                         check_grad=False)
+        except CheckFailure as failure:
+            if not_moved:
+                failure.args = (with_finding(str(failure.args[0]), "No weight of the reference moved at all.")
+                                + aside(NOT_MOVED),)
+            raise
 
 
 @exercise("sync_full")
@@ -52,10 +58,15 @@ def test_sync_full_leaves_the_reference_a_frozen_leaf(impl):
     policy, reference = policy_and_reference(seed=1)
     call_sync(impl.sync_full, policy, reference, 0.5, what="sync_full")
     graph = [n for n, p in reference.named_parameters() if p.grad_fn is not None or p.requires_grad]
+    tracked = [n for n, p in reference.named_parameters() if p.grad_fn is not None]
     expect(not graph, "the reference's weights after sync_full", f"{len(graph)} of them (e.g. {graph[:2]}) now "
-           "require grad and carry an autograd graph back to the policy's weights: a loss through the reference "
-           "would push gradients into the policy, and the graph grows with every sync. Run the sync under "
-           "torch.no_grad() (decorate the function with @torch.no_grad())", observed=graph)
+           "require grad" + (
+               f", and {len(tracked)} (e.g. {tracked[:2]}) have a grad_fn: they carry an autograd graph back to the "
+               "policy's weights, so a loss through the reference would push gradients into the policy, and the "
+               "graph grows with every sync. Run the sync under torch.no_grad() (decorate the function with "
+               "@torch.no_grad())" if tracked else ", where the reference is frozen" + aside(
+                   "Common cause: new nn.Parameter objects put in the reference (an nn.Parameter requires grad by "
+                   "default); a sync changes the reference's own tensors in place.")), observed=graph)
 
 
 @exercise("sync_full")
@@ -77,4 +88,5 @@ def test_sync_full_with_alpha_one_copies_the_policy_and_stays_independent(impl, 
     expect(not shared, "memory shared by the reference and the policy after sync_full(alpha=1)", f"the reference "
            f"now uses the policy's own tensors ({shared[:2]}{'...' if len(shared) > 2 else ''}): the next training "
            "step moves the reference with it, and the KL is 0 forever. Copy the values into the reference's tensors "
-           "(p_ref.copy_(p_pol), or lerp_) instead of p_ref.data = p_pol.data", observed=shared)
+           "(p_ref.copy_(p_pol), or lerp_)" + aside("Common cause: p_ref.data = p_pol.data, which makes the reference "
+                                                   "use the policy's tensors."), observed=shared)

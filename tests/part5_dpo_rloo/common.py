@@ -5,7 +5,7 @@ tests make (shapes, which tokens count, a refusal checked by the function itself
 import torch
 from torch import Tensor
 
-from tests.support import expect
+from tests.support import aside, expect
 
 LORA_TARGETS = ("q", "k", "v", "o")  # the adapters of the LoRA models the DPO tests run (lora_model_with_random_B)
 NAN = float("nan")
@@ -57,7 +57,7 @@ def expect_counts_where_mask(weights, mask, what):
     elif bool((counts == ~mask).all()):
         description = "exactly the padding positions count and the real tokens do not: the mask is inverted"
     elif bool(counts.all()):
-        description = "every position counts, padding included: the mask was not applied (or not to this tensor)"
+        description = "every position counts, padding included"
     elif not bool(counts.any()):
         description = "no position counts at all"
     else:
@@ -66,4 +66,5 @@ def expect_counts_where_mask(weights, mask, what):
     first = int((counts != mask).any(1).float().argmax()) if not bool((counts == mask).all()) else 0
     expect(bool((counts == mask).all()), what, f"the positions that count should be the real tokens (mask True) and "
            f"only those, but {description}. Row {first}: mask {mask[first].int().tolist()}, counts "
-           f"{counts[first].int().tolist()}", observed=counts)
+           f"{counts[first].int().tolist()}" + (aside("Common cause: the mask not applied (or not to this tensor).")
+                                                if bool(counts.all()) else ""), observed=counts)

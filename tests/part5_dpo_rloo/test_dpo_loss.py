@@ -9,8 +9,8 @@ import torch
 from solutions import part5_dpo_rloo as ref
 from tests.part5_dpo_rloo.common import fresh, loss_and_grads
 from tests.support import function_checks_only
-from tests.support import (assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises, exercise,
-                           expect)
+from tests.support import (aside, assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises,
+                           exercise, expect)
 
 MARGINS = torch.tensor([-15.0, -4.0, -0.6, 0.3, 2.5, 6.0, 12.0, 25.0])  # hinge: 0 beyond 1/beta, IPO: either side
 
@@ -107,33 +107,51 @@ def test_dpo_loss_gradients(impl):
 def test_dpo_loss_pushes_chosen_up_and_rejected_down(impl):
     """Below IPO's target and the hinge's margin, lowering the loss must raise the chosen answer's log-prob and lower
     the rejected one's: the gradient is negative for chosen and positive for rejected, pair by pair."""
-    inputs = dpo_inputs(seed=2, margins=torch.tensor([-6.0, -1.0, 0.0, 0.5, 0.9]))
+    margins = torch.tensor([-6.0, -1.0, 0.0, 0.5, 0.9])
+    inputs = dpo_inputs(seed=2, margins=margins)
+    swapped = (inputs[1], inputs[0], inputs[3], inputs[2])  # chosen and rejected swapped: the margin is -d
     for loss_type in ref.DPO_LOSS_TYPES:
-        _, grads = loss_and_grads(impl.dpo_loss, *inputs, beta=0.5, loss_type=loss_type)
+        loss, grads = loss_and_grads(impl.dpo_loss, *inputs, beta=0.5, loss_type=loss_type)
         direction = torch.stack([grads[0].sign(), grads[1].sign()])  # [chosen; rejected] per pair
-        expect(bool((direction[0] < 0).all() and (direction[1] > 0).all()),
-               f"the direction of dpo_loss(beta=0.5, loss_type={loss_type!r})",
+        right = (direction[0] < 0) & (direction[1] > 0)
+        flipped = bool((direction[0] > 0).all() and (direction[1] < 0).all())
+        at_minus_d = flipped and torch.allclose(loss.float(), ref.dpo_loss(*swapped, beta=0.5, loss_type=loss_type),
+                                                atol=1e-5, rtol=1e-4)
+        found = (": every sign is flipped" + (
+                     ", and the loss equals the reference's with chosen and rejected swapped (margin -d, where d = "
+                     "chosen log-ratio - rejected log-ratio and the loss falls as d grows)" if at_minus_d else aside(
+                         "Common causes: chosen and rejected swapped, or the margin's sign flipped (d = chosen "
+                         "log-ratio - rejected log-ratio; the loss falls as d grows).")) if flipped
+                 else f": wrong at the pairs of margins d = {[round(m, 3) for m in margins[~right].tolist()]}")
+        expect(bool(right.all()), f"the direction of dpo_loss(beta=0.5, loss_type={loss_type!r})",
                "lowering the loss should raise the chosen answers' log-probs and lower the rejected ones', but the "
                f"gradient signs are {direction[0].tolist()} for chosen and {direction[1].tolist()} for rejected "
-               "(expected all -1, then all +1). Usually chosen and rejected swapped, or the margin's sign flipped "
-               "(d = chosen log-ratio - rejected log-ratio; the loss falls as d grows)", observed=direction)
+               f"(expected all -1, then all +1){found}", observed=direction)
 
 
 @exercise("dpo_loss")
 def test_dpo_loss_stays_finite_for_large_margins(impl):
-    inputs = dpo_inputs(seed=3, margins=torch.tensor([-500.0, -80.0, 0.0, 80.0, 500.0]))
+    margins = torch.tensor([-500.0, -80.0, 0.0, 80.0, 500.0])  # d of each pair
+    inputs = dpo_inputs(seed=3, margins=margins)
     loss, grads = loss_and_grads(impl.dpo_loss, *inputs, beta=0.5, loss_type="sigmoid")
     expected, expected_grads = loss_and_grads(ref.dpo_loss, *inputs, beta=0.5, loss_type="sigmoid")
     hint = ("With beta * d = -250, sigmoid(beta * d) is 0 in float32 and its log is -inf; F.logsigmoid computes "
             "log sigmoid in one stable step (and exp(250) overflows just the same)")
 
-    def overflowed(value):  # the hint explains an inf or a NaN: said only where one came out
-        return hint if isinstance(value, torch.Tensor) and not value.isfinite().all() else None
+    def overflowed(value):  # (finding, aside) for an inf or a NaN: said only where one came out
+        if not (isinstance(value, torch.Tensor) and not value.isfinite().all()):
+            return None, None
+        if value.shape != margins.shape:
+            return None, hint
+        bad = [int(m) for m in margins[~value.isfinite()].tolist()]
+        return f"The values that are not finite are those of the pairs with margins d = {bad}.", hint
 
-    assert_close(loss, expected, "dpo_loss(beta=0.5, loss_type='sigmoid') with margins of ±500", hint=overflowed(loss),
-                 atol=1e-4)
+    finding, why = overflowed(loss)
+    assert_close(loss, expected, "dpo_loss(beta=0.5, loss_type='sigmoid') with margins of ±500", finding=finding,
+                 hint=why, atol=1e-4)
+    finding, why = overflowed(grads[0])
     assert_close(grads[0], expected_grads[0], "the gradient of dpo_loss with respect to policy_chosen_logps, with "
-                 "margins of ±500", hint=overflowed(grads[0]))
+                 "margins of ±500", finding=finding, hint=why)
 
 
 @exercise("dpo_loss")

@@ -9,7 +9,7 @@ import torch
 from solutions import part5_dpo_rloo as ref
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
 from tests.part5_dpo_rloo.common import LORA_TARGETS, MIXED_TRIPLES
-from tests.support import (assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged,
+from tests.support import (aside, assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged,
                            assert_same_trace, calling, exercise, expect, lora_model_with_random_B, namespaces_of,
                            reference_trace, tracing)
 
@@ -211,11 +211,11 @@ def test_dpo_step_fresh_lora_starts_at_log_2_and_learns(impl, tiny_model):
                  hint="With B = 0 the LoRA model and the base give the same log-probs: every margin is 0 and "
                  "-log sigmoid(0) = log 2.")
     moved = bool(update.abs().max() > 0)
-    expect(moved, f"whether {what} moves the LoRA", "the LoRA did not move: the DPO loss sent no gradient into it. "
-           "If the reference is computed through the LoRA model with gradients, it is the policy itself: the "
-           "margin is 0 whatever the weights, and so is its gradient. The reference is lora_model.base, under "
-           "torch.no_grad(); or was optimizer.step() called before backward, or the gradients cleared after it?",
-           observed=moved)
+    expect(moved, f"whether {what} moves the LoRA", "the LoRA did not move" + aside(
+               "Common causes: the reference computed through the LoRA model with gradients, which makes it the "
+               "policy itself, so that the margin is 0 whatever the weights, and so is its gradient (the reference "
+               "is lora_model.base, under torch.no_grad()); optimizer.step() called before backward; or the "
+               "gradients cleared after backward."), observed=moved)
     assert_close(update, expected_update, f"the change of the LoRA parameters made by {what} (SGD with lr 1)",
                  hint=STEP_HINT)
 

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from solutions import part5_dpo_rloo as ref
 from tests.part5_dpo_rloo.common import LORA_TARGETS, MIXED_TRIPLES
-from tests.support import (assert_close, assert_hooks_clean, assert_inputs_unchanged, exercise, expect,
+from tests.support import (aside, assert_close, assert_hooks_clean, assert_inputs_unchanged, exercise, expect,
                            lora_model_with_random_B)
 
 PRECOMPUTE_HINT = ("The reference is lora_model.base (no hooks), run without gradients on preference_batch(...) of "
@@ -61,11 +61,14 @@ def test_precompute_reference_logps_in_batches_of_batch_size(impl, tiny_model):
         finally:
             tiny_model.reset_hooks()
         what = f"precompute_reference_logps(..., average=True, batch_size={batch_size}) on 5 pairs"
+        twice = sum(rows) == 4 * len(MIXED_TRIPLES)
         expect(rows and max(rows) <= 2 * batch_size and sum(rows) == 2 * len(MIXED_TRIPLES),
                f"the forward passes of {what}", f"expected forward passes of at most {2 * batch_size} rows "
                f"(batch_size pairs, chosen and rejected) that score the {2 * len(MIXED_TRIPLES)} rows once each; got "
-               f"passes of {rows} rows. Loop over the pairs in steps of batch_size, one preference_batch each, and run "
-               "only the reference (not the LoRA model as well)", observed=rows)
+               f"passes of {rows} rows" + (f", {sum(rows)} in all: twice as many" if twice else "")
+               + ". Loop over the pairs in steps of batch_size, one preference_batch each, and run only the reference"
+               + (aside("Common cause: the LoRA model run as well as the reference.") if twice else ""),
+               observed=rows)
         expect_pair_of_tensors(out, len(MIXED_TRIPLES), what)
         assert_close_or_reordered(torch.cat(out), torch.cat(expected), f"chosen then rejected log-probs (the two "
                                   f"tensors concatenated) from {what}", hint=PRECOMPUTE_HINT)

@@ -7,7 +7,7 @@ import torch
 
 from solutions import part5_dpo_rloo as ref
 from tests.part5_dpo_rloo.common import fresh, loss_and_grads
-from tests.support import assert_close, assert_gradients_match, assert_inputs_unchanged, exercise, expect
+from tests.support import aside, assert_close, assert_gradients_match, assert_inputs_unchanged, exercise, expect
 
 
 def rloo_inputs(seed=0, batch=8):
@@ -79,9 +79,9 @@ def test_rloo_loss_is_flat_exactly_where_the_clip_bites(impl):
         expect(not wrong, f"where rloo_loss(epsilon={epsilon}, epsilon_high={epsilon_high}) is flat",
                f"the clip range is [{1 - epsilon:g}, {1 + high:g}], so the loss must be flat (no gradient) exactly "
                f"for ratios above {1 + high:g} with A > 0 and below {1 - epsilon:g} with A < 0, and have a gradient "
-               f"everywhere else; here: {listed}{' ...' if len(wrong) > 6 else ''}. Usually the clip bounds are "
-               "wrong (which epsilon on which side, a clip of the log-ratio), the clip is on one side only, or the "
-               "max of the two terms was taken where the min belongs", observed=flat)
+               f"everywhere else; here: {listed}{' ...' if len(wrong) > 6 else ''}" + aside(
+                   "Common causes: the clip bounds wrong (which epsilon on which side, a clip of the log-ratio), the "
+                   "clip on one side only, or the max of the two terms taken where the min belongs."), observed=flat)
 
 
 @exercise("rloo_loss")

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from solutions import part5_dpo_rloo as ref
 from tests.part5_dpo_rloo.common import expect_counts_where_mask, expect_shape, fresh, ragged_tokens
-from tests.support import assert_close, assert_gradients_match, assert_inputs_unchanged, exercise, expect
+from tests.support import aside, assert_close, assert_gradients_match, assert_inputs_unchanged, exercise, expect
 
 SEQUENCE_HINT = ("A sequence's log-prob is the sum of its token log-probs where the mask is True (average=True: that "
                  "sum divided by the number of such tokens, at least 1); padding never counts.")
@@ -37,9 +37,12 @@ def test_sequence_logps_weight_of_each_token(impl):
         leaf = logprobs.clone().requires_grad_(True)
         out = impl.sequence_logps(leaf, mask.clone(), average)
         has_grad = isinstance(out, Tensor) and out.requires_grad
-        expect(has_grad, what, "no gradient flows from the sequence log-probs back to the token log-probs (detached, "
-               "computed under torch.no_grad(), or rebuilt from numbers with torch.tensor / .item()?): DPO trains "
-               "through them", observed=has_grad)
+        expect(has_grad, what, "no gradient flows from the sequence log-probs back to the token log-probs, and DPO "
+               "trains through them: " + (
+                   "the result is a tensor that does not require grad" + aside(
+                       "Common causes: detached, computed under torch.no_grad(), or rebuilt from numbers with "
+                       "torch.tensor / .item().") if isinstance(out, Tensor)
+                   else f"the result is a {type(out).__name__}, not a tensor"), observed=has_grad)
         (weights,) = torch.autograd.grad(out.sum(), leaf, allow_unused=True)
         weights = torch.zeros_like(leaf) if weights is None else weights
         expect_counts_where_mask(weights, mask, f"which tokens count in sequence_logps(average={average})")

@@ -4,7 +4,7 @@ have 4 blocks, where neither can go wrong."""
 
 from solutions import part6_lab as ref
 from solutions.part2_lora import LoRAModel
-from tests.support import assert_equal, calling, deep_adapters, deep_hint, deep_model, exercise
+from tests.support import assert_equal, calling, deep_adapters, deep_finding, deep_model, exercise
 
 
 @exercise("lora_on_blocks")
@@ -17,4 +17,5 @@ def test_lora_on_blocks_of_a_model_with_twelve_blocks(impl):
         keys = sorted(out.adapters) if isinstance(out, LoRAModel) else type(out).__name__
         want = sorted(ref.lora_on_blocks(lora_model, list(blocks)).adapters)
         wrong = sorted({int(k[1:].split("_")[0]) for k in set(keys) ^ set(want)}) if isinstance(keys, list) else []
-        assert_equal(keys, want, f"the adapters' keys of {what}", hint=deep_hint(wrong) if wrong else None)
+        finding, why = deep_finding(wrong) if wrong else (None, None)
+        assert_equal(keys, want, f"the adapters' keys of {what}", finding=finding, hint=why)

@@ -198,7 +198,8 @@ SURROGATE_HINT = {
     "k3_loss": "sum over completions of weight * (k3 of token 1 + k3 of token 2)",
     "exact_token_loss": "sum over completions of weight * (KL(pi||ref) over the whole vocabulary at the prompt + the "
                         "same after token 1, i.e. over row i of second)",
-    "k1_reward": "sum over completions of weight * sg(log pi(y) - log ref(y)) * log pi(y), with log pi(y) = "
+    "k1_reward": "sum over completions of weight * sg(log pi(y) - log ref(y)) * log pi(y) (sg: stop-gradient, the "
+                 "value without its gradient), with log pi(y) = "
                  "first[first_tokens[i]] + second[i, b]",
 }
 

@@ -7,8 +7,8 @@ from torch import Tensor
 
 from solutions import part6_lab as ref
 from solutions.part2_lora import LoRAModel, make_adapters
-from tests.support import (assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged, assert_raises,
-                           calling, exercise, expect, lora_model_with_random_B)
+from tests.support import (aside, assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged,
+                           assert_raises, calling, exercise, expect, lora_model_with_random_B)
 from utils.sampling import Samples, completion_mask_from_ids, tokenize_prompts
 
 
@@ -109,9 +109,13 @@ def test_lora_on_blocks_shares_the_base_and_the_adapters(impl, tiny_model):
     out = calling(impl.lora_on_blocks, lora_model, [1, 2], what="lora_on_blocks(lora_model, [1, 2])")
     shared = isinstance(out, LoRAModel) and out.base is lora_model.base and all(
         out.adapters[k] is lora_model.adapters[k] for k in out.adapters)
+    found = ("" if shared else f"; got a {type(out).__name__}" if not isinstance(out, LoRAModel)
+             else "; its base is another module" if out.base is not lora_model.base
+             else f"; its adapters {[k for k in out.adapters if out.adapters[k] is not lora_model.adapters[k]][:4]} "
+                  "are other modules than lora_model's")
     expect(shared, "what lora_on_blocks(lora_model, [1, 2]) is made of", "expected a LoRAModel on the same base module "
-           "holding the same adapter modules (not copies): a copy of the model doubles its memory, and an ablation "
-           "must look at the trained adapters themselves", observed=shared)
+           f"holding the same adapter modules (not copies){found}. A copy of the model doubles its memory, and an "
+           "ablation must look at the trained adapters themselves", observed=shared)
 
 
 @exercise("lora_on_blocks")
@@ -168,8 +172,9 @@ def test_answer_attention_rows_are_distributions_over_earlier_keys(impl, tiny_mo
     later = torch.arange(shape[4])[None, :] > query[:, None]  # [gen, seq]: keys after the query
     on_later = got[..., later].abs().max().item()
     expect(on_later == 0.0, "the attention paid to later positions", f"up to {on_later:.3g} of a row goes to key "
-           "positions after its query, which a causal model never reads: query and key axes swapped, or rows taken "
-           "from the wrong positions", observed=round(on_later, 4))
+           "positions after its query, which a causal model never reads" + aside(
+               "Common causes: the query and key axes swapped, or rows taken from the wrong positions."),
+           observed=round(on_later, 4))
 
 
 @exercise("answer_attention")

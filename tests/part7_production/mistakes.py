@@ -288,6 +288,21 @@ def peft_state_dict_q_k_v_one_by_one(adapters):
 
 
 @mistake("inputs")
+def peft_state_dict_shares_the_adapters_memory(adapters):
+    """The A and B of o, mlp_in and mlp_out are the adapters' own tensors, detached but not copied (.detach() and
+    .cpu() on a CPU tensor share its memory): the adapters train on after the export, and the state dict changes
+    with them. Give each tensor its own memory (.clone())."""
+    tensors = ref.peft_state_dict(adapters)
+    for key, adapter in adapters.items():
+        layer, target = key[1:].split("_", 1)
+        if target not in ("q", "k", "v"):
+            name = f"base_model.model.transformer.h.{layer}.{ref.HF_MODULES[target]}"
+            tensors[f"{name}.lora_A.weight"] = adapter.A.detach().cpu()
+            tensors[f"{name}.lora_B.weight"] = adapter.B.detach().cpu()
+    return tensors
+
+
+@mistake("inputs")
 def peft_state_dict_scales_in_place(adapters):
     """Each adapter's scale was folded into its own B in place, and its scale set to 1: the caller's adapters are
     changed (a second export would fold the scale in again), and the file's B carry the scale that peft's
@@ -380,7 +395,8 @@ REGISTRY = Registry("part7_production", {
     "peft_state_dict": Exercise(
         wrong=[peft_state_dict_without_the_prefix, peft_state_dict_with_the_adapter_name,
                peft_state_dict_scale_folded, peft_state_dict_mlp_modules_swapped,
-               peft_state_dict_q_k_v_one_by_one, peft_state_dict_scales_in_place],
+               peft_state_dict_q_k_v_one_by_one, peft_state_dict_scales_in_place,
+               peft_state_dict_shares_the_adapters_memory],
     ),
     "to_trl_config": Exercise(
         wrong=[trl_steps_not_scaled, trl_batch_in_prompts, trl_ignores_world_size, trl_weights_on_every_task,

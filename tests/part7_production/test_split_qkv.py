@@ -6,7 +6,7 @@ import torch
 
 from solutions import part7_production as ref
 from tests.part7_production.common import D_IN, D_OUT
-from tests.support import assert_close, assert_equal, assert_inputs_unchanged, assert_raises, exercise, expect
+from tests.support import aside, assert_close, assert_equal, assert_inputs_unchanged, assert_raises, exercise, expect
 
 SPLIT_HINT = ("Each of q, k, v gets a LoRA of the c_attn LoRA's rank R, on A's device and dtype, with its own copy "
               "of A, the rows of B that write its third of c_attn's output (q rows first, then k, then v), and "
@@ -65,8 +65,13 @@ def test_split_qkv_each_adapter_owns_its_A(impl):
     A, B = c_attn_lora()
     out = impl.split_qkv(A, B.clone(), 0.75)
     pointers = [A.data_ptr()] + [fields_of(out[t], f"split_qkv(...)['{t}']")[0].data_ptr() for t in ("q", "k", "v")]
-    expect(len(set(pointers)) == 4, "the A of each adapter split_qkv returns", "the adapters' A share memory with "
-           "each other or with the A given: give each adapter its own copy (lora.A.copy_(A), not lora.A = A)",
+    given = [t for t, p in zip("qkv", pointers[1:]) if p == pointers[0]]
+    among = [t for t, p in zip("qkv", pointers[1:]) if p != pointers[0] and pointers[1:].count(p) > 1]
+    found = ([f"the A of {', '.join(given)} is the A given"] if given else []) + (
+        [f"the A of {', '.join(among)} is one tensor"] if among else [])
+    expect(len(set(pointers)) == 4, "the A of each adapter split_qkv returns", "the adapters' A share memory: "
+           f"{'; '.join(found)}. Give each adapter its own copy (lora.A.copy_(A))" + aside(
+               "Common cause: lora.A = A, which makes the adapter use the given tensor itself."),
            observed=len(set(pointers)))
     for t in ("q", "k", "v"):
         trainable = isinstance(out[t].A, torch.nn.Parameter) and out[t].A.requires_grad

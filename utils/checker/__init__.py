@@ -1,8 +1,12 @@
 """The checker: what runs an exercise's tests and turns a failed one into a lesson. Imports run down this list:
 
     layout.py           where things are: the root, the parts, notebooks' cells and exercises (standard library only)
+    transforms.py       the calls of the exercise under test: which one change of a call (an argument left at its
+                        default, two swapped, a flag flipped) makes the reference return the learner's result, and
+                        which call raised an exception (standard library and torch only)
     observe.py          the log of what a test looked at, which is what a mistake's fingerprint is made of
-    compare.py          the diagnosing comparison: when a value differs from the reference's, say *how*
+    compare.py          the diagnosing comparison: when a value differs from the reference's, say *how*; what a
+                        message measured on the learner's run, and its details and asides (shown on request)
     properties.py       checks beyond values: gradients, inputs left alone, hooks cleaned up, seeds, refusals
     trace.py            what a training loop did, in order (passes, zero_grad, backward, clip, steps), and where it
                         first departs from the reference's
@@ -19,7 +23,8 @@
     runner.py           one exercise's tests, in-process, against one object (check() and the meta-test)
     callees.py          the other exercises an exercise calls, in the learner's versions, and which fail their tests
     summary.py          one row per exercise (✅ ❌ ✏️ ⏱️ ⚠️, tests passed, the likely mistake) and the table of them
-    notebook.py         `check()`, the line under each exercise in a notebook, and what it prints; `check_all()`
+    notebook.py         `check()`, the line under each exercise in a notebook, and what it prints (short: the most
+                        specific finding, each failure once; check(fn, verbose=True) for all); `check_all()`
     worker.py           the process that checks one saved notebook: its definitions run, then each exercise's tests
     grading.py          one saved notebook checked in a worker, with a time limit (utils/progress.py, utils/grade.py)
     usage.py            what the meta-test records of how the tests call a reference solution

@@ -15,9 +15,10 @@ this order:
     the right values in another order
     no gradient where the reference has one, or a gradient where it has none
 
-It names only what it measured (a factor of exactly 7/8, values equal after a shift); when it adds what usually
-causes such a difference, it says "usually" and lists the candidates. A difference it cannot characterise is
-reported as the largest difference and where it is.
+It names only what it measured (a factor of exactly 7/8, and each quantity of the call that equals it; values equal
+after a shift) and never a cause it did not measure: what usually causes such a difference is an aside (see ASIDE),
+shown only when the learner asks for details. A difference it cannot characterise is reported as the number of
+values that differ and the first one, with its index.
 """
 
 from __future__ import annotations
@@ -39,18 +40,39 @@ class CheckFailure(AssertionError):
 # aside: it follows this mark in a failure's message, and check() shows it only when asked (check(fn, verbose=True)),
 # under a heading that says it was not checked on the learner's run. What a message says before the first mark is
 # measured on the learner's own outputs.
+# A detail (the values in full) is measured, but long: it follows DETAIL and is shown on request too.
 ASIDE = "\n[about this test] "
+DETAIL = "\n[detail] "
 
 
 def aside(text: str) -> str:
-    """`text` as an aside of a failure's message (see ASIDE): append it to the message, e.g. f"{finding}{aside(why)}"."""
+    """`text` as an aside of a failure's message (see ASIDE): append it, e.g. f"{finding}{aside(why)}"."""
     return ASIDE + text
 
 
-def split_asides(message: str) -> tuple[str, list[str]]:
-    """(what was measured, the asides) of a failure's message."""
-    found, *asides = message.split(ASIDE)
-    return found.rstrip(), [a.strip() for a in asides if a.strip()]
+def detail(text: str) -> str:
+    """`text` as a detail of a failure's message (see DETAIL): measured, shown on request."""
+    return DETAIL + text
+
+
+def add_finding(message: str, finding: str) -> str:
+    """`message` with the sentence `finding` (measured on the learner's run) added to what it says it measured:
+    before its details and asides."""
+    marks = [message.find(m) for m in (ASIDE, DETAIL) if m in message]
+    cut = min(marks, default=len(message))
+    return f"{message[:cut].rstrip()}\n  {finding}{message[cut:]}"
+
+
+def split_message(message: str) -> tuple[str, list[str], list[str]]:
+    """(what was measured, its details, the asides) of a failure's message."""
+    parts = message.replace(DETAIL, ASIDE + DETAIL).split(ASIDE)
+    main, details, asides = parts[0].rstrip(), [], []
+    for part in parts[1:]:
+        if part.startswith(DETAIL):
+            details.append(part[len(DETAIL):].strip())
+        elif part.strip():
+            asides.append(part.strip())
+    return main, [d for d in details if d], asides
 
 
 # --- showing tensors ----------------------------------------------------------------------------------------
@@ -89,6 +111,15 @@ def _nested(t: Tensor) -> str:
     return "[" + ", ".join(_nested(x) for x in t) + "]"
 
 
+def _kind(value: object) -> str:
+    """What a value is, in a few words: "a tensor of shape (4, 5)", "a float", "a list of 3 items"."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} item{'s' if len(value) != 1 else ''}"
+    return f"a {type(value).__name__}"
+
+
 def _where(index: Iterable[int]) -> str:
     return "[" + ", ".join(str(int(i)) for i in index) + "]"
 
@@ -119,10 +150,14 @@ def named_factors(expected: Tensor, mask: Tensor | None = None, group_size: int 
                 sizes.setdefault(int(n), d)
     for n, d in sizes.items():
         if n > 1:
-            named.setdefault(f"{n} (a size of dimension {d})", float(n))
-            named.setdefault(f"1/{n} (one over a size of dimension {d})", 1 / n)
-            named.setdefault(f"{n}/{n - 1} (n/(n-1), Bessel's correction)", n / (n - 1))
-            named.setdefault(f"{n - 1}/{n} ((n-1)/n)", (n - 1) / n)
+            named.setdefault(f"{n}, the size of dimension {d}", float(n))
+            named.setdefault(f"1/{n}, one over the size of dimension {d}", 1 / n)
+            named.setdefault(f"{n}/{n - 1}, n/(n-1) with n = {n} the size of dimension {d}", n / (n - 1))
+            named.setdefault(f"{n - 1}/{n}, (n-1)/n with n = {n} the size of dimension {d}", (n - 1) / n)
+    for n, d in sizes.items():
+        for m, k in sizes.items():
+            if n != m and n > 1 and m > 1:
+                named.setdefault(f"{n}/{m}, the size of dimension {d} over that of dimension {k}", n / m)
     if mask is not None and mask.dtype == torch.bool and mask.any():
         real, total = int(mask.sum()), mask.numel()
         if real != total:
@@ -134,10 +169,10 @@ def named_factors(expected: Tensor, mask: Tensor | None = None, group_size: int 
 
 
 def _name_of(c: float, named: dict[str, float], rtol: float = 2e-3) -> str | None:
-    for name, value in named.items():
-        if value != 0 and abs(c - value) <= rtol * abs(value):
-            return name
-    return None
+    """Every named quantity that `c` equals, joined by "; it also equals " (several may fit one number: 6/7 is
+    (n-1)/n with n = 7 and a ratio of two sizes alike), or None. Each is a measured equality, not a cause."""
+    fits = [name for name, value in named.items() if value != 0 and abs(c - value) <= rtol * abs(value)]
+    return "; it also equals ".join(fits[:3]) or None
 
 
 # --- the comparison -----------------------------------------------------------------------------------------
@@ -152,7 +187,7 @@ def describe_difference(actual: object, expected: object, *, mask: Tensor | None
     factors: more named factors to recognise, e.g. {"1/T with T = 0.7 (the temperature)": 1 / 0.7}.
     """
     if actual is None:
-        return "got None: the function returned nothing (is a `return` missing?)"
+        return "got None where the reference has a value" + ("" if expected is None else f" ({_kind(expected)})")
     as_float = count_as_float(actual, expected)
     if as_float:
         return as_float
@@ -213,8 +248,9 @@ def count_as_float(actual: object, expected: object, where: str = "") -> str | N
             isinstance(actual, float) or isinstance(actual, Tensor) and actual.is_floating_point()):
         at = f" at {where}" if where else ""
         return (f"got {show(actual)}{at}, a floating-point number, where the reference has the whole number "
-                f"{expected} (an int). A count, a size or an index must stay an int: usually a `/` where `//` was "
-                "meant, or a count taken from a float tensor (int(...), or .long() before .item())")
+                f"{expected} (an int): a count, a size or an index must stay an int"
+                + aside("Common causes: a `/` where `//` was meant, or a count taken from a float tensor "
+                        "(int(...), or .long() before .item())."))
     return None
 
 
@@ -235,10 +271,9 @@ def _shape_difference(actual: Tensor, expected: Tensor, atol: float, rtol: float
     head = f"shape {got}, expected {want}"
     a, e = actual.detach().double(), expected.detach().double()
     if expected.dim() == 0:
-        return head + ": expected a single number (a 0-dim tensor); the reduction to one number (a mean or sum over " \
-                      "every element) is missing or incomplete"
+        return head + ": expected a single number (a tensor with no dimensions)"
     if actual.dim() == 0:
-        return head + ": got a single number where one value per element was expected (reduced too far?)"
+        return head + ": got a single number where one value per element was expected"
     if actual.numel() == expected.numel():
         if actual.dim() == 2 and got == want[::-1] and _close(a.T, e, atol, rtol):
             return head + ": the right values, transposed"
@@ -246,33 +281,28 @@ def _shape_difference(actual: Tensor, expected: Tensor, atol: float, rtol: float
             return head + ": the right values, with a dimension of size 1 too many or too few (squeeze or " \
                           "unsqueeze it)"
         if _close(a.reshape(-1).sort().values, e.reshape(-1).sort().values, atol, rtol):
-            return head + ": the right values, arranged differently (a view/reshape where a transpose or permute " \
-                          "was needed, or the other way round?)"
+            return head + ": the right values, arranged differently" + aside(
+                "A view or reshape where a transpose or permute was needed (or the reverse) arranges values so.")
         return head + ": the same number of elements in another arrangement"
     if actual.dim() == expected.dim() - 1:
         for d in range(expected.dim()):
             if want[:d] + want[d + 1:] == got:
-                return head + (f": dimension {d} (of size {want[d]}) is missing: was it reduced (a sum, mean or max "
-                               "over it) where it should have been kept, or squeezed?")
-        return head + ": one dimension too few (a reduction over the wrong dimension?)"
+                return head + f": dimension {d} (of size {want[d]}) is missing (reduced, or squeezed, where it is kept)"
+        return head + ": one dimension too few"
     if actual.dim() == expected.dim() + 1:
         for d in range(actual.dim()):
             rest = got[:d] + got[d + 1:]
             if rest == want and got[d] in want:
-                return head + (f": an extra dimension of size {got[d]}. This is what broadcasting gives when a tensor "
-                               f"of shape {want[:1]} meets one of shape {want[:1] + (1,)} or {want}: line up the "
-                               "dimensions first (e.g. advantages[:, None])")
+                return head + (f": an extra dimension {d} of size {got[d]}" + aside(
+                    f"This is what broadcasting gives when a tensor of shape {want[:1]} meets one of shape "
+                    f"{want[:1] + (1,)} or {want}: line the dimensions up first (e.g. advantages[:, None])."))
     if actual.dim() == expected.dim():
         off = [d for d in range(actual.dim()) if got[d] != want[d]]
         if len(off) == 1:
             d = off[0]
             diff = got[d] - want[d]
-            if abs(diff) == 1:
-                return head + (f": one position too {'many' if diff > 0 else 'few'} along dimension {d} (usually a "
-                               "slice that starts or ends one off; or a reduction over another dimension than the "
-                               "one asked for)")
-            return head + (f": {abs(diff)} positions too {'many' if diff > 0 else 'few'} along dimension {d} (a "
-                           "slice, or a reduction over another dimension than the one asked for?)")
+            count = "one position" if abs(diff) == 1 else f"{abs(diff)} positions"
+            return head + f": {count} too {'many' if diff > 0 else 'few'} along dimension {d}"
     return head
 
 
@@ -318,7 +348,7 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
         if want != 0 and got != 0:
             name = _name_of(got / want, named)
             if name:
-                return f"off by a factor of {name}: got {_number(got)}, expected {_number(want)}"
+                return f"got {_number(got)}, expected {_number(want)}: the expected value times {name}"
         return f"got {_number(got)}, expected {_number(want)}"
 
     if not integer:
@@ -331,8 +361,7 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
             c = (a * e).sum().item() / ee
             if abs(c - 1) > 1e-3 and c != 0 and close(a, c * e):
                 name = _name_of(c, named)
-                return f"off by a constant factor of {name or _number(c)} everywhere" + \
-                       ("" if name else f" (got = {_number(c)} × expected)")
+                return f"every value is the expected one times {_number(c)}" + (f", which is {name}" if name else "")
         d = a - e
         if a.numel() > 1 and close(a, e + d.mean()):
             return f"off by a constant: every value is {d.mean().item():+.4g} from the expected one"
@@ -348,7 +377,7 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
             pad_values = e[~mask].unique()
             want = f" (expected {_number(pad_values.item())} there)" if pad_values.numel() == 1 else ""
             return ("right on the real tokens (where the mask is True) but not on padding (where it is False)"
-                    f"{want}: the mask was not applied, or applied to the wrong tensor")
+                    f"{want}")
         whole_rows_right = a.dim() >= 2 and any(close(a[i], e[i]) for i in range(a.shape[0]))
         if on_pad and not on_real and wrong[mask].float().mean() >= 0.5 and not whole_rows_right:
             return "right on padding (where the mask is False) but wrong on the real tokens (where it is True)"
@@ -358,24 +387,26 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
         offsets = (rows[0] - rows[1]).mean(-1, keepdim=True)
         if close(rows[0], rows[1] + offsets):
             return ("each row is off by its own constant (along the last dimension), e.g. "
-                    f"{', '.join(f'{o:+.3g}' for o in offsets[:3, 0].tolist())}: usually a normalisation, a mean or "
-                    "a baseline taken over the wrong set")
+                    f"{', '.join(f'{o:+.3g}' for o in offsets[:3, 0].tolist())}"
+                    + aside("A normalisation, a mean or a baseline taken over another set gives such offsets."))
         ratios = _row_factors(*rows)
         if ratios is not None and (ratios != 0).all() and close(rows[0], rows[1] * ratios):
             return ("each row is off by its own factor (along the last dimension), e.g. "
-                    f"{', '.join(_number(r) for r in ratios[:3, 0].tolist())}: usually a division by the wrong count "
-                    "(a length, a number of tokens, a standard deviation)")
+                    f"{', '.join(_number(r) for r in ratios[:3, 0].tolist())}"
+                    + aside("A division by another count (a length, a number of tokens, a standard deviation) "
+                            "gives such factors."))
     if close(a.reshape(-1).sort().values, e.reshape(-1).sort().values):
         moved = ~torch.isclose(a, e, rtol=rtol, atol=atol)
         return (f"the right values in another order ({int(moved.sum())} of {a.numel()} in another place, e.g. "
-                f"{_positions(moved)}): rows, groups or positions mixed up")
+                f"{_positions(moved)})")
     partial = _partial_difference(a, e, group_size, close)
     if partial:
         return partial
     wrong = ~torch.isclose(a, e, rtol=rtol, atol=atol)
     i = tuple(int(k) for k in torch.unravel_index((a - e).abs().argmax(), a.shape))
-    return (f"{int(wrong.sum())} of {a.numel()} values differ; the largest difference is at {_where(i)}: got "
-            f"{_number(a[i].item())}, expected {_number(e[i].item())}")
+    return (f"{int(wrong.sum())} of {a.numel()} values differ, with no simple pattern between them and the expected "
+            f"ones; the largest difference is at {_where(i)}: got {_number(a[i].item())}, expected "
+            f"{_number(e[i].item())}")
 
 
 def _row_factors(a: Tensor, e: Tensor) -> Tensor | None:
@@ -439,7 +470,7 @@ def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close) -> 
         return text
     if a.shape[-1] > 1:
         cols_ok = [close(a[..., j], e[..., j]) for j in range(a.shape[-1])]
-        if any(cols_ok) and not all(cols_ok):
+        if any(cols_ok) and not all(cols_ok) and cols_ok.count(False) <= len(cols_ok) // 2:
             bad = [j for j, ok in enumerate(cols_ok) if not ok]
             return f"only positions {bad[:8]}{'...' if len(bad) > 8 else ''} of the last dimension are wrong"
     return None
@@ -451,28 +482,40 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
                  group_size: int | None = None, factors: dict[str, float] | None = None,
                  resembles: dict[str, object] | None = None, hint: str | None = None,
                  gradient_hint: str | None = None, atol: float = 1e-5, rtol: float = 1e-4,
-                 check_grad: bool = True) -> None:
+                 check_grad: bool = True, finding: str | None = None) -> None:
     """Assert that `actual` equals `expected` (to tolerance), or fail saying how they differ.
 
     what: what the value is, in the learner's terms ("grpo_loss(loss_type='grpo')"); it also labels the observation
         that the mistakes plugin fingerprints.
     resembles: {how a plausible wrong computation is described: its value on these inputs}: a difference that equals
         one of them is described by it (this describes a value; naming a mistake is the registry's job).
-    hint: a sentence added to every failure of this check: what the quantity is, true whatever went wrong. A
-        sentence on a cause belongs where that cause is measured (e.g. `gradient_hint`).
+    hint: what the quantity is, or what often causes a difference: an aside (shown on request, under a heading that
+        says it was not checked on the learner's run), since it is added whatever went wrong.
+    finding: a sentence the test measured on this run (e.g. "each token's own loss is right: the difference is in
+        the aggregation"), shown with the difference itself. Only what the test's own values confirm.
     gradient_hint: a sentence added only when the values are right and the gradient is not (check_grad), e.g. "detach
         them": shown on a difference of values, it would name a cause the values do not show.
     check_grad: also fail when `expected` carries a gradient and `actual` does not, or the reverse.
     """
+    from utils.checker import transforms  # imports nothing of the checker's at the top: no cycle
+
     observe(what, actual, atol=atol, rtol=rtol)
     problem = describe_difference(actual, expected, mask=mask, group_size=group_size, factors=factors,
                                   atol=atol, rtol=rtol)
     values_wrong = problem is not None
+    if values_wrong and not isinstance(actual, (list, tuple, dict)):
+        by_call = transforms.call_factors(actual)
+        if by_call:  # the factor named by the numbers of the very call that returned it, where it is one of them
+            problem = describe_difference(actual, expected, mask=mask, group_size=group_size,
+                                          factors=(factors or {}) | by_call, atol=atol, rtol=rtol)
+        change = transforms.explain(actual, expected, atol, rtol)
+        if change:
+            problem += f"; {change}"
     if problem is None and check_grad and isinstance(actual, Tensor) and isinstance(expected, Tensor):
         if expected.requires_grad and not actual.requires_grad:
-            problem = ("the right values, but no gradient flows back through them (computed under torch.no_grad(), "
-                       "detached, or rebuilt from numbers with torch.tensor / .item()?): nothing could be trained "
-                       "from this")
+            problem = ("the right values, but no gradient flows back through them: nothing could be trained from this"
+                       + aside("A value computed under torch.no_grad(), detached, or rebuilt from numbers with "
+                               "torch.tensor / .item() has none."))
         elif actual.requires_grad and not expected.requires_grad:
             problem = ("the right values, but they carry a gradient that the reference's do not: this value must "
                        "be a constant for the optimiser (detach it, or compute it under torch.no_grad())")
@@ -483,19 +526,48 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
             problem += f". It equals what you get when {description}"
             break
     message = f"{what}: {problem}."
-    if isinstance(expected, Tensor) and (isinstance(actual, Tensor) or actual is None):
-        message += f"\n  expected: {show(expected)}\n  got:      {show(actual)}"
+    if isinstance(expected, Tensor) and isinstance(actual, Tensor):
+        first = first_difference(actual, expected, atol, rtol)
+        if first and "values differ, with no simple pattern" in problem:  # the count is said already
+            first = first.split("; ", 1)[1].replace("the first is", "the first difference is", 1)
+        if first:
+            message += f"\n  {first}"
+        shown = show(expected), show(actual)
+        if shown[0] != shown[1]:
+            message += detail(f"expected: {shown[0]}\ngot:      {shown[1]}")
     if hint:
-        message += f"\n  {hint}"
+        message += aside(hint)
     if gradient_hint and not values_wrong:
         message += f"\n  {gradient_hint}"
+    if finding:
+        message = add_finding(message, finding)
     raise CheckFailure(message)
 
 
-def assert_equal(actual: object, expected: object, what: str, hint: str | None = None) -> None:
+def first_difference(actual: Tensor, expected: Tensor, atol: float = 1e-5, rtol: float = 1e-4) -> str | None:
+    """"the first difference is at [i, j]: got x, expected y", with enough digits to tell the two apart, where the two
+    have one shape and differ; else None."""
+    if actual.shape != expected.shape or actual.dim() == 0 or actual.device != expected.device:
+        return None
+    a, e = actual.detach().double(), expected.detach().double()
+    differs = ~torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)
+    if not differs.any():
+        return None
+    i = tuple(int(k) for k in differs.nonzero()[0])
+    got, want = a[i].item(), e[i].item()
+    digits = 4
+    while digits < 12 and f"{got:.{digits}g}" == f"{want:.{digits}g}":
+        digits += 2
+    count = int(differs.sum())
+    return (f"{count} of {a.numel()} values differ; the first is at {_where(i)}: got {got:.{digits}g}, expected "
+            f"{want:.{digits}g}")
+
+
+def assert_equal(actual: object, expected: object, what: str, hint: str | None = None,
+                 finding: str | None = None) -> None:
     """Assert that a non-tensor value (a list, a number, a string, None) equals the expected one."""
     if isinstance(actual, Tensor) or isinstance(expected, Tensor):
-        assert_close(actual, expected, what, hint=hint, check_grad=False)
+        assert_close(actual, expected, what, hint=hint, check_grad=False, finding=finding)
         return
     observe(what, actual)
     try:
@@ -507,18 +579,52 @@ def assert_equal(actual: object, expected: object, what: str, hint: str | None =
     if equal and not as_float:
         return
     if as_float:
-        raise CheckFailure(f"{what}: {as_float}." + (f"\n  {hint}" if hint else ""))
+        raise CheckFailure(f"{what}: {as_float}." + (f"\n  {finding}" if finding else "")
+                           + (aside(hint) if hint else ""))
     message = f"{what}: expected {show(expected)}, got {show(actual)}."
     if isinstance(actual, list) and isinstance(expected, list):
         if len(actual) != len(expected):
-            message = f"{what}: expected {len(expected)} items, got {len(actual)}.\n  expected: {show(expected)}\n  " \
-                      f"got:      {show(actual)}"
+            message = f"{what}: expected {len(expected)} items, got {len(actual)}."
+            extra, missing = _not_in(actual, expected), _not_in(expected, actual)
+            if extra is not None and (extra or missing):
+                message += (f" Not expected: {show(extra[:3])}{' ...' if len(extra) > 3 else ''}" if extra else "") + \
+                           (f" Missing: {show(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else "")
+            if show(expected) != show(actual):
+                message += detail(f"expected: {show(expected)}\ngot:      {show(actual)}")
         else:
-            wrong = [i for i, (x, y) in enumerate(zip(actual, expected)) if x != y]
-            message += f" Items {wrong[:8]} differ."
+            wrong = [i for i, (x, y) in enumerate(zip(actual, expected)) if not _equal_item(x, y)]
+            if wrong:
+                i = wrong[0]
+                message += (f" Items {wrong[:8]}{' ...' if len(wrong) > 8 else ''} differ; the first, item {i}: got "
+                            f"{show(actual[i])}, expected {show(expected[i])}.")
     if hint:
-        message += f"\n  {hint}"
+        message += aside(hint)
+    if finding:
+        message = add_finding(message, finding)
     raise CheckFailure(message)
+
+
+def _not_in(items: list, others: list) -> list | None:
+    """The items of `items` that `others` lacks (as many times as they are lacking), or None for unhashable ones."""
+    from collections import Counter
+
+    try:
+        lacking = Counter(items) - Counter(others)
+    except TypeError:
+        return None
+    found = []
+    for x in items:
+        if lacking[x] > 0:
+            found.append(x)
+            lacking[x] -= 1
+    return found
+
+
+def _equal_item(x: object, y: object) -> bool:
+    try:
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 - tensors inside lists compare element-wise
+        return False
 
 
 def expect(condition: bool, what: str, message: str, observed: object = None) -> None:

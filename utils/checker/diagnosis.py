@@ -9,6 +9,14 @@ Runs of wrong versions are cached per test for the life of the process, so a sec
 for the next process with the same code on the same machine (store.py). The
 meta-test runs every wrong version once without replaying the others (`replays=False`): each one's own runs are then
 the fingerprints, and `named_from_runs` applies the same rule to them, with no replay at all.
+
+Never a false blame (environment.py): a failure names a mistake only if the course's own solution passes the same test
+on this machine. check() makes sure of that itself, after the learner's tests (runner.py). A run of pytest itself
+(`--impl my_notebook.ipynb`) has this plugin do it (`controls=True`): before a failed test is diagnosed, it runs once
+more with the course's solution in place, as a replay does with a wrong version, and the solution's run is remembered
+for the process (environment.remember). When the solution fails it too, the report says so instead of naming a
+mistake, and no mistake is named for that exercise for the rest of the session: a wrong version is recognised by how
+it fails every test. Nothing is ever named for the course's own solution (`--impl solutions`): its runs are the control.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from utils.checker import pool, store
-from utils.checker.implementations import shape_checked
+from utils.checker import environment, pool, store
+from utils.checker.compare import CheckFailure
+from utils.checker.implementations import shape_checked, solutions_module
 from utils.checker.fingerprint import Run, fingerprints_nothing, rng_state, run_of, same_run, set_rng_state
 from utils.checker.layout import part_of
 from utils.checker.observe import recording
@@ -54,11 +63,15 @@ class TestResult:
 
 
 class MistakeFinder:
-    """The pytest plugin. budget_s: seconds that diagnosing may take in one session (None: no limit)."""
+    """The pytest plugin. budget_s: seconds that diagnosing may take in one session (None: no limit). controls: confirm
+    each failure on the course's own solution before naming a mistake for it (a run of pytest itself: plugin.py;
+    check() confirms them itself, runner.py)."""
 
-    def __init__(self, budget_s: float | None = None, replays: bool = True):
+    def __init__(self, budget_s: float | None = None, replays: bool = True, controls: bool = False):
         self.budget_s = budget_s
         self.replays = replays  # False: only record the runs (the meta-test names each wrong version from its own)
+        self.controls = controls
+        self.unjudged: set[str] = set()  # exercises with a failure the course's solution fails here too (controls)
         self.spent = 0.0
         self.results: dict[str, TestResult] = {}  # node id -> result, for the tests of the current session
         self.passed: dict[str, tuple] = {}  # node id -> (item, fixtures, impl, exercise, wrong versions, random state)
@@ -67,7 +80,10 @@ class MistakeFinder:
         """The registered wrong versions that explain everything seen of the learner's `exercise` so far: each failed
         test that could be diagnosed failed the same way with them, and none of them is known to fail a test that the
         learner's version passed. Empty when no failure could be diagnosed, or when no one wrong version explains all
-        (two mistakes at once, or one we have not registered): then no cause is named."""
+        (two mistakes at once, or one we have not registered): then no cause is named. Nor is one where a failure
+        cannot be judged on this machine (controls=True: the course's solution fails that test here too)."""
+        if exercise in self.unjudged:
+            return []
         return self._named(exercise, {node: r.matches for node, r in self.results.items()
                                       if r.exercise == exercise and not r.passed})
 
@@ -101,6 +117,7 @@ class MistakeFinder:
         self.spent = 0.0
         self.passed.clear()
         self.results.clear()
+        self.unjudged.clear()
 
     def pytest_sessionfinish(self, session, exitstatus):
         """A named mistake must also pass the tests the learner's version passed: replay the candidates on the
@@ -151,6 +168,8 @@ class MistakeFinder:
         result = self.results[item.nodeid] = TestResult(name, wrong, passed=exc is None, under_test=under_test,
                                                         compares_traces=learner.compares_traces)
         result.diagnosable = exc is not None and not isinstance(exc, NOT_DIAGNOSED) and not fingerprints_nothing(learner)
+        if self.controls and not self.judged_here(item, impl, part, name, under_test, exc, state):
+            return
         if not self.replays:
             return
         if exc is None and under_test is not None and not registered:
@@ -212,6 +231,35 @@ class MistakeFinder:
                 matches.append(candidate)
         return matches
 
+    def judged_here(self, item, impl, part: str, name: str, under_test, exc: BaseException | None,
+                    state: tuple) -> bool:
+        """controls=True: whether a mistake may be named for exercise `name` from this test's run, and the candidates
+        replayed. Not when the object under test is the course's own solution (its run is the control: remembered),
+        nor once a failure of the exercise failed on the course's solution too. A failure is run once more with the
+        course's solution in place (unless its run is known): if that fails too, the report says so."""
+        test = _test_name(item.nodeid)
+        reference = getattr(solutions_module(part), name, None)
+        if reference is None:
+            return False  # nothing to confirm a failure with, and so nothing to name
+        if environment.is_the_reference(under_test, reference):
+            if exc is None:
+                environment.remember(part, name, [test], [])
+            elif not isinstance(exc, NOT_DIAGNOSED):
+                environment.remember(part, name, [], [(test, _failure(exc))])
+            return False
+        if exc is None or isinstance(exc, NOT_DIAGNOSED):
+            return name not in self.unjudged
+        if environment.not_yet_run(part, name, [test]):
+            control, _, _ = _rerun(item, impl, name, reference, state)
+            environment.remember(part, name, [] if control else [test], [(test, _failure(control))] if control else [])
+        broken = environment.reference_failures(part, name, [test])
+        if broken:
+            self.unjudged.add(name)
+            _add_note(exc, environment.explain(name, broken, [], every_failure=True,
+                                               failures={test: _failure(exc)}, in_notebook=False))
+            return False
+        return name not in self.unjudged
+
     def out_of_time(self) -> bool:
         return self.budget_s is not None and self.spent > self.budget_s
 
@@ -233,25 +281,47 @@ class MistakeFinder:
     @classmethod
     def replay(cls, item, impl, name: str, candidate, state: tuple) -> Run:
         """Run the test again with `candidate` in place of the exercise, from the random state it started from."""
-        original = vars(impl).get(name)
-        setattr(impl, name, shape_checked(part_of(item.module.__name__), name, candidate))
-        set_rng_state(state)
-        pool.restore()
-        exc = None
-        compared = trace.comparisons()
-        with recording() as log:
-            try:
-                item.runtest()
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as raised:  # noqa: BLE001 - pytest.fail and friends derive from BaseException
-                exc = raised
-            finally:
-                setattr(impl, name, original)
-                pool.restore()
+        exc, log, compares_traces = _rerun(item, impl, name, candidate, state)
         run = cls.run(item, exc, log)
-        run.compares_traces = trace.comparisons() > compared
+        run.compares_traces = compares_traces
         return run
+
+
+def _rerun(item, impl, name: str, obj, state: tuple) -> tuple[BaseException | None, list, bool]:
+    """Run the test `item` again with `obj` in place of the exercise `name` (a wrong version, or the course's solution
+    for a control), from the random state it started from. Returns what it raised (None: it passed), what it
+    observed, and whether it compared loop traces."""
+    original = vars(impl).get(name)
+    setattr(impl, name, shape_checked(part_of(item.module.__name__), name, obj))
+    set_rng_state(state)
+    pool.restore()
+    exc = None
+    compared = trace.comparisons()
+    with recording() as log:
+        try:
+            item.runtest()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as raised:  # noqa: BLE001 - pytest.fail and friends derive from BaseException
+            exc = raised
+        finally:
+            setattr(impl, name, original)
+            pool.restore()
+    return exc, log, trace.comparisons() > compared
+
+
+def _test_name(nodeid: str) -> str:
+    """A test's name as the course's solution's runs are remembered under (environment.py; runner.py names them so)."""
+    return nodeid.split("::")[-1]
+
+
+def _failure(exc: BaseException) -> str:
+    """How a test failed, in a line or a few: a checker's message as written, else the exception and its message
+    (without pytest's explanation of a failed `assert`, which holds object addresses)."""
+    text = str(exc).split("\nassert ", 1)[0].strip()
+    if isinstance(exc, CheckFailure):
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _run_known(item, name: str, candidate) -> bool:

@@ -16,6 +16,9 @@ tests that failed are run on the reference solution (the *control*), once per pr
 A test the reference passed is kept on disk for the next process with the same code on the same machine (store.py);
 one it failed is run again in each process.
 
+A run of pytest itself (`python -m pytest --impl my_notebook.ipynb`) has no check() around it: there the mistake
+finder runs the control of each failed test in the test's own place, and remembers it here (diagnosis.py).
+
 The control runs in this process, after the learner's code: settings a learner's code may have changed for the whole
 process (torch's grad mode, default dtype, ...) are put back first, so that the reference is not failed by them.
 """
@@ -27,6 +30,7 @@ from collections.abc import Iterable
 import torch
 
 from utils.checker import store
+from utils.checker.shapes import checker_wrapped
 from utils.upstream import EnvironmentMismatch, differences_from_lock, environment_report
 
 # (part, exercise, test) -> how the reference fails that test on this machine, or None when it passes
@@ -69,10 +73,18 @@ def is_environment_error(exc: BaseException | None) -> bool:
 
 
 def is_the_reference(obj: object, reference: object) -> bool:
-    """Whether `obj` is the reference itself, or a wrapper that declares it calls the reference and nothing else
-    (`__wrapped__`, as functools.wraps sets it; the meta-test's recording wrapper): then its run *is* the control.
-    Only the object's own attribute counts: a learner's subclass of a reference class is not the reference."""
-    return obj is reference or (reference is not None and getattr(obj, "__dict__", {}).get("__wrapped__") is reference)
+    """Whether `obj` is the reference itself, or one of the checker's own wrappers of it (shapes.mark_wrapper: the
+    shape checks, the meta-test's recording wrapper), or a wrapper of those: then its run *is* the control.
+    `__wrapped__` does not count: a learner's `functools.wraps(reference)` sets it on a function of their own, which
+    may do anything with what the reference returns. Nor does a learner's subclass of a reference class."""
+    seen = set()
+    while obj is not reference:
+        inner = checker_wrapped(obj)
+        if inner is None or id(obj) in seen:
+            return False
+        seen.add(id(obj))
+        obj = inner
+    return True
 
 
 class ProcessSettings:
@@ -111,10 +123,11 @@ def _first_line(message: str, limit: int = 240) -> str:
 
 
 def explain(name: str, broken: dict[str, str], mismatched: list[str], every_failure: bool,
-            failures: dict[str, str] | None = None, others_confirmed: bool = True) -> str:
+            failures: dict[str, str] | None = None, others_confirmed: bool = True, in_notebook: bool = True) -> str:
     """What check() prints when failed tests fail on the reference too (`broken`: test -> how the reference fails it)
     or raised EnvironmentMismatch (`mismatched`, whose own message already says how the libraries differ).
-    `failures` (test -> the learner's message) spares repeating a reference failure that reads the same."""
+    `failures` (test -> the learner's message) spares repeating a reference failure that reads the same.
+    in_notebook=False: for a run of pytest itself (diagnosis.py), which has no kernel to restart."""
     failures = failures or {}
     causes = []
     if broken:
@@ -129,7 +142,7 @@ def explain(name: str, broken: dict[str, str], mismatched: list[str], every_fail
               if broken[test] != failures.get(test)]
     if broken:
         lines.append(f"The environment differs from the one the course was tested in. {environment_report()}")
-    if not differences_from_lock():  # the libraries are the tested ones: this process may have been changed under them
+    if in_notebook and not differences_from_lock():  # the tested libraries: this process may have been changed
         lines.append("If code run earlier in this session patched a library or changed a global setting, restart the "
                      "kernel and check again.")
     if not every_failure:

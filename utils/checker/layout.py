@@ -29,7 +29,7 @@ def parts() -> list[str]:
 
 
 def part_of(name: str) -> str | None:
-    """The part a file, module or test node belongs to, or None: 'tests/part0_warmup/test_sampling.py' ->
+    """The part a file, module or test node belongs to, or None: 'tests/part0_warmup/test_sample_next_token.py' ->
     'part0_warmup', 'tests.part1_ppo.test_gae' -> 'part1_ppo', '/content/Copy of part2_lora.ipynb' -> 'part2_lora'."""
     if name.endswith((".py", ".ipynb")):
         stems = [Path(name).name.rsplit(".", 1)[0], Path(name).parent.name]

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import sys
 from collections.abc import Iterator
 
 from utils.checker import callees, environment, summary
+from utils.checker.compare import split_message
 from utils.checker.layout import built_parts, exercise_names, part_defining
 from utils.checker.registry import explanation
 from utils.checker.runner import Outcome, run_exercise_tests
@@ -23,11 +25,13 @@ DEFAULT_TIMEOUT_S = 60.0
 DIAGNOSIS_BUDGET_S = 30.0  # of check()'s time, at most this much goes to naming the mistake
 
 
-def check(obj: object, part: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+def check(obj: object, part: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, verbose: bool = False) -> None:
     """Test one exercise you just wrote against the reference, and print what is wrong if anything is.
 
     Usage, in a notebook cell after an exercise: `check(get_logprobs)`. The tests stop after `timeout` seconds
-    (check(fn, timeout=None) waits as long as they take).
+    (check(fn, timeout=None) waits as long as they take). The message is short: the most specific finding, and which
+    other tests fail; check(fn, verbose=True) shows every failure in full, with the values and what each test is
+    about.
     """
     name = getattr(obj, "__name__", None)
     if name is None:
@@ -39,7 +43,7 @@ def check(obj: object, part: str | None = None, timeout: float = DEFAULT_TIMEOUT
         failing = []
         if not outcome.ok and not outcome.timed_out:  # a failure may lie in another exercise it calls
             failing = callees.failing_callees(obj, part, name, timeout=timeout)
-    print(report(outcome, part, timeout, failing_callees=failing))
+    print(report(outcome, part, timeout, failing_callees=failing, verbose=verbose))
 
 
 @contextlib.contextmanager
@@ -73,17 +77,18 @@ def no_progress_bars() -> Iterator[None]:
 
 
 def report(outcome: Outcome, part: str, timeout: float | None = None,
-           failing_callees: list[tuple[callees.Callee, Outcome]] | None = None) -> str:
+           failing_callees: list[tuple[callees.Callee, Outcome]] | None = None, verbose: bool = False) -> str:
     """What check() prints for an outcome. failing_callees: the other exercises it calls, in the learner's versions,
-    that fail their own tests (callees.py): said first, and while they fail no mistake of this one is named."""
-    text = _report(outcome, part, timeout, not failing_callees)
+    that fail their own tests (callees.py): said first, and while they fail no mistake of this one is named.
+    verbose: every failure in full (its details, and the asides: what the test is about, not checked on this run)."""
+    text = _report(outcome, part, timeout, not failing_callees, verbose)
     if failing_callees:
         first = [callees.describe(outcome.exercise, callee, result) for callee, result in failing_callees]
         text = "\n".join(first) + "\n\n" + text
     return text
 
 
-def _report(outcome: Outcome, part: str, timeout: float | None, name_mistakes: bool) -> str:
+def _report(outcome: Outcome, part: str, timeout: float | None, name_mistakes: bool, verbose: bool = False) -> str:
     name = outcome.exercise
     total = len(outcome.passed) + len(outcome.failed)
     if outcome.timed_out:
@@ -102,9 +107,16 @@ def _report(outcome: Outcome, part: str, timeout: float | None, name_mistakes: b
                  "machine's environment is at fault (see below)."]
     else:
         lines = [f"❌ {name}: {len(outcome.failed)} of {total} tests failed."]
-    for test, message in outcome.failed:
-        aside = " (not your code: see below)" if test in not_judged else ""
-        lines.append(f"\n  {test}:{aside}\n    " + message.replace("\n", "\n    "))
+    named = outcome.likely if name_mistakes and not not_judged and not outcome.unconfirmed else []
+    if named:  # the most specific confirmed finding first: a known wrong version fails exactly the same way
+        if len(named) == 1:
+            lines.append(f"👉 Likely mistake (a known wrong version of {name} fails these tests in exactly the same "
+                         f"way, and passes the ones you pass): {' '.join(explanation(named[0]).split())}")
+        else:
+            lines.append(f"👉 Known wrong versions of {name} fail these tests in exactly the same way; one of them is "
+                         "likely your mistake:")
+            lines += [f"  - {' '.join(explanation(m).split())}" for m in named]
+    lines += failures(outcome.failed, not_judged, verbose, name)
     if not_judged:
         lines.append("\n" + environment.explain(
             name, outcome.environment, outcome.mismatched, every_failure=len(not_judged) == len(outcome.failed),
@@ -113,18 +125,98 @@ def _report(outcome: Outcome, part: str, timeout: float | None, name_mistakes: b
         lines.append("\n" + environment.explain_unconfirmed(name, outcome.unconfirmed))
     if not_judged or outcome.unconfirmed:
         return "\n".join(lines)
-    named = outcome.likely
-    if named and not name_mistakes:
-        lines.append(f"\n(No mistake of {name} itself is named while an exercise it calls fails its own tests.)")
-    elif named:
-        if len(named) == 1:
-            lines.append(f"\n👉 Likely mistake (a known wrong version of {name} fails these tests in exactly the same "
-                         f"way, and passes the ones you pass): {explanation(named[0])}")
-        else:
-            lines.append(f"\n👉 Known wrong versions of {name} fail these tests in exactly the same way; one of them is "
-                         "likely your mistake:")
-            lines += [f"  - {explanation(m)}" for m in named]
+    if outcome.likely and not name_mistakes:
+        lines.append(f"(No mistake of {name} itself is named while an exercise it calls fails its own tests.)")
     return "\n".join(lines)
+
+
+FIRST_LINES = 4  # lines of the first failure's finding in the default message
+
+# Words from torch's and the libraries' own errors, each said in plain words beside it the first time it appears.
+PLAIN = {
+    "non-singleton dimension": "a dimension whose size is not 1, which broadcasting cannot stretch",
+    "Type-check error": "the shape annotations of the exercise's signature were checked at the call",
+    "jaxtyping": "the library that checks the shape annotations",
+    "leaf Variable": "a tensor made directly, not computed, such as a parameter",
+    "inplace operation": "an operation that changes a tensor's values where they are, such as x += 1 or x.mul_()",
+}
+
+
+def plain(text: str) -> str:
+    """`text` with each technical word of PLAIN explained once, in brackets after its first appearance."""
+    for word, meaning in PLAIN.items():
+        found = re.search(re.escape(word) + r"( \d+)?", text)  # "dimension 0": after the number
+        if found:
+            text = f"{text[:found.end()]} ({meaning}){text[found.end():]}"
+    return text
+
+
+def _dedup_key(message: str) -> str:
+    """Failures that say the same thing: the same text, or the same exception raised under another label or by
+    another call (its sizes aside)."""
+    main = split_message(message)[0]
+    raised = main.find(": raised ")
+    if raised >= 0:
+        main = main[raised + 2:]
+    first = main.splitlines()[0] if main else ""
+    if re.match(r"^(raised )?\w+(Error|Exception|Interrupt)\b", first):
+        return re.sub(r"\d+", "#", first)
+    return main
+
+
+def _specificity(message: str) -> int:
+    """How much a failure's finding says of its cause: a change of the call that reproduces the result, a named
+    factor or transform, a located difference, or a count of differing values."""
+    main = split_message(message)[0]
+    if "it equals the reference's result for the same call" in main or "It equals what you get when" in main:
+        return 3
+    if any(k in main for k in (", which is ", "opposite sign", "shifted by one", "transposed", "another order",
+                               "every value is 0", "right on the real tokens", "right on padding", "NaN", "inf at")):
+        return 2
+    if "values differ, with no simple pattern" in main:
+        return 0
+    return 1
+
+
+def failures(failed: list[tuple[str, str]], not_judged: list[str], verbose: bool, name: str) -> list[str]:
+    """The failures, each said once: by default the most specific one (its first lines) and the names of the others;
+    verbose, every distinct one in full, with its details and asides."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for test, message in failed:
+        groups.setdefault(_dedup_key(message), []).append((test, message))
+    ordered = list(groups.values())
+    lines = []
+    if verbose:
+        for group in ordered:
+            tests = [t for t, _ in group]
+            main, details, asides = split_message(group[0][1])
+            where = " (not your code: see below)" if tests[0] in not_judged else ""
+            also = f" (the same in {', '.join(tests[1:])})" if len(tests) > 1 else ""
+            lines.append(f"\n  {tests[0]}{also}:{where}\n    " + plain(main).replace("\n", "\n    "))
+            lines += ["      " + d.replace("\n", "\n      ") for d in details]
+            if asides:
+                lines.append("    About this test (not checked on your run):")
+                lines += ["      " + a.replace("\n", "\n      ") for a in asides]
+        return lines
+    judged = [g for g in ordered if g[0][0] not in not_judged] or ordered
+    first = max(judged, key=lambda g: _specificity(g[0][1]))  # max keeps the earliest of equals: notebook order
+    tests = [t for t, _ in first]
+    main = plain(split_message(first[0][1])[0]).splitlines()
+    where = " (not your code: see below)" if tests[0] in not_judged else ""
+    lines.append(f"  {tests[0]}:{where}")
+    lines += ["    " + line.strip() for line in main[:FIRST_LINES]]
+    others = [t + (" (not your code: see below)" if t in not_judged else "") for g in ordered for t, _ in g
+              if t != tests[0]]
+    if others:
+        same = len(tests) - 1
+        rest = f" and {len(others) - 4} more" if len(others) > 4 else ""
+        alike = f" ({'all' if same == len(others) else same} with the same message)" if same else ""
+        lines.append(f"  Also failing: {', '.join(others[:4])}{rest}{alike}.")
+    more = len(main) > FIRST_LINES or others or any(split_message(m)[1] or split_message(m)[2] for g in ordered
+                                                    for _, m in g)
+    if more:
+        lines.append(f"  check({name}, verbose=True) shows every failure in full.")
+    return lines
 
 
 def check_all(namespace: dict | None = None, part: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from utils.checker.compare import CheckFailure, assert_close, assert_equal, describe_difference, expect, show
+from utils.checker.compare import CheckFailure, aside, assert_close, assert_equal, describe_difference, expect, show
 from utils.checker.observe import freeze, observe, same
 
 # --- gradients -----------------------------------------------------------------------------------------------
@@ -89,13 +89,13 @@ def assert_gradients_match(impl_fn: Callable, ref_fn: Callable, args: tuple = ()
         lands a few float32 roundings of the *largest* terms away: 1.2e-4 on a gradient whose entries reach ~500,
         which an elementwise rtol would call wrong on its small entries. Measured: at most 3e-7 × the largest entry
         (Part 1's value head on a LoRA model); the mistakes this check is for change gradients by far more.
-    hint: a sentence added to a failure (e.g. the usual causes of a wrong gradient here).
+    hint: the usual causes of a wrong gradient here: an aside of a failure (shown on request, as not checked).
     """
     try:
         _gradients_match(impl_fn, ref_fn, args, kwargs, what, wrt, modules, seed, atol, rtol, scale_tol)
     except CheckFailure as failure:
         if hint:
-            failure.args = (f"{failure.args[0]}\n  {hint}",)
+            failure.args = (f"{failure.args[0]}{aside(hint)}",)
         raise
 
 
@@ -109,17 +109,17 @@ def _gradients_match(impl_fn, ref_fn, args, kwargs, what, wrt, modules, seed, at
     impl_out, impl_grads, _ = _vjp(impl_fn, bound, names, params, cotangents, seed)
     if not impl_out and ref_out:
         observe(f"gradient of {what}", "not a tensor")
-        raise CheckFailure(f"{what}: returned no tensor where the reference returns {len(ref_out)} (a Python number "
-                           "from .item() or float() carries no gradient: return the tensor itself)")
+        raise CheckFailure(f"{what}: returned no tensor where the reference returns {len(ref_out)}, so no gradient "
+                           "can flow back" + aside("A Python number (from .item() or float()) carries no gradient."))
     if len(impl_out) != len(ref_out) or any(a.shape != b.shape for a, b in zip(impl_out, ref_out)):
         observe(f"gradient of {what}", ("outputs differ", [tuple(t.shape) for t in impl_out]))
         raise CheckFailure(f"{what}: the outputs differ in number or shape from the reference's "
                            f"({[tuple(t.shape) for t in impl_out]} vs {[tuple(t.shape) for t in ref_out]}), so their "
                            "gradients cannot be compared; fix the values first")
     if impl_grads is None:
-        expect(False, f"the gradient of {what}", "no gradient flows back from the result to its inputs (was it "
-               "computed under torch.no_grad(), detached, or rebuilt with torch.tensor / .item()?): nothing could "
-               "be trained through it", observed="no gradient")
+        expect(False, f"the gradient of {what}", "no gradient flows back from the result to its inputs: nothing "
+               "could be trained through it" + aside("A result computed under torch.no_grad(), detached, or rebuilt "
+                                                    "with torch.tensor / .item() has none."), observed="no gradient")
     for name, want in ref_grads.items():
         got = impl_grads[name]
         label = f"the gradient of {what} with respect to `{name}`"
@@ -129,14 +129,15 @@ def _gradients_match(impl_fn, ref_fn, args, kwargs, what, wrt, modules, seed, at
             observe(label, "none")
             continue
         if got is None:
-            expect(False, label, "no gradient reaches it, but the reference's does: is it detached, used only through "
-                   ".item() or a no_grad block, or left out of the computation?", observed="none")
+            expect(False, label, "no gradient reaches it, but the reference's does" + aside(
+                "An input detached, used only through .item() or a no_grad block, or left out of the computation "
+                "gets none."), observed="none")
         if got_zero:  # the graph reaches it, and what flows back is 0: not a detach, the opposite, or a flat step
             expect(False, label, "a gradient reaches it, but it is exactly 0 everywhere, where the reference's is "
-                   "not: the paths from it to the result cancel out or are flat. Usually a value that must be a "
-                   "constant was left in the graph and cancels it (e.g. exp(logprobs - old) with old = logprobs not "
-                   "detached is 1 whatever logprobs is), or it only enters through a step, a comparison or a "
-                   "rounding", observed="zero")
+                   "not: the paths from it to the result cancel out or are flat" + aside(
+                       "A value that must be a constant left in the graph can cancel it (exp(logprobs - old) with "
+                       "old = logprobs not detached is 1 whatever logprobs is); so can an input that enters only "
+                       "through a step, a comparison or a rounding."), observed="zero")
         if want_zero:
             expect(False, label, "your version sends a gradient into it and the reference does not: it must act as a "
                    "constant (detach it, or compute it under torch.no_grad())", observed=got)
@@ -376,7 +377,7 @@ def assert_reproducible(fn: Callable, *args, what: str, generator_arg: str = "ge
     if differs:
         other = fn(*args, **kwargs, **{generator_arg: seeded(1)})
         expect(not same(freeze(first), freeze(other), rtol=0, atol=0), f"{what} with seeds 0 and 1",
-               f"seeds 0 and 1 gave the same result: is `{generator_arg}` used at all?", observed=freeze(other))
+               f"seeds 0 and 1 for `{generator_arg}` gave the same result", observed=freeze(other))
 
 
 # --- refusals -----------------------------------------------------------------------------------------------

@@ -8,6 +8,11 @@ wrong shape is then refused at the call, naming the argument and the dimensions,
 
 Only annotations that hold a jaxtyping array type are checked. The others (a dataclass such as ReplayMemory) name
 the reference's own class, and a notebook defines its own copy of it: checking them would refuse the learner's.
+
+Every wrapper the checker makes of what it tests (these, the meta-test's recording wrapper, a loop's probes) says so
+with a mark of the checker's own (`mark_wrapper`): the checker sees through those, and through those only, to tell
+whether what it tests is the course's own solution (environment.is_the_reference). `__wrapped__` is no such mark: a
+learner's `functools.wraps(reference)` sets it on a function that may do anything with the reference's result.
 """
 
 from __future__ import annotations
@@ -15,10 +20,31 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
+import weakref
 
 import jaxtyping
 from beartype import beartype
 from jaxtyping import jaxtyped
+
+
+from utils.checker.transforms import recording_calls
+
+
+def mark_wrapper(wrapper, wrapped):
+    """Mark `wrapper` as one of the checker's own wrappers of `wrapped`, which calls `wrapped` and changes nothing of
+    what it does (it checks, records or probes), and return it. The mark names the wrapper it was made for: functools.
+    wraps copies a function's `__dict__`, and with it this mark, onto a learner's function, where it must not count."""
+    wrapper.__checker_wraps__ = (weakref.ref(wrapper), wrapped)
+    return wrapper
+
+
+def checker_wrapped(obj):
+    """What `obj` wraps, if it is one of the checker's own wrappers (mark_wrapper): else None. Only the object's own
+    mark counts (not one a subclass inherits, nor one functools.wraps copied from another wrapper)."""
+    mark = getattr(obj, "__dict__", {}).get("__checker_wraps__")
+    if isinstance(mark, tuple) and len(mark) == 2 and isinstance(mark[0], weakref.ref) and mark[0]() is obj:
+        return mark[1]
+    return None
 
 
 def _plain(fn):
@@ -91,7 +117,7 @@ def checked_like(obj, reference):
     if not annotations or made is None:
         return obj
     source, defaults = made
-    namespace = {"__target": obj} | {f"__default{i}": d for i, d in enumerate(defaults)}
+    namespace = {"__target": recording_calls(obj, plain)} | {f"__default{i}": d for i, d in enumerate(defaults)}
     exec(compile(source, f"<shape checks of {reference.__name__}>", "exec"), plain.__globals__ | namespace, namespace)
     wrapper = namespace[reference.__name__]
     wrapper.__annotations__ = annotations
@@ -99,6 +125,7 @@ def checked_like(obj, reference):
     checked = jaxtyped(typechecker=beartype)(wrapper)
     functools.update_wrapper(checked, obj, assigned=("__name__", "__qualname__", "__doc__"), updated=())
     checked.__wrapped__ = obj  # inspect.unwrap sees through it
+    mark_wrapper(checked, obj)  # and so does the checker (environment.is_the_reference)
     checked.__checked__ = obj  # what the checker tests (diagnosis.py recognises a registered wrong version by it)
     checked.__signature__ = inspect.signature(plain)
     return checked

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from utils.checker.compare import describe_difference
 from utils.checker.observe import freeze
+from utils.checker.shapes import mark_wrapper
 
 KINDS = ("forward", "zero_grad", "backward", "clip", "step", "scheduler", "call")
 INFORMATIONAL = ("zero_grad",)  # recorded for the counts; the next backward says whether the gradients were cleared
@@ -232,7 +233,7 @@ def _probe(recorder: _Recorder, name: str, helper: Callable, arguments: tuple[st
         recorder.add("call", name=name, arguments=seen)
         return helper(*args, **kwargs)
     probed.__wrapped__ = helper
-    return probed
+    return mark_wrapper(probed, helper)
 
 
 # --- comparing ------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 
 from utils.checker.properties import float_tensors
 from utils.checker.registry import Exercise
+from utils.checker.shapes import mark_wrapper
 
 
 class Usage:
@@ -27,11 +28,17 @@ class Usage:
         self.solution = solution
         self.defaults: dict[str, object] = {}
         self.varied: set[str] = set()
+        self.floats: dict[str, set[float]] = {}  # each float parameter's values in the calls (defaults included)
         self.raise_lines: set[int] = set()
         self.raised: set[int] = set()
         self.codes: set = set()
         self.grad_outputs = self.tensor_inputs = False
         self.source = ""
+
+    def only_identities(self) -> list[str]:
+        """The float parameters that every call gives 0 or 1, or nothing else: a mistake that drops a factor, a
+        divisor or an offset changes nothing at those values (x * 1, x / 1, x + 0), and goes unseen."""
+        return sorted(name for name, values in self.floats.items() if values <= {0.0, 1.0})
 
     def kinds(self, entry: Exercise) -> set[str]:
         """The kinds of mistake that apply to this exercise (registry.KINDS), from how its tests call it."""
@@ -71,9 +78,10 @@ def usage_of(solution) -> Usage:
     if inspect.isclass(solution):
         usage.wrapped = type(solution.__name__, (solution,), {n: record(f, usage) for n, f in functions.items()})
         usage.wrapped.__qualname__ = solution.__qualname__
-        # Marked as a wrapper of the reference, as functools.wraps marks the functions: the checker then counts this
-        # run as the reference's own, and needs no control run for the mutants' failures (utils/checker/environment.py)
+        # Marked as the checker's own wrapper of the reference, as record() marks the functions: the checker then
+        # counts this run as the reference's own, and needs no control run for the mutants' failures (environment.py)
         usage.wrapped.__wrapped__ = solution
+        mark_wrapper(usage.wrapped, solution)
     else:
         usage.wrapped = record(solution, usage)
     return usage
@@ -102,6 +110,9 @@ def record(fn, usage: Usage):
             for name, value in bound.arguments.items():
                 if name in usage.defaults and not same_value(value, usage.defaults[name]):
                     usage.varied.add(name)
+            for name, value in {**usage.defaults, **bound.arguments}.items():
+                if type(value) is float:
+                    usage.floats.setdefault(name, set()).add(value)
             usage.tensor_inputs |= any(has_tensor(v) for v in bound.arguments.values())
         except TypeError:
             pass
@@ -116,7 +127,7 @@ def record(fn, usage: Usage):
             raise
         usage.grad_outputs |= any(t.requires_grad for t in float_tensors(out))
         return out
-    return wrapper
+    return mark_wrapper(wrapper, fn)
 
 
 def same_value(a, b) -> bool:
