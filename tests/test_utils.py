@@ -371,3 +371,23 @@ def test_unknown_words_are_reported_once():
         sample(model, ["The xylophonist is"], max_new_tokens=2)
     said = [str(w.message) for w in caught if "vocabulary lacks" in str(w.message)]
     assert len(said) == 1 and "'xylophonist'" in said[0], said
+
+
+def test_every_test_path_the_course_names_exists():
+    """Commands and docstrings name test files and folders (the canary runs some, the Colab helper tells learners
+    which to run): each must exist, so that a moved file cannot leave a command that runs nothing."""
+    import re
+
+    from utils.canary import TESTS
+    from utils.checker.layout import ROOT
+
+    for path in TESTS:
+        assert (ROOT / path).exists(), f"utils/canary.py runs {path}, which does not exist"
+    sources = [*ROOT.glob("utils/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("chapters/source/*.py"),
+               ROOT / "README.md", *ROOT.glob(".ci/*")]
+    missing = []
+    for source in sources:
+        for found in re.findall(r"(?<![\w/.])tests/[\w/]*\w(?:\.py)?", source.read_text()):
+            if "partN" not in found and not (ROOT / found).exists():  # partN_<topic>: a pattern, not a path
+                missing.append(f"{source.relative_to(ROOT)} names {found}")
+    assert not missing, missing

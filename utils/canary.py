@@ -7,7 +7,7 @@
 
 It makes a fresh virtual environment in a temporary folder, installs torch at the locked version (the newest torch
 wheel on PyPI pulls gigabytes of CUDA packages, and the course's numbers are not about torch), then requirements.txt
-with `--upgrade`, runs tests/test_upstream.py and tests/test_part0_warmup.py there, and prints a table: each course
+with `--upgrade`, runs tests/test_upstream.py and Part 0's tests (tests/part0_warmup/) there, and prints a table: each course
 library's locked version, the version installed, and how its upstream tests (those marked
 `@pytest.mark.upstream(library)`) fared; then every failure, naming its libraries.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from utils.checker.layout import ROOT  # the repository root, once (the standard library only)
 
-TESTS = ("tests/test_upstream.py", "tests/test_part0_warmup.py")  # the second: a cheap signal from the course itself
+TESTS = ("tests/test_upstream.py", "tests/part0_warmup")  # the second: a cheap signal from the course itself
 UPSTREAM_TESTS = TESTS[0]
 CANARY_COMMENT = re.compile(r"#\s*canary:\s*(\S.*?)\s*$")
 REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?\s*([^#;]*?)\s*(;[^#]*)?(#.*)?$")

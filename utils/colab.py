@@ -6,7 +6,7 @@ undocumented) `google.colab._message` channel, and writes it where you say:
 
     from utils.colab import save_notebook
     save_notebook("/content/rlhf-course/part0_warmup_mine.ipynb")
-    !cd /content/rlhf-course && python -m pytest tests/test_part0_warmup.py --impl part0_warmup_mine.ipynb
+    !cd /content/rlhf-course && python -m pytest tests/part0_warmup --impl part0_warmup_mine.ipynb
 
 Untested outside Colab: the test suite checks only what this module does with the reply (tests/test_colab.py uses
 a stand-in for Colab). If Colab changes that channel, File > Download > Download .ipynb, upload the file to the
