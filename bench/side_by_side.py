@@ -70,6 +70,8 @@ SETTINGS = {
     "OpenMP's default spin": {"GOMP_SPINCOUNT": "300000"},            # GNU OpenMP's own default
     "no spinning (passive)": {"OMP_WAIT_POLICY": "PASSIVE"},
     "one thread each": {"RLHF_THREADS": "1"},
+    "one thread each, default spin": {"RLHF_THREADS": "1", "GOMP_SPINCOUNT": "300000"},
+    "spin 10,000": {"GOMP_SPINCOUNT": "10000"},
 }
 
 
