@@ -19,7 +19,7 @@ import re
 import pytest
 
 from utils.checker import implementations
-from utils.checker.diagnosis import recorded_departures
+from utils.checker.memory import memory
 from utils.checker.layout import exercise_names, marked_in_source, provided_names, tests_of
 from utils.checker.notebook import report
 from utils.checker.registry import KINDS, explanation, kind_of, registry_of
@@ -200,20 +200,14 @@ def check_message(part: str, name: str, wrong, outcome) -> None:
 
 
 def check_trace_departures(part: str, name: str, entry) -> None:
-    """The classes of first departure that the registry declares (Exercise.trace_departures) are each wrong version's
-    own, in every test of the exercise that compares loop traces: check() replays a learner's departure only with the
-    wrong versions of its class, so a wrong class would silently stop a mistake from being named."""
-    seen = {wrong.__name__: recorded_departures(wrong) for wrong in entry.wrong}
-    trace_tests = sorted({node for runs in seen.values() for node in runs})
-    if not trace_tests:
-        assert not entry.trace_departures, f"{part}.{name} declares trace departures but no test compares traces"
-        return
-    if not entry.trace_departures:
-        return  # nothing declared: every wrong version is replayed on every failure
-    for wrong, runs in seen.items():
-        for node in trace_tests:
-            found = runs.get(node)
-            assert wrong in entry.trace_departures and entry.trace_departures[wrong] == found, (
-                f"{part}.{name}: the wrong version {wrong} departs in {node.split('::')[-1]} with class {found!r}; "
-                f"its registry entry's trace_departures say {entry.trace_departures.get(wrong, '(nothing)')!r}: "
-                f'write "{wrong}": {found!r} there')
+    """The class of each wrong version's first departure from the reference's loop trace is derived from its runs, not
+    declared (memory.py records it with every run of a trace test): check() replays a learner's departure first with
+    the wrong versions of its class, and never with one of another class. That holds only if a wrong version's class
+    is a property of the wrong version: the same in every test of the exercise that compares traces. Checked here, on
+    the runs the meta-test made (each wrong version, every test)."""
+    for wrong in entry.wrong:
+        found = memory.recorded_departures(part, name, wrong)
+        assert len(set(found.values())) <= 1, (
+            f"{part}.{name}: the wrong version {wrong.__name__} departs from the reference's trace differently in "
+            f"different tests: {found}; check() would then replay it on every failure of the loop. Make each trace "
+            "test show the same first departure for it, or split the wrong version.")

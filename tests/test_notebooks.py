@@ -18,7 +18,7 @@ import pytest
 from pyflakes import checker, messages
 
 from utils import notebooks
-from utils.checker import layout
+from utils.checker import implementations, layout
 
 PARTS = layout.parts()  # a part without its source fails test_notebook_is_built_from_its_source
 
@@ -97,9 +97,8 @@ def undefined_names(cells: list[tuple[int, str]]) -> list[str]:
 
 
 def _run_by_impl(cell) -> bool:
-    """Whether `--impl notebook.ipynb` runs this cell (the rule of utils.checker.implementations._exec_notebook)."""
-    tags = set(cell.metadata.get("tags", []))
-    return bool(tags & {"setup", "provided", "exercise"}) or (not tags and layout.is_helper_cell(cell.source))
+    """Whether `--impl notebook.ipynb` (and the grader) runs this cell: utils.checker.implementations.runs."""
+    return implementations.runs(set(cell.metadata.get("tags", [])), cell.source)
 
 
 def notebook_variants(part: str) -> dict[str, list[tuple[int, str]]]:

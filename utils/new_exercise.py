@@ -100,7 +100,7 @@ def source_exercises(part: str) -> list[str]:
 def notebook_names(part: str) -> set[str]:
     """The names the part's notebook binds before its exercises: the preamble's (with the `import *` of
     utils/contracts.py) and the part's [setup] cells'. An exercise of one of these names would hide it."""
-    code = [notebooks.PREAMBLE + notebooks.PREPARE_CHECKS.format(part=part)]
+    code = [notebooks.PREAMBLE]
     code += [text for kind, _, text in notebooks.parse_source(notebooks.SOURCES / f"{part}.py") if kind == "setup"]
     names = set()
     for node in ast.walk(ast.parse("\n".join(code))):

@@ -134,13 +134,6 @@ from utils.checker.notebook import check, check_all
 
 SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps training runs and experiments short"""
 
-# The end of the preamble, with the part filled in: in Jupyter or Colab, check()'s answers for the part are worked
-# out once per machine, in the background (utils/checker/warm.py); in a script, a test or the grader it does nothing.
-PREPARE_CHECKS = """
-
-from utils.checker.warm import prepare_checks
-prepare_checks("{part}")  # check() prepares its answers for this part in the background, once per machine"""
-
 MARKER = re.compile(r"^# %%(?: \[(?P<kind>\w+)\](?: (?P<arg>\w+))?)?\s*$")
 
 
@@ -356,7 +349,7 @@ def build(part: str) -> dict:
             if text:
                 raise ValueError(f"{part}: the [preamble] cell is the builder's (PREAMBLE, the same in every "
                                  "notebook); put the part's own imports in a [setup] cell")
-            cells.append(("setup", PREAMBLE + PREPARE_CHECKS.format(part=part), ["setup"]))
+            cells.append(("setup", PREAMBLE, ["setup"]))
         elif kind == "setup":
             cells.append((kind, text, [kind]))
         elif kind == "markdown":

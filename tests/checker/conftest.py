@@ -1,29 +1,28 @@
-"""Fixtures of the checker's tests that use the store on disk (test_store.py, test_warm.py)."""
+"""Fixtures of the checker's tests: an empty memory (memory.py), a store on disk (test_store.py, test_warm.py), the work
+check() does."""
 
 import pytest
 
-from utils.checker import diagnosis, environment, runner, store
+from utils.checker import runner
 from utils.checker.diagnosis import MistakeFinder
+from utils.checker.memory import memory
 from utils.checker.plugin import UnderTest
 
 
 @pytest.fixture
-def on_disk(monkeypatch, tmp_path):
-    """The store on (utils/checker/store.py), in a folder of this test's own, with every per-process memory of the
-    checker empty (the real ones put back afterwards). Returns a function that makes this process forget, as a new
-    process (a restarted kernel) would start."""
+def fresh_memory():
+    """An empty memory for check() (memory.py) for the test, the one before it back afterwards: a test that needs a
+    first check(), or breaks the environment on purpose, leaves no verdict behind and costs later tests nothing."""
+    with memory.apart():
+        yield memory
+
+
+@pytest.fixture
+def on_disk(monkeypatch, tmp_path, fresh_memory):
+    """A store on disk (utils/checker/store.py), in a folder of this test's own, with an empty memory. Returns a
+    function that makes this process forget, as a new process (a restarted kernel) would start."""
     monkeypatch.setenv("RLHF_CHECKER_CACHE", str(tmp_path / "store"))
-    monkeypatch.setattr(diagnosis, "_runs", {})
-    monkeypatch.setattr(environment, "_reference_runs", {})
-    monkeypatch.setattr(store, "_exercises", {})
-    monkeypatch.setattr(store, "_dirty", set())
-
-    def new_process():
-        diagnosis.forget_runs()
-        environment.forget()
-        store.forget()
-
-    return new_process
+    return memory.forget
 
 
 @pytest.fixture

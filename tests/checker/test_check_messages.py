@@ -166,7 +166,8 @@ def token_kl_estimate(logp, ref_logp, kind):
 """
 
 
-def test_a_callee_checked_before_is_tested_again_only_once_something_it_uses_changed(monkeypatch, capsys):
+def test_a_callee_checked_before_is_tested_again_only_once_something_it_uses_changed(monkeypatch, capsys,
+                                                                                 fresh_memory):
     """The learner checked token_kl_estimate (wrong through its helper), then checks estimator_surrogate, which calls
     it: the earlier check's verdict is used, not run again. After the helper is fixed (token_kl_estimate itself is the
     same object), the callee's tests run again and it is no longer blamed."""
@@ -177,7 +178,6 @@ def test_a_callee_checked_before_is_tested_again_only_once_something_it_uses_cha
     def estimator_surrogate(*args):  # wrong itself too, so that check() looks at its callees
         return -_reference_code_calling("estimator_surrogate", "token_kl_estimate", token_kl_estimate)(*args)
 
-    callees.forget()
     check(token_kl_estimate)
     assert "❌ token_kl_estimate" in capsys.readouterr().out
     runs = []
@@ -307,21 +307,26 @@ def test_the_callees_of_one_part_run_in_one_session_each_against_its_own_object(
     assert all("completion_slice" in t for t in both["completion_slice"].passed), both["completion_slice"].passed
 
 
-def test_a_loop_mistake_is_named_replaying_only_the_wrong_versions_of_its_departure():
+def test_a_loop_mistake_is_named_replaying_only_the_wrong_versions_of_its_departure(fresh_memory):
     """A learner's learn that steps the scheduler once per epoch departs from the reference's trace with the class
-    "skipped scheduler": only the registered wrong versions of that class are replayed on the trace test (their
-    classes are the registry's, checked by the meta-test), and the mistake is still named."""
-    from tests.part1_ppo.mistakes import REGISTRY, _learn_scheduler_per_epoch
-    from utils.checker import diagnosis
+    "skipped scheduler". The first check replays every wrong version (none has run yet) and records the class of each
+    one's departure (memory.py); once those classes are known, only the wrong versions of the learner's class are
+    replayed on the trace test, and the mistake is still named."""
+    from tests.part1_ppo.mistakes import _learn_scheduler_per_epoch
     from utils.checker.runner import run_exercise_tests
 
     def learn(*args, **kwargs):  # the learner's own
         return _learn_scheduler_per_epoch(*args, **kwargs)
 
-    diagnosis.forget_runs()
+    first = run_exercise_tests("part1_ppo", "learn", learn)
+    assert first.likely == [_learn_scheduler_per_epoch], first
+    recorded = fresh_memory.departure_classes("part1_ppo", "learn")
+    assert recorded.get("_learn_scheduler_per_epoch") == "skipped scheduler", recorded
+    departures = fresh_memory.departures
+    fresh_memory.forget()
+    fresh_memory.departures.update(departures)  # what the wrong versions' earlier runs showed, and nothing else
     outcome = run_exercise_tests("part1_ppo", "learn", learn)
     assert outcome.likely == [_learn_scheduler_per_epoch], outcome
     trace_test = next(node for node, r in outcome.diagnosis.results.items() if r.compares_traces)
-    declared = REGISTRY["learn"].trace_departures
-    replayed = sorted(w.__name__ for (node, w), _ in diagnosis._runs.items() if node == trace_test)
-    assert replayed == sorted(n for n, found in declared.items() if found == "skipped scheduler"), replayed
+    replayed = sorted(w.__name__ for (node, w) in fresh_memory.wrong_runs if node == trace_test)
+    assert replayed == sorted(n for n, found in recorded.items() if found == "skipped scheduler"), replayed

@@ -15,7 +15,7 @@ from solutions import part3_grpo as ref3
 from tests.part0_warmup import mistakes as part0
 from tests.part0_warmup import test_completion_logprobs as completion_tests
 from utils import upstream
-from utils.checker import diagnosis, environment, implementations, pool, runner
+from utils.checker import environment, implementations, pool, runner
 from utils.checker.notebook import check
 from utils.checker.plugin import UnderTest
 from utils.checker.layout import ROOT
@@ -25,14 +25,6 @@ from utils.checker.usage import usage_of
 
 
 # --- never a false blame: what fails on the course's own solution here is the environment's ----------------------
-
-@pytest.fixture
-def checker_memory(monkeypatch):
-    """Empty per-process memories for the checker (the wrong versions' runs, the course's solution's runs), with the
-    real ones put back afterwards: a test that breaks the environment on purpose must leave no verdict behind."""
-    monkeypatch.setattr(diagnosis, "_runs", {})
-    monkeypatch.setattr(environment, "_reference_runs", {})
-
 
 def a_learners(wrong_version, name: str):
     """A registered wrong version as a learner's own function: the same code, under the exercise's name."""
@@ -66,7 +58,7 @@ def says_what_to_install(out: str) -> bool:
     return upstream.INSTALL_TESTED in out and upstream.versions(("transformers",)) in out
 
 
-def test_a_test_the_course_fails_here_blames_the_environment_not_the_learner(monkeypatch, capsys, checker_memory):
+def test_a_test_the_course_fails_here_blames_the_environment_not_the_learner(monkeypatch, capsys, fresh_memory):
     """With generate broken, the course's own generate_no_cache fails the test that compares with it: check() of the
     reference says the environment is at fault, with the versions and what to install, and names no mistake."""
     break_generate(monkeypatch)
@@ -78,7 +70,7 @@ def test_a_test_the_course_fails_here_blames_the_environment_not_the_learner(mon
     assert names_no_mistake(out, "generate_no_cache"), out
 
 
-def test_a_wrong_version_where_a_test_cannot_be_judged_is_not_named(monkeypatch, capsys, checker_memory):
+def test_a_wrong_version_where_a_test_cannot_be_judged_is_not_named(monkeypatch, capsys, fresh_memory):
     """A learner's real mistake (the prompt dropped) fails both tests; one of them cannot be judged on this machine.
     The known wrong version is recognised by how it fails *every* test, so no mistake is named: check() says which
     test is the environment's, and that the other failure is the learner's."""
@@ -92,14 +84,14 @@ def test_a_wrong_version_where_a_test_cannot_be_judged_is_not_named(monkeypatch,
     assert names_no_mistake(out, "generate_no_cache"), out
 
 
-def test_a_wrong_version_is_named_where_the_environment_is_fine(capsys, checker_memory):
+def test_a_wrong_version_is_named_where_the_environment_is_fine(capsys, fresh_memory):
     check(a_learners(part0._generate_drops_prompt, "generate_no_cache"))
     out = capsys.readouterr().out
     assert "👉 Likely mistake" in out and explanation(part0._generate_drops_prompt) in out, out
     assert "not your code" not in out, out
 
 
-def test_an_environment_mismatch_is_the_environment_not_the_learner(monkeypatch, capsys, checker_memory):
+def test_an_environment_mismatch_is_the_environment_not_the_learner(monkeypatch, capsys, fresh_memory):
     """`sample` refuses a broken library with EnvironmentMismatch (here: whenever it samples greedily). Those tests are
     the environment's; a learner's real mistake elsewhere is still shown, but no mistake is named."""
     sample = completion_tests.sample
@@ -124,7 +116,7 @@ def test_an_environment_mismatch_is_the_environment_not_the_learner(monkeypatch,
     assert "No likely mistake is named" in out and names_no_mistake(out, "completion_logprobs"), out
 
 
-def test_a_missing_package_is_the_environment_not_an_interrupt(monkeypatch, capsys, checker_memory):
+def test_a_missing_package_is_the_environment_not_an_interrupt(monkeypatch, capsys, fresh_memory):
     """A package the test file imports is missing: the file cannot even be collected, with the course's solution
     either. (pytest reports that as an interrupted session; it is no interrupt, and check() must not raise one.)"""
     monkeypatch.setitem(sys.modules, "tests.support", None)  # `import tests.support` fails
@@ -137,7 +129,7 @@ def test_a_missing_package_is_the_environment_not_an_interrupt(monkeypatch, caps
     assert "ImportError" in out or "ModuleNotFoundError" in out, out
 
 
-def test_a_failure_the_course_had_no_time_to_confirm_names_no_mistake(monkeypatch, capsys, checker_memory):
+def test_a_failure_the_course_had_no_time_to_confirm_names_no_mistake(monkeypatch, capsys, fresh_memory):
     """check()'s time limit runs out while the course's solution runs the failed test: the failure is shown, but no
     mistake is named (it is not confirmed to be the learner's), and it is no timeout of the learner's code."""
     def slow_reference(logits, tokens, prefix_len=1):
@@ -152,7 +144,7 @@ def test_a_failure_the_course_had_no_time_to_confirm_names_no_mistake(monkeypatc
     assert names_no_mistake(out, "get_logprobs"), out
 
 
-def test_a_setting_the_learners_code_changed_does_not_fail_the_course_solution(capsys, checker_memory):
+def test_a_setting_the_learners_code_changed_does_not_fail_the_course_solution(capsys, fresh_memory):
     """`torch.set_grad_enabled(False)` where `with torch.no_grad():` was meant turns gradients off for the whole process.
     The course's solution must not be failed by it (which would blame the machine): the setting is put back before the
     control runs, and after check()."""
@@ -166,7 +158,7 @@ def test_a_setting_the_learners_code_changed_does_not_fail_the_course_solution(c
     assert out.startswith("❌ get_logprobs") and "not your code" not in out, out
 
 
-def test_the_course_solution_runs_only_failed_tests_once(monkeypatch, checker_memory):
+def test_the_course_solution_runs_only_failed_tests_once(monkeypatch, fresh_memory):
     """The control costs little: nothing when every test passes, only the failed tests, once per process, and nothing
     at all when the function checked is the course's own (its run is the control)."""
     sessions = []
@@ -189,7 +181,7 @@ def test_the_course_solution_runs_only_failed_tests_once(monkeypatch, checker_me
     runner.run_exercise_tests("part0_warmup", "get_logprobs", wrong)
     assert sessions[3:] == [("learner", None)], sessions
 
-    monkeypatch.setattr(environment, "_reference_runs", {})
+    fresh_memory.forget()
     runner.run_exercise_tests("part0_warmup", "get_logprobs", ref0.get_logprobs)
     runner.run_exercise_tests("part0_warmup", "get_logprobs", wrong)
     assert sessions[4:] == [("learner", None), ("learner", None)], sessions
@@ -198,7 +190,7 @@ def test_the_course_solution_runs_only_failed_tests_once(monkeypatch, checker_me
 
 # --- only the checker's own wrappers of the course's solution are the course's solution --------------------------
 
-def test_a_learners_wrapper_of_the_course_solution_is_the_learners_code(capsys, checker_memory):
+def test_a_learners_wrapper_of_the_course_solution_is_the_learners_code(capsys, fresh_memory):
     """functools.wraps(solution) marks a learner's function as a wrapper of the course's solution (`__wrapped__`), but
     it may do anything with what the solution returns: here it negates it. Its failures are the learner's, confirmed
     on the course's solution like any other (❌, with no word of the environment)."""
@@ -288,7 +280,7 @@ def generate_no_cache(model, tokens, max_new_tokens, temperature=1.0, top_k=None
 GREEDY = "test_generate_no_cache_greedy_matches_generate"
 
 
-def test_the_pytest_route_names_a_wrong_version_where_the_environment_is_fine(monkeypatch, tmp_path, checker_memory):
+def test_the_pytest_route_names_a_wrong_version_where_the_environment_is_fine(monkeypatch, tmp_path, fresh_memory):
     reports = run_pytest_route(monkeypatch, learners_file(tmp_path, DROPS_PROMPT))
     assert set(reports.failed) == {GREEDY, "test_generate_no_cache_samples_with_top_k"}, reports.failed
     for test, text in reports.failed.items():
@@ -296,7 +288,7 @@ def test_the_pytest_route_names_a_wrong_version_where_the_environment_is_fine(mo
         assert "Not your code" not in text, (test, text)
 
 
-def test_the_pytest_route_names_no_mistake_for_a_test_the_course_fails_here(monkeypatch, tmp_path, checker_memory):
+def test_the_pytest_route_names_no_mistake_for_a_test_the_course_fails_here(monkeypatch, tmp_path, fresh_memory):
     """With generate broken, the course's own generate_no_cache fails the test that compares with it. On the pytest
     route, that test's report says so instead of naming a mistake, for a learner's real mistake as for a copy of the
     course's solution; and nothing is ever named for the course's solution itself (--impl solutions)."""

@@ -151,6 +151,5 @@ def test_no_module_writes_another_modules_globals():
 
 def test_the_write_finder_finds_a_write(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("from utils.checker import environment\nenvironment._reference_runs[1] = 2\n"
-                      "environment._reference_runs.clear()\n")
+    sample.write_text("from utils.checker import observe\nobserve._log = []\nobserve._log.append(1)\n")
     assert len(foreign_writes(sample, "sample")) == 2

@@ -19,7 +19,8 @@ import torch
 import tests
 from solutions import part0_warmup as ref0
 from utils import models
-from utils.checker import diagnosis, environment, implementations, pool, runner, stopping
+from utils.checker import implementations, pool, runner, stopping
+from utils.checker.memory import SECTIONS, memory
 from utils.checker.diagnosis import MistakeFinder
 from utils.checker.layout import ROOT
 from utils.checker.notebook import check
@@ -91,15 +92,15 @@ def forget_what_check_has_loaded(monkeypatch):
     for name in part0_test_modules():
         monkeypatch.setitem(sys.modules, name, sys.modules[name])
     monkeypatch.setattr(pool, "_pool", pool._pool)
-    monkeypatch.setattr(diagnosis, "_runs", {})
-    monkeypatch.setattr(environment, "_reference_runs", {})
+    kept = {name: getattr(memory, name) for name in SECTIONS}  # put back when the test ends
+    for name, value in kept.items():
+        monkeypatch.setattr(memory, name, value)
 
     def forget():
         for name in part0_test_modules():
             sys.modules.pop(name, None)
         monkeypatch.setattr(pool, "_pool", pool._Pool())
-        diagnosis.forget_runs()
-        environment.forget()
+        memory.forget()
 
     return forget
 

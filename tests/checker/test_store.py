@@ -1,11 +1,10 @@
 """The checker's store on disk (utils/checker/store.py): what one process worked out (the course's solution passing a
 test here, a wrong version's run of a test) spares the next one the work, and changes nothing of what check() says;
-a failure of the solution is never kept; a change to the code or the libraries starts afresh; a damaged, hostile
+a failure of the solution is never kept; there is no store unless a folder is named; a change to the code or the libraries starts afresh; a damaged, hostile
 or unwritable store costs only time."""
 
 import os
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 from tests.checker.conftest import a_learners
 from tests.part0_warmup import mistakes as part0
 from utils.checker import environment, store
+from utils.checker.memory import memory
 from utils.checker.notebook import check
 
 
@@ -125,27 +125,23 @@ def test_only_the_stores_of_the_last_few_versions_are_kept(on_disk):
     assert sorted(p.name for p in where.iterdir()) == sorted([store.key(), "newest", "newer"])
 
 
-def test_without_a_home_folder_there_is_no_store(monkeypatch):
-    """A process whose home cannot be found (no HOME, an unknown user) checks as well, with no store."""
-    def no_home(cls):
-        raise RuntimeError("Could not determine home directory.")
-
+def test_without_a_folder_named_there_is_no_store(monkeypatch, tmp_path):
+    """No store unless RLHF_CHECKER_CACHE names a folder: not in the home folder, not in XDG_CACHE_HOME."""
     monkeypatch.delenv("RLHF_CHECKER_CACHE", raising=False)
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    monkeypatch.setattr(Path, "home", classmethod(no_home))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert store.folder() is None
-    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
-    assert store.folder() == Path("/somewhere/rlhf-from-first-principles/checker")
+    for off in ("", "off", "0", "none"):
+        monkeypatch.setenv("RLHF_CHECKER_CACHE", off)
+        assert store.folder() is None, off
+    monkeypatch.setenv("RLHF_CHECKER_CACHE", str(tmp_path / "mine"))
+    assert store.folder() == tmp_path / "mine"
 
 
-def test_what_another_process_writes_meanwhile_is_seen(on_disk, monkeypatch):
-    """The background preparation writes an exercise's file after this kernel read it: the next lookup sees it."""
+def test_what_another_process_writes_meanwhile_is_seen(on_disk):
+    """Another process (a preparation, another kernel) writes an exercise's file after this kernel read it: the next
+    lookup sees it."""
     assert not store.reference_passed("part0_warmup", "generate_no_cache", "test_a")  # read: nothing yet
-    mine = store._exercises
-    with monkeypatch.context() as m:  # another process, with memories of its own
-        m.setattr(store, "_exercises", {})
-        m.setattr(store, "_dirty", set())
+    with memory.apart():  # another process, with a memory of its own
         environment.remember("part0_warmup", "generate_no_cache", ["test_a"], [])
         store.save()
-    assert store._exercises is mine
     assert store.reference_passed("part0_warmup", "generate_no_cache", "test_a")

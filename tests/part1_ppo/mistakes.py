@@ -1475,18 +1475,6 @@ REGISTRY = Registry("part1_ppo", {
                _rollout_always_normalises, _rollout_advantages_from_raw_rewards, _rollout_stores_normalised_rewards,
                _rollout_default_gae],
         on_lora_model=True,
-        # the first departure of each in test_rollout_does_what_the_reference_does_in_order (registry.py)
-        trace_departures={
-            "_rollout_reference_is_the_policy": "forward hooks",
-            "_rollout_reference_with_lora_hooks": "forward hooks",
-            "_rollout_samples_from_the_reference": None,
-            "_rollout_keeps_the_graph": "forward grad",
-            "_rollout_values_unshifted": "call compute_advantages values",
-            "_rollout_always_normalises": None,
-            "_rollout_advantages_from_raw_rewards": "call compute_advantages rewards",
-            "_rollout_stores_normalised_rewards": None,
-            "_rollout_default_gae": None,
-        },
     ),
     "learn": Exercise(
         wrong=[_learn_no_zero_grad, _learn_steps_before_backward, _learn_old_logprobs_from_now,
@@ -1494,24 +1482,5 @@ REGISTRY = Registry("part1_ppo", {
                _learn_no_grad_clipping, _learn_scheduler_not_stepped, _learn_global_rng, _learn_one_epoch,
                _learn_whitens_the_memory_in_place, _learn_approx_kl_reversed, _learn_ignores_clip_value,
                _learn_old_values_from_now, _learn_clips_the_model_only, _learn_scheduler_per_epoch],
-        # the first departure of each in test_learn_does_what_the_reference_does_in_order (registry.py)
-        trace_departures={
-            "_learn_no_zero_grad": "backward cleared",
-            "_learn_steps_before_backward": None,
-            "_learn_old_logprobs_from_now": "call ppo_loss old_logprobs",
-            "_learn_value_head_untrained": "forward hooks",
-            "_learn_whitens_the_whole_batch": "call ppo_loss advantages",
-            "_learn_never_whitens": "call ppo_loss advantages",
-            "_learn_no_grad_clipping": "clip max_norm",
-            "_learn_scheduler_not_stepped": "skipped scheduler",
-            "_learn_global_rng": "forward rows",
-            "_learn_one_epoch": "order None forward",
-            "_learn_whitens_the_memory_in_place": "call ppo_loss advantages",
-            "_learn_approx_kl_reversed": None,
-            "_learn_ignores_clip_value": "call ppo_loss old_values",
-            "_learn_old_values_from_now": "call ppo_loss old_values",
-            "_learn_clips_the_model_only": "clip covered",
-            "_learn_scheduler_per_epoch": "skipped scheduler",
-        },
     ),
 })

@@ -891,6 +891,20 @@ REGISTRY = Registry("part3_grpo", {
                _loss_constant_ratio_on_policy, _loss_detached_clip, _loss_detached_kl, _loss_item,
                _loss_advantages_unsqueezed_in_place, _loss_masks_logprobs_in_place, _loss_no_loss_type_check,
                _loss_no_reference_check],
+        # The mistake of _loss_default_grpo is its default; the others take the five tensors by name and pass the
+        # keyword arguments on (**kw) to the reference or to _loss_core, which spells out the reference's keywords.
+        signature_differs={
+            "_loss_default_grpo": "the mistake is its default: loss_type='grpo' instead of 'dapo'",
+            **dict.fromkeys(
+                ["_loss_ratio_sign", "_loss_one_sided_clip", "_loss_max_not_min", "_loss_kl_reversed",
+                 "_loss_bias_correction_ignored", "_loss_bias_correction_ratio_detached", "_loss_unmasked",
+                 "_loss_every_type_bnpo", "_loss_dr_grpo_token_count", "_loss_dr_grpo_ignores_max_length",
+                 "_loss_epsilon_high_or", "_loss_epsilon_fixed", "_loss_grpo_unclamped", "_loss_grpo_skips_empty_rows",
+                 "_loss_constant_ratio_on_policy", "_loss_detached_clip", "_loss_detached_kl", "_loss_item",
+                 "_loss_advantages_unsqueezed_in_place", "_loss_masks_logprobs_in_place", "_loss_no_loss_type_check",
+                 "_loss_no_reference_check"],
+                "a wrapper: it passes the keyword arguments on (**kw) to the reference or to _loss_core"),
+        },
     ),
     "grpo_step": Exercise(
         wrong=[_step_no_zero_grad, _step_optimizer_before_backward, _step_old_logprobs_in_the_loop,
@@ -899,24 +913,5 @@ REGISTRY = Registry("part3_grpo", {
                _step_one_update, _step_no_clipping, _step_clip_after_step, _step_max_length_from_the_mask,
                _step_max_length_of_the_sequence, _step_truncation_mask_ignored, _step_loss_settings_dropped],
         on_lora_model=True,
-        # the first departure of each in test_grpo_step_does_what_the_reference_does_in_order (registry.py)
-        trace_departures={
-            "_step_no_zero_grad": "backward cleared",
-            "_step_optimizer_before_backward": "order step backward",
-            "_step_old_logprobs_in_the_loop": "extra forward",
-            "_step_old_logprobs_with_grad": None,
-            "_step_reference_is_the_policy": "call grpo_loss ref_logprobs",
-            "_step_reference_bypassed": "forward hooks",
-            "_step_reference_when_beta_is_zero": None,
-            "_step_reference_per_update": "extra forward",
-            "_step_samples_from_base": "forward hooks",
-            "_step_one_update": "order None forward",
-            "_step_no_clipping": "skipped clip",
-            "_step_clip_after_step": "order step clip",
-            "_step_max_length_from_the_mask": "call grpo_loss max_completion_length",
-            "_step_max_length_of_the_sequence": "call grpo_loss max_completion_length",
-            "_step_truncation_mask_ignored": None,
-            "_step_loss_settings_dropped": "call grpo_loss epsilon",
-        },
     ),
 })

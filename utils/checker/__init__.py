@@ -4,6 +4,10 @@
     transforms.py       the calls of the exercise under test: which one change of a call (an argument left at its
                         default, two swapped, a flag flipped) makes the reference return the learner's result, and
                         which call raised an exception (standard library and torch only)
+    memory.py           everything check() remembers in a process, in one object (`memory`), with one way to forget it
+                        (`memory.forget()`): the wrong versions' runs and the classes of their trace departures, the
+                        reference's runs and traces, the callees' outcomes, the implementations resolved (standard
+                        library only)
     observe.py          the log of what a test looked at, which is what a mistake's fingerprint is made of
     compare.py          the diagnosing comparison: when a value differs from the reference's, say *how*; what a
                         message measured on the learner's run, and its details and asides (shown on request)
@@ -13,7 +17,8 @@
     registry.py         the known wrong versions of each exercise, the kinds of mistake, the @mistake mark
     fingerprint.py      what one run of a test did, and when two runs are indistinguishable (no pytest in it)
     store.py            what the checker works out once for this code on this machine (the solution's passes, the
-                        wrong versions' runs), kept on disk for the next process
+                        wrong versions' runs), kept on disk for the next process: only in a folder named by
+                        RLHF_CHECKER_CACHE (off by default: check() writes nothing)
     pool.py             the shared tiny model, loaded once per process and restored around every test
     implementations.py  what `--impl` names: the solutions, the notebook's stubs, a learner's notebook or module
     diagnosis.py        the plugin that replays a failed test with each wrong version and names the one that matches
@@ -27,6 +32,7 @@
                         specific finding, each failure once; check(fn, verbose=True) for all); `check_all()`
     worker.py           the process that checks one saved notebook: its definitions run, then each exercise's tests
     grading.py          one saved notebook checked in a worker, with a time limit (utils/progress.py, utils/grade.py)
+    warm.py             `python -m utils.checker.warm --store DIR [parts]`: fill a store on purpose (a teacher, a grader)
     usage.py            what the meta-test records of how the tests call a reference solution
 
 Tests import the assertions through `tests/support.py`. This file imports nothing, so that `layout` stays light.

@@ -10,8 +10,8 @@ The callees are found the way Python finds them when the code runs: the global n
 `co_names` of its code and of the functions nested in it, and of a class's methods) that its module's globals bind
 to an exercise of the course, followed through the learner's own callees in turn.
 
-What a callee's tests found is kept for the life of the process, with everything that decides what the callee
-computes (`dependencies`): in a notebook the learner has usually checked `ppo_loss` before `learn`, and while
+What a callee's tests found is kept for the life of the process (memory.py's `callee_outcomes`), with everything that
+decides what the callee computes (`dependencies`): in a notebook the learner has usually checked `ppo_loss` before `learn`, and while
 neither `ppo_loss` nor anything it uses has been redefined since, its tests are not run again.
 """
 
@@ -23,12 +23,10 @@ from dataclasses import dataclass
 
 from utils.checker import environment
 from utils.checker.implementations import solutions_module
+from utils.checker.memory import memory
 from utils.checker.layout import built_parts, exercise_names
 from utils.checker.observe import named_by_a_library
 from utils.checker.runner import Outcome, run_several_exercise_tests
-
-# (part, exercise) -> (dependencies(obj) when its tests ran, what they found), for the life of the process
-_outcomes: dict[tuple[str, str], tuple[list, Outcome]] = {}
 
 
 @dataclass
@@ -168,18 +166,13 @@ def remember(part: str, name: str, obj: object, outcome: Outcome) -> None:
     """Keep what the tests of exercise `name` found for `obj` (check() and the callees' runs call this). A run that
     was stopped or could not be confirmed is not kept."""
     if not (outcome.timed_out or outcome.unconfirmed):
-        _outcomes[(part, name)] = (dependencies(obj), outcome)
+        memory.callee_outcomes[(part, name)] = (dependencies(obj), outcome)
 
 
 def known_outcome(part: str, name: str, obj: object) -> Outcome | None:
     """What the tests of `name` found for `obj`, if they ran on it as it is now (nothing it uses redefined since)."""
-    known = _outcomes.get((part, name))
+    known = memory.callee_outcomes.get((part, name))
     return known[1] if known is not None and _same(known[0], dependencies(obj)) else None
-
-
-def forget() -> None:
-    """Forget every kept outcome (for tests of the checker)."""
-    _outcomes.clear()
 
 
 def failing_callees(obj: object, part: str, name: str, timeout: float | None = None

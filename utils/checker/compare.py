@@ -434,6 +434,10 @@ def _shift_difference(a: Tensor, e: Tensor, close) -> str | None:
     return None
 
 
+def _the_others(n: int) -> str:
+    return "the other one is right" if n == 1 else f"the other {n} are right"
+
+
 def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close) -> str | None:
     while a.dim() > 1 and a.shape[0] == 1:  # a batch of one: look at what is inside it
         a, e = a[0], e[0]
@@ -448,12 +452,12 @@ def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close) -> 
                 return f"positions {bad[:8]}{'...' if len(bad) > 8 else ''} are wrong, in groups {groups} of " \
                        f"{a.shape[0] // group_size} (groups of {group_size}); the other groups are right"
         if bad and len(bad) <= a.shape[0] // 2:
-            return f"positions {bad[:8]}{'...' if len(bad) > 8 else ''} are wrong, the other {sum(ok)} are right"
+            return f"positions {bad[:8]}{'...' if len(bad) > 8 else ''} are wrong, {_the_others(sum(ok))}"
         return None
     rows_ok = [close(a[i], e[i]) for i in range(a.shape[0])]
     if any(rows_ok) and not all(rows_ok):
         bad = [i for i, ok in enumerate(rows_ok) if not ok]
-        text = f"rows {bad[:8]}{'...' if len(bad) > 8 else ''} are wrong, the other {sum(rows_ok)} are right"
+        text = f"rows {bad[:8]}{'...' if len(bad) > 8 else ''} are wrong, {_the_others(sum(rows_ok))}"
         if all(not a[i].abs().max().item() > 0 for i in bad):
             text += "; the wrong ones are all 0"
         elif all(close(-a[i], e[i]) for i in bad):

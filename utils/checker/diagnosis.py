@@ -5,8 +5,10 @@ of that exercise (registry.py) in its place, from the same random state, and com
 (fingerprint.py). A wrong version that saw the same values and failed at the same line is a candidate; the likely
 mistake is a candidate that explains every failure seen and fails none of the tests the learner's version passed.
 
-Runs of wrong versions are cached per test for the life of the process, so a second failure costs nothing, and on disk
-for the next process with the same code on the same machine (store.py). The
+Runs of wrong versions are kept per test for the life of the process (memory.py), so a second failure costs nothing, and
+on disk for the next process where a store is named (store.py). Each run of a trace test also records the class of the
+wrong version's first departure from the reference's loop trace: a learner's departure is then replayed first with the
+wrong versions whose recorded class is the same, and with those not run yet, never with those of another class. The
 meta-test runs every wrong version once without replaying the others (`replays=False`): each one's own runs are then
 the fingerprints, and `named_from_runs` applies the same rule to them, with no replay at all.
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import pytest
 
 from utils.checker import environment, pool, store
+from utils.checker.memory import memory
 from utils.checker.compare import CheckFailure
 from utils.checker.implementations import shape_checked, solutions_module
 from utils.checker.fingerprint import Run, fingerprints_nothing, rng_state, run_of, same_run, set_rng_state
@@ -37,9 +40,6 @@ from utils.checker.shapes import target
 from utils.checker import trace
 from utils.checker.trace import departure_class
 from utils.upstream import EnvironmentMismatch
-
-# (test node id, wrong version) -> its run, for the life of the process (written by MistakeFinder only)
-_runs: dict[tuple[str, object], Run] = {}
 
 NOT_DIAGNOSED = (NotImplementedError, KeyboardInterrupt, SystemExit, pytest.skip.Exception, EnvironmentMismatch)
 
@@ -94,8 +94,8 @@ class MistakeFinder:
         for node, r in self.results.items():
             if r.exercise != exercise or r.passed:
                 continue
-            learner = _runs.get((node, r.under_test))
-            known = [(m, _runs.get((node, m))) for m in r.wrong]
+            learner = memory.run(node, r.under_test)
+            known = [(m, memory.run(node, m)) for m in r.wrong]
             if not r.diagnosable or learner is None or any(run is None for _, run in known):
                 matches[node] = None
             else:
@@ -111,7 +111,7 @@ class MistakeFinder:
         candidates = [w for w in next(r.wrong for r in self.results.values() if r.exercise == exercise)
                       if all(any(w is x for x in m) for m in diagnosed)]
         passed = [node for node, r in self.results.items() if r.exercise == exercise and r.passed]
-        return [m for m in candidates if not any(_runs.get((node, m), Run(False)).failed for node in passed)]
+        return [m for m in candidates if not any((memory.run(node, m) or Run(False)).failed for node in passed)]
 
     def pytest_sessionstart(self, session):
         self.spent = 0.0
@@ -161,6 +161,8 @@ class MistakeFinder:
         exc = outcome.excinfo[1] if outcome.excinfo else None
         learner = self.run(item, exc, log)
         learner.compares_traces = trace.comparisons() > compared
+        if learner.compares_traces:
+            memory.note_trace_test(item.nodeid)
         under_test = target(vars(impl).get(name))
         registered = any(under_test is m for m in wrong)
         if registered:
@@ -179,21 +181,22 @@ class MistakeFinder:
                     _keep(item, name, candidate, self.timed_replay(item, impl, name, candidate, state))
         if not result.diagnosable:  # passed; not written yet, stopped, skipped, the libraries' fault (environment.py);
             return                  # or a bare assert, which recorded nothing to compare
-        declared = registry_of(part)[name].trace_departures
-        result.matches = self.diagnose(item, impl, name, wrong, learner, state, declared)
+        recorded = memory.departure_classes(part, name)
+        result.matches = self.diagnose(item, impl, name, wrong, learner, state, recorded)
         named = self.likely(name) if result.matches else []
         if named:
             _add_note(exc, describe_matches(name, named))
 
     def diagnose(self, item, impl, name: str, wrong: tuple, learner: Run, state: tuple,
-                 declared: dict | None = None) -> list | None:
+                 recorded: dict | None = None) -> list | None:
         # A wrong version that failed an earlier failure of this session differently can no longer be named: it is
         # not replayed (the loop exercises' first test, their trace, fails first and leaves few to replay). Nor is
-        # one whose first departure in a loop's trace is known to be of another class than the learner's
-        # (Exercise.trace_departures, checked by the meta-test): it cannot fail this trace test the same way.
+        # one whose first departure in a loop's trace is known to be of another class than the learner's (`recorded`:
+        # {wrong version's name: its class}, from its earlier runs of the exercise's trace tests, memory.py): it
+        # cannot fail this trace test the same way. One not run yet is replayed, and records its class.
         earlier = [r.matches for node, r in self.results.items()
                    if node != item.nodeid and r.exercise == name and not r.passed and r.matches is not None]
-        declared = declared or {}
+        declared = recorded or {}
         # Nor is one that departs in a trace test the learner's version passed (the rule: a named wrong version
         # passes every test the learner's passes), nor, where the learner's failed a trace test elsewhere than at
         # the comparison, one that departs there (it fails at the comparison). Whether this test compares traces:
@@ -216,7 +219,13 @@ class MistakeFinder:
             return departs(candidate) and trace_test
 
         matches = []
-        for candidate in sorted(wrong, key=departs):  # those that do not depart first (stable: registry order)
+        def order(candidate) -> int:  # the learner's class first, then those not run yet (stable: registry order)
+            known = getattr(candidate, "__name__", None)
+            if known not in declared:
+                return 1
+            return 0 if declared[known] == learner.departure else 2
+
+        for candidate in sorted(wrong, key=order):
             if not all(any(candidate is m for m in found) for found in earlier):
                 continue
             if cannot_match(candidate):
@@ -226,8 +235,8 @@ class MistakeFinder:
                 if self.out_of_time():
                     return None  # out of time: this failure stays undiagnosed rather than half-diagnosed
                 _keep(item, name, candidate, self.timed_replay(item, impl, name, candidate, state))
-            trace_test = trace_test or _runs[key].compares_traces
-            if same_run(_runs[key], learner):
+            trace_test = trace_test or memory.run(*key).compares_traces
+            if same_run(memory.run(*key), learner):
                 matches.append(candidate)
         return matches
 
@@ -325,20 +334,23 @@ def _failure(exc: BaseException) -> str:
 
 
 def _run_known(item, name: str, candidate) -> bool:
-    """Whether the run of `candidate` (a wrong version of exercise `name`) on this test is known: cached in this
-    process, or kept on disk by an earlier one (store.py), then cached."""
-    if (item.nodeid, candidate) in _runs:
+    """Whether the run of `candidate` (a wrong version of exercise `name`) on this test is known: in this process's
+    memory, or kept in a store on disk by an earlier one (store.py), then remembered."""
+    if (item.nodeid, candidate) in memory.wrong_runs:
         return True
-    run = store.run(part_of(item.module.__name__), name, item.nodeid, candidate)
+    part = part_of(item.module.__name__)
+    run = store.run(part, name, item.nodeid, candidate)
     if run is not None:
-        _runs[(item.nodeid, candidate)] = run
+        memory.keep_run(part, name, item.nodeid, candidate, run)
     return run is not None
 
 
 def _keep(item, name: str, candidate, run: Run) -> None:
-    """Cache a run of `candidate` (a wrong version of exercise `name`) for this process, and on disk for the next."""
-    _runs[(item.nodeid, candidate)] = run
-    store.remember_run(part_of(item.module.__name__), name, item.nodeid, candidate, run)
+    """Remember a run of `candidate` (a wrong version of exercise `name`) for this process (with the class of its
+    departure, where the test compared traces), and in the store on disk for the next, where one is named."""
+    part = part_of(item.module.__name__)
+    memory.keep_run(part, name, item.nodeid, candidate, run)
+    store.remember_run(part, name, item.nodeid, candidate, run)
 
 
 def describe_matches(name: str, matches: list) -> str:
@@ -348,18 +360,6 @@ def describe_matches(name: str, matches: list) -> str:
     lines = "\n".join(f"  - {explanation(m)}" for m in matches)
     return f"Likely mistake: known wrong versions of {name} fail its tests in exactly the same way; it is one of " \
            f"these:\n{lines}"
-
-
-def recorded_departures(wrong) -> dict[str, str | None]:
-    """{test node id: the class of its first trace departure (None: none)} of each cached run of the wrong version
-    `wrong` that compared loop traces (the meta-test's runs: every test of the exercise, with each wrong version)."""
-    return {node: run.departure for (node, candidate), run in _runs.items() if candidate is wrong
-            and run.compares_traces}
-
-
-def forget_runs() -> None:
-    """Drop every cached run of a wrong version (for tests of the checker that need a fresh start)."""
-    _runs.clear()
 
 
 def _add_note(exc: BaseException, note: str) -> None:

@@ -13,8 +13,9 @@ tests that failed are run on the reference solution (the *control*), once per pr
   environment's by definition, and needs no control;
 - a control that could not finish (check()'s time limit) leaves the failure unconfirmed: no mistake is named.
 
-A test the reference passed is kept on disk for the next process with the same code on the same machine (store.py);
-one it failed is run again in each process.
+What the reference did is remembered for the process (memory.py); a test it passed is also kept in the store on disk
+for the next process with the same code on the same machine, where a store is named (store.py); one it failed is run
+again in each process.
 
 A run of pytest itself (`python -m pytest --impl my_notebook.ipynb`) has no check() around it: there the mistake
 finder runs the control of each failed test in the test's own place, and remembers it here (diagnosis.py).
@@ -30,40 +31,33 @@ from collections.abc import Iterable
 import torch
 
 from utils.checker import store
+from utils.checker.memory import memory
 from utils.checker.shapes import checker_wrapped
 from utils.upstream import EnvironmentMismatch, differences_from_lock, environment_report
-
-# (part, exercise, test) -> how the reference fails that test on this machine, or None when it passes
-_reference_runs: dict[tuple[str, str, str], str | None] = {}
 
 
 def remember(part: str, exercise: str, passed: Iterable[str], failed: Iterable[tuple[str, str]]) -> None:
     """Record a run of the reference: the tests it passed, and (test, message) for those it failed. The passes are
-    kept on disk too (store.py), for the next process on this machine."""
+    kept in the store on disk too, where one is named (store.py), for the next process on this machine."""
     for test in passed:
-        _reference_runs[(part, exercise, test)] = None
+        memory.reference_runs[(part, exercise, test)] = None
         store.remember_reference_pass(part, exercise, test)
     for test, message in failed:
-        _reference_runs[(part, exercise, test)] = message
-
-
-def forget() -> None:
-    """Forget every run of the reference (for tests of the checker that break the environment on purpose)."""
-    _reference_runs.clear()
+        memory.reference_runs[(part, exercise, test)] = message
 
 
 def not_yet_run(part: str, exercise: str, tests: Iterable[str]) -> list[str]:
     """Those of `tests` whose run on the reference is not known yet: not in this process, nor as a pass kept on
     disk by an earlier process with this code on this machine (store.py)."""
     for t in tests:
-        if (part, exercise, t) not in _reference_runs and store.reference_passed(part, exercise, t):
-            _reference_runs[(part, exercise, t)] = None
-    return [t for t in tests if (part, exercise, t) not in _reference_runs]
+        if (part, exercise, t) not in memory.reference_runs and store.reference_passed(part, exercise, t):
+            memory.reference_runs[(part, exercise, t)] = None
+    return [t for t in tests if (part, exercise, t) not in memory.reference_runs]
 
 
 def reference_failures(part: str, exercise: str, tests: Iterable[str]) -> dict[str, str]:
     """{test: how the reference fails it here} for those of `tests` that the reference is known to fail."""
-    known = {t: _reference_runs.get((part, exercise, t)) for t in tests}
+    known = {t: memory.reference_runs.get((part, exercise, t)) for t in tests}
     return {t: message for t, message in known.items() if message is not None}
 
 

@@ -16,8 +16,10 @@ what was done wrong and what to do instead; `@mistake(kind)` says which class of
 The registry serves twice: the meta-test proves that each wrong version fails the exercise's tests and is named,
 and the checker replays a learner's failed test with each of them to name the mistake (diagnosis.py).
 
-Everything is checked when the registry is made, so a misspelt exercise, kind or parameter fails loudly at import
-instead of silently switching a check off.
+Everything is checked when the registry is made, so a misspelt exercise, kind or parameter, or a wrong version whose
+signature is no longer the reference's (names, kinds and defaults of its parameters; a class's constructor and
+forward), fails loudly at import instead of silently switching a check off. A wrong version that differs on purpose
+says why in its entry's `signature_differs`.
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ class Exercise:
     not_applicable: Mapping[str, str] = field(default_factory=dict)  # kind of mistake -> why it cannot happen here
     always_default: Mapping[str, str] = field(default_factory=dict)  # parameter -> why no test varies it
     on_lora_model: bool = False                                      # the course calls it with a LoRAModel
-    # A loop exercise's trace test (trace.assert_same_trace): wrong version's name -> the class of its first departure
-    # there (trace.departure_class), None where it does not depart (it passes that test, or fails it before the
-    # comparison). A learner's departure is then replayed only with the wrong versions of its class; one not listed
-    # is replayed on every failure. The meta-test checks each class against the wrong version's own run.
+    # Ignored (no registry sets it; to be removed): each wrong version's class of trace departure is now derived from
+    # its runs, recorded in utils/checker/memory.py, not declared here.
     trace_departures: Mapping[str, str | None] = field(default_factory=dict)
+    # Wrong version's name -> why its signature differs from the reference's, on purpose (see `signature_differences`:
+    # without an entry here, any difference is an error when the registry is made). The parameters it does name must
+    # still be the reference's, with the same kinds.
+    signature_differs: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "wrong", tuple(self.wrong))
@@ -141,11 +145,114 @@ class Registry(Mapping):
             if unknown_wrong:
                 raise RegistryError(f"{where}: {name!r} declares trace departures of {unknown_wrong}, which are not "
                                     "among its registered wrong versions")
+            _check_signatures(where, self.part, name, entry, getattr(reference, name))
             params = _parameters(getattr(reference, name))
             bad_params = sorted(set(entry.always_default) - params)
             if bad_params:
                 raise RegistryError(f"{where}: {name!r} has no parameter {bad_params} (always_default); its "
                                     f"parameters are {sorted(params)}")
+
+
+def _signatures(obj) -> dict[str, inspect.Signature]:
+    """What a wrong version's signature is compared on: a function's signature, or a class's (its __init__, as the
+    meta-test's consistency test compares stubs) and its forward's, if it has one. inspect.signature sees through
+    decorators that keep `__wrapped__` (functools.wraps, @torch.no_grad(), the course's @contract)."""
+    if inspect.isclass(obj):
+        found = {"": inspect.signature(obj)}
+        if callable(getattr(obj, "forward", None)):
+            found[".forward"] = inspect.signature(obj.forward)
+        return found
+    return {"": inspect.signature(obj)}
+
+
+def _same_default(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - a default that cannot be compared (a tensor of several values): differs
+        return False
+
+
+def signature_differences(reference: inspect.Signature, wrong: inspect.Signature) -> list[str]:
+    """How `wrong`'s parameters differ from `reference`'s, one sentence each: a name missing, added or out of order,
+    a kind (positional, keyword-only, *args, **kwargs) or a default changed. Annotations are not compared."""
+    ref, other = list(reference.parameters.values()), list(wrong.parameters.values())
+    found = []
+    ref_names, other_names = [p.name for p in ref], [p.name for p in other]
+    missing = [n for n in ref_names if n not in other_names]
+    extra = [n for n in other_names if n not in ref_names]
+    if missing:
+        found.append(f"no parameter {', '.join(missing)}")
+    if extra:
+        found.append(f"a parameter {', '.join(extra)} that the reference lacks")
+    common = [n for n in ref_names if n in other_names]
+    if [n for n in other_names if n in common] != common:
+        found.append("its parameters in another order")
+    by_name = {p.name: p for p in other}
+    for p in ref:
+        q = by_name.get(p.name)
+        if q is None:
+            continue
+        if q.kind != p.kind:
+            found.append(f"{p.name} {q.kind.description} instead of {p.kind.description}")
+        elif p.default is inspect.Parameter.empty and q.default is not inspect.Parameter.empty:
+            found.append(f"a default {q.default!r} for {p.name}, which the reference requires")
+        elif p.default is not inspect.Parameter.empty and q.default is inspect.Parameter.empty:
+            found.append(f"no default for {p.name} (the reference's is {p.default!r})")
+        elif not _same_default(p.default, q.default):
+            found.append(f"{p.name}={q.default!r} instead of {p.name}={p.default!r}")
+    return found
+
+
+def _check_signatures(where: str, part: str, name: str, entry: Exercise, reference: object) -> None:
+    """Every wrong version of `name` takes the reference's parameters (names, kinds, defaults), unless its entry in
+    `signature_differs` says why not; then the parameters it names must still be the reference's, of the same kinds.
+    A stale wrong version would otherwise raise the same TypeError in every test, and naming would silently stop."""
+    wrong_names = {getattr(w, "__name__", None) for w in entry.wrong}
+    stray = sorted(set(entry.signature_differs) - wrong_names)
+    if stray:
+        raise RegistryError(f"{where}: {name!r} lets {stray} differ in signature (signature_differs), which are not "
+                            "among its registered wrong versions")
+    try:
+        expected = _signatures(reference)
+    except (TypeError, ValueError):
+        return  # a reference with no signature to read (a builtin): nothing to hold the wrong versions to
+    for wrong in entry.wrong:
+        label = getattr(wrong, "__qualname__", repr(wrong))
+        try:
+            actual = _signatures(wrong)
+        except (TypeError, ValueError) as error:
+            raise RegistryError(f"{where}: the wrong version {label} of {name!r} has no signature to compare with "
+                                f"the reference's ({error})") from None
+        excused = entry.signature_differs.get(getattr(wrong, "__name__", None))
+        problems = []
+        for member, ref_sig in expected.items():
+            wrong_sig = actual.get(member)
+            if wrong_sig is None:
+                problems.append(f"{name}{member}{ref_sig} has no counterpart in {label}")
+                continue
+            differences = signature_differences(ref_sig, wrong_sig)
+            if excused is not None:
+                named = {p.name: p.kind for p in wrong_sig.parameters.values()
+                         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+                ref_kinds = {p.name: p.kind for p in ref_sig.parameters.values()}
+                differences = [f"a parameter {n} that the reference lacks" if n not in ref_kinds else
+                               f"{n} {k.description} instead of {ref_kinds[n].description}"
+                               for n, k in named.items() if ref_kinds.get(n) != k]
+            if differences:
+                problems.append(f"{label}{member}{wrong_sig} differs from the reference's {name}{member}{ref_sig}: "
+                                f"it has {'; '.join(differences)}")
+        if excused is not None and not problems and all(
+                not signature_differences(ref_sig, actual[m]) for m, ref_sig in expected.items() if m in actual):
+            raise RegistryError(f"{where}: the wrong version {label} of {name!r} is listed in signature_differs "
+                                f"({excused!r}) but its signature is the reference's: remove the entry")
+        if problems:
+            raise RegistryError(f"{where}: the wrong version {label} of {name!r} does not have the reference's "
+                                f"signature (a stale wrong version fails every test the same way, with a TypeError, "
+                                f"and the checker stops naming it). {' '.join(problems)}. Give it the signature of "
+                                f"solutions/{part}.py's {name} (or, if the difference is the mistake, "
+                                "say why in the entry's signature_differs).")
 
 
 def _parameters(obj) -> set[str]:

@@ -1,10 +1,13 @@
-"""What the checker works out once for this code on this machine, kept on disk for the next process.
+"""What the checker works out once for this code on this machine, kept on disk for the next process: only where a
+folder is named (RLHF_CHECKER_CACHE=DIR). By default there is no store: check() keeps what it learns in the kernel
+(memory.py) and writes nothing anywhere.
 
 The first failed check of a loop exercise spends most of its time on two things that do not depend on the learner:
 running the failed tests on the course's own solution (environment.py's control, 1.5–2.5 s for `learn`) and replaying
-them with the registered wrong versions (diagnosis.py, 0.3–2 s). In a kernel both are kept in memory; this module keeps
-them on disk too, so that a restarted kernel, the next day's session or the next learner's notebook graded on the same
-machine reads them instead of running them again:
+them with the registered wrong versions (diagnosis.py, 0.3–2 s). In a kernel both are kept in memory; a teacher or a
+grader who names a store keeps them on disk too, so that a restarted kernel or the next learner's notebook graded on
+the same machine reads them instead of running them again (`python -m utils.checker.warm --store DIR` fills one
+ahead of time):
 
 - a test that the course's solution **passed** here (never one it failed: a failure may come from something a
   learner's earlier cell changed in that kernel, so it is run again in every process);
@@ -17,9 +20,9 @@ change to any of them starts an empty store. Files are written whole (a temporar
 `torch.load(weights_only=True)`; one that cannot be read counts as empty, and one that cannot be written is skipped:
 the store only ever saves time, and check() gives the same answers without it.
 
-Where: $RLHF_CHECKER_CACHE, else $XDG_CACHE_HOME/rlhf-from-first-principles/checker, else
-~/.cache/rlhf-from-first-principles/checker. RLHF_CHECKER_CACHE=off turns it off (a run of the course's own tests
-does, utils/checker/plugin.py, so that no run of them depends on another's).
+Where: the folder $RLHF_CHECKER_CACHE names; nowhere when it is unset, empty or "off" (a run of the course's own
+tests sets it off, utils/checker/plugin.py, so that no run of them depends on another's). What was read from the
+files and is still to be written is held in memory.py (`store_files`, `store_dirty`), forgotten with the rest.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 
 from utils.checker.fingerprint import Run
 from utils.checker.layout import ROOT
+from utils.checker.memory import memory
 from utils.upstream import installed_version
 
 FORMAT = 1
@@ -44,22 +48,16 @@ KEEP_VERSIONS = 3  # stores of this many versions of the course (or of its libra
 CODE_FOLDERS = ("solutions", "tests", "utils")
 LIBRARIES = ("torch", "transformers", "transformer_lens", "numpy", "pytest", "safetensors", "peft")
 
-# (part, exercise) -> what is known of it: {"passes": {test}, "runs": {(node id, wrong version): Run's fields},
-# "read": the file's modification time when it was read (another process, the background preparation, may write it)}
-_exercises: dict[tuple[str, str], dict] = {}
-_dirty: set[tuple[str, str]] = set()
+# memory.store_files: (part, exercise) -> what is known of it: {"passes": {test}, "runs": {(node id, wrong version):
+# Run's fields}, "read": the file's modification time when it was read (another process may write it)}
 
 
 def folder() -> Path | None:
-    """Where the store is kept, or None when it is turned off."""
+    """Where the store is kept: the folder RLHF_CHECKER_CACHE names, or None (no store: the default)."""
     chosen = os.environ.get("RLHF_CHECKER_CACHE")
-    if chosen is not None:
-        return None if chosen.strip().lower() in ("", "off", "0", "none") else Path(chosen).expanduser()
-    try:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    except (RuntimeError, KeyError):  # no home folder to be found: no store
+    if chosen is None or chosen.strip().lower() in ("", "off", "0", "none"):
         return None
-    return Path(base) / "rlhf-from-first-principles" / "checker"
+    return Path(chosen).expanduser()
 
 
 @functools.cache
@@ -114,12 +112,12 @@ def _read(path: Path | None) -> dict:
 
 
 def _known(part: str, exercise: str) -> dict:
-    """What is known of `exercise`, read again when another process (the background preparation, another kernel) has
-    written its file since, unless this process has results of its own to save first (save() merges the two)."""
-    known = _exercises.get((part, exercise))
+    """What is known of `exercise`, read again when another process (a preparation, another kernel) has written its
+    file since, unless this process has results of its own to save first (save() merges the two)."""
+    known = memory.store_files.get((part, exercise))
     path = _file(part, exercise)
-    if known is None or (_modified(path) != known["read"] and (part, exercise) not in _dirty):
-        _exercises[(part, exercise)] = known = _read(path)
+    if known is None or (_modified(path) != known["read"] and (part, exercise) not in memory.store_dirty):
+        memory.store_files[(part, exercise)] = known = _read(path)
     return known
 
 
@@ -131,7 +129,7 @@ def reference_passed(part: str, exercise: str, test: str) -> bool:
 def remember_reference_pass(part: str, exercise: str, test: str) -> None:
     if folder() is not None and test not in _known(part, exercise)["passes"]:
         _known(part, exercise)["passes"].add(test)
-        _dirty.add((part, exercise))
+        memory.store_dirty.add((part, exercise))
 
 
 def _name(wrong) -> str:
@@ -155,16 +153,16 @@ def remember_run(part: str, exercise: str, node: str, wrong, result: Run) -> Non
             "failed": result.failed, "where": result.where, "message": result.message,
             "observations": result.observations, "departure": result.departure,
             "compares_traces": result.compares_traces}
-        _dirty.add((part, exercise))
+        memory.store_dirty.add((part, exercise))
 
 
 def save() -> None:
     """Write what was learnt since the last save, merged with what another process may have written meanwhile."""
-    for part, exercise in sorted(_dirty):
+    for part, exercise in sorted(memory.store_dirty):
         path = _file(part, exercise)
         if path is None:
             continue
-        on_disk, mine = _read(path), _exercises[(part, exercise)]
+        on_disk, mine = _read(path), memory.store_files[(part, exercise)]
         merged = {"format": FORMAT, "passes": sorted(on_disk["passes"] | mine["passes"]),
                   "runs": {**on_disk["runs"], **mine["runs"]}}
         temporary = None
@@ -181,9 +179,9 @@ def save() -> None:
             if temporary is not None and os.path.exists(temporary):
                 os.unlink(temporary)
             continue
-        _exercises[(part, exercise)] = {"passes": set(merged["passes"]), "runs": merged["runs"],
-                                        "read": _modified(path)}
-    _dirty.clear()
+        memory.store_files[(part, exercise)] = {"passes": set(merged["passes"]), "runs": merged["runs"],
+                                                "read": _modified(path)}
+    memory.store_dirty.clear()
 
 
 def _prune(where: Path, keep: int = KEEP_VERSIONS - 1) -> None:
@@ -195,8 +193,3 @@ def _prune(where: Path, keep: int = KEEP_VERSIONS - 1) -> None:
     for old in stores[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
-
-def forget() -> None:
-    """Forget what was read from disk in this process (the files stay)."""
-    _exercises.clear()
-    _dirty.clear()

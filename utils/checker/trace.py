@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from utils.checker.compare import describe_difference
+from utils.checker.memory import memory
 from utils.checker.observe import freeze
 from utils.checker.shapes import mark_wrapper
 
@@ -590,8 +591,7 @@ def assert_same_trace(got: Trace, want: Trace, what: str, hint: str | None = Non
     also carries it (as `.departure`), for the mistake finder to pick the wrong versions that can match it."""
     from utils.checker.compare import CheckFailure, expect
 
-    global _comparisons
-    _comparisons += 1
+    memory.count_comparison()
     departure = first_departure(got, want, **describe)
     try:
         expect(departure is None, what, "" if departure is None else departure.message + (f"\n{hint}" if hint else ""),
@@ -601,20 +601,17 @@ def assert_same_trace(got: Trace, want: Trace, what: str, hint: str | None = Non
         raise
 
 
-_comparisons = 0  # how many times assert_same_trace has run in this process
-
-
 def comparisons() -> int:
     """How many times assert_same_trace has run in this process: a test that made it grow compares loop traces."""
-    return _comparisons
+    return memory.comparisons
 
 
 def departure_class(observed: tuple) -> str:
     """What kind of departure `observed` (a Departure's) is, without its place or its values: "backward cleared",
     "skipped scheduler", "order step backward", "call ppo_loss advantages". Two runs whose first departures differ in
-    class cannot fail a trace test the same way: the registry says each wrong version's class on its exercise's trace
-    test (Exercise.trace_departures, which the meta-test checks), so that a learner's departure is replayed only with
-    the wrong versions that can match it (diagnosis.py)."""
+    class cannot fail a trace test the same way: each run of a wrong version on its exercise's trace tests records its
+    class (memory.py), so that a learner's departure is replayed only with the wrong versions that can match it, and
+    those not run yet (diagnosis.py)."""
     kind = observed[0]
     if kind == "order":
         parts = observed[:1] + observed[2:4]
@@ -639,12 +636,9 @@ def namespaces_of(*functions) -> tuple[dict, ...]:
     return tuple(found)
 
 
-_reference_runs: dict[str, object] = {}  # key -> what the reference's traced run returned, for the life of the process
-
-
 def reference_trace(key: str, run: Callable[[], object]) -> object:
     """run() the first time `key` is asked for, its result from then on: the reference's trace of a fixed set-up does
     not change, and the mistake finder replays a failed trace test once per registered wrong version."""
-    if key not in _reference_runs:
-        _reference_runs[key] = run()
-    return _reference_runs[key]
+    if key not in memory.reference_traces:  # kept for the life of the process, in memory.py
+        memory.reference_traces[key] = run()
+    return memory.reference_traces[key]
