@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils.checker.layout import CHAPTERS, defined_names, exercise_names, is_helper_cell, notebook_cells, part_of
+from utils.checker.memory import memory  # (spec, part) -> what it resolved to: memory.implementations
 from utils.checker.shapes import checked_like
 
 BUILT_IN = ("solutions", "stubs")
@@ -190,9 +191,6 @@ def validate_impl(spec: str) -> None:
             notebook_cells(path)
         except (ValueError, KeyError) as error:
             raise ValueError(f"--impl {spec}: not a readable notebook ({error}); save it from Jupyter again") from None
-
-
-from utils.checker.memory import memory  # noqa: E402 - (spec, part) -> what it resolved to: memory.implementations
 
 
 def resolve(spec: str, part: str, overrides: dict[str, object] | None = None) -> Implementation | None:

@@ -78,9 +78,6 @@ class Exercise:
     not_applicable: Mapping[str, str] = field(default_factory=dict)  # kind of mistake -> why it cannot happen here
     always_default: Mapping[str, str] = field(default_factory=dict)  # parameter -> why no test varies it
     on_lora_model: bool = False                                      # the course calls it with a LoRAModel
-    # Ignored (no registry sets it; to be removed): each wrong version's class of trace departure is now derived from
-    # its runs, recorded in utils/checker/memory.py, not declared here.
-    trace_departures: Mapping[str, str | None] = field(default_factory=dict)
     # Wrong version's name -> why its signature differs from the reference's, on purpose (see `signature_differences`:
     # without an entry here, any difference is an error when the registry is made). The parameters it does name must
     # still be the reference's, with the same kinds.
@@ -141,10 +138,6 @@ class Registry(Mapping):
             if bad_kinds:
                 raise RegistryError(f"{where}: {name!r} lists unknown kinds {bad_kinds} as not applicable; the "
                                     f"kinds are {sorted(KINDS)}")
-            unknown_wrong = sorted(set(entry.trace_departures) - {getattr(w, "__name__", None) for w in entry.wrong})
-            if unknown_wrong:
-                raise RegistryError(f"{where}: {name!r} declares trace departures of {unknown_wrong}, which are not "
-                                    "among its registered wrong versions")
             _check_signatures(where, self.part, name, entry, getattr(reference, name))
             params = _parameters(getattr(reference, name))
             bad_params = sorted(set(entry.always_default) - params)
