@@ -11,8 +11,11 @@ The callees are found the way Python finds them when the code runs: the global n
 to an exercise of the course, followed through the learner's own callees in turn.
 
 What a callee's tests found is kept for the life of the process (memory.py's `callee_outcomes`), with everything that
-decides what the callee computes (`dependencies`): in a notebook the learner has usually checked `ppo_loss` before `learn`, and while
-neither `ppo_loss` nor anything it uses has been redefined since, its tests are not run again.
+decides what the callee computes (`dependencies`): in a notebook the learner has usually checked `ppo_loss` before
+`learn`, and while neither `ppo_loss` nor anything it uses has been redefined since, its tests are not run again.
+"Redefined" is judged by identity, not by value: each function, code object, defaults tuple and global value is
+compared with `is` (`_same`). Running a cell again makes new objects, so it counts as a redefinition even when the
+text is unchanged; a global changed in place (a list appended to, a tensor edited) keeps its identity and does not.
 """
 
 from __future__ import annotations
