@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -30,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import utils  # noqa: E402,F401  (the CPU policy, before torch)
 
+from utils.checker.compare import GUESS  # noqa: E402
 from utils.checker.layout import built_parts, exercise_names  # noqa: E402
 from utils.checker.notebook import report  # noqa: E402
 from utils.checker.registry import explanation, registry_of  # noqa: E402
 from utils.checker.runner import run_exercise_tests  # noqa: E402
 
-GUESS = re.compile(r"\b(usually|probably|perhaps|maybe|typically|often)\b|\?(\s|\)|$)", re.IGNORECASE)
 CHANGE = ("it equals the reference's result for the same call", "It equals what you get when")
 
 

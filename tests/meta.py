@@ -19,6 +19,7 @@ import re
 import pytest
 
 from utils.checker import implementations
+from utils.checker.compare import GUESS
 from utils.checker.memory import memory
 from utils.checker.layout import exercise_names, marked_in_source, provided_names, tests_of
 from utils.checker.notebook import report
@@ -172,9 +173,6 @@ def meta_test(part: str):
 
 
 MESSAGE_LINES = 10  # check()'s default message, at most (the rest behind check(fn, verbose=True))
-# What a sentence that guesses at a cause looks like. The default message holds only what the learner's run confirmed
-# (a difference measured, a change of the call that reproduces it, a wrong version replayed): a guess is an aside.
-GUESS = re.compile(r"\b(usually|probably|perhaps|maybe|typically|often)\b|\?(\s|\)|$)", re.IGNORECASE)
 PREVIEW = re.compile(r"^\s*expected: (.*)\n\s*got:      (.*)$", re.MULTILINE)
 
 

@@ -24,6 +24,7 @@ values that differ and the first one, with its index.
 from __future__ import annotations
 
 import math
+import re
 from typing import Iterable
 
 import torch
@@ -43,6 +44,11 @@ class CheckFailure(AssertionError):
 # A detail (the values in full) is measured, but long: it follows DETAIL and is shown on request too.
 ASIDE = "\n[about this test] "
 DETAIL = "\n[detail] "
+
+
+# What a sentence that guesses at a cause looks like: the default message holds none outside a named mistake's own
+# explanation (the meta-test checks every registered wrong version's; bench/messages.py counts them).
+GUESS = re.compile(r"\b(usually|probably|perhaps|maybe|typically|often)\b|\?(\s|\)|$)", re.IGNORECASE)
 
 
 def aside(text: str) -> str:
