@@ -29,13 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import utils  # noqa: E402,F401  (the CPU policy, before torch)
 
-from utils.checker.compare import GUESS  # noqa: E402
+from utils.checker.compare import GUESS, RESEMBLES  # noqa: E402
 from utils.checker.layout import built_parts, exercise_names  # noqa: E402
 from utils.checker.notebook import report  # noqa: E402
-from utils.checker.registry import explanation, registry_of  # noqa: E402
+from utils.checker.registry import explanation_line, registry_of  # noqa: E402
 from utils.checker.runner import run_exercise_tests  # noqa: E402
+from utils.checker.transforms import SAME_CALL  # noqa: E402
 
-CHANGE = ("it equals the reference's result for the same call", "It equals what you get when")
+CHANGE = (SAME_CALL, RESEMBLES)
 
 
 def measure(part: str) -> list[dict]:
@@ -50,7 +51,7 @@ def measure(part: str) -> list[dict]:
             text = report(outcome, part)
             judged = text
             for m in outcome.likely:
-                judged = judged.replace(" ".join(explanation(m).split()), "").replace(explanation(m), "")
+                judged = judged.replace(explanation_line(m), "")
             asides = sum(message.count("\n[about this test] ") for _, message in outcome.failed)
             rows.append({"part": part, "exercise": name, "wrong": wrong.__name__, "lines": len(text.splitlines()),
                          "by_replay": bool(outcome.likely), "by_change": any(c in text for c in CHANGE),

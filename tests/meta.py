@@ -23,7 +23,7 @@ from utils.checker.compare import GUESS
 from utils.checker.memory import memory
 from utils.checker.layout import exercise_names, marked_in_source, provided_names, tests_of
 from utils.checker.notebook import report
-from utils.checker.registry import KINDS, explanation, kind_of, registry_of
+from utils.checker.registry import KINDS, explanation_line, kind_of, registry_of
 from utils.checker.runner import run_exercise_tests
 from utils.checker.usage import usage_of
 
@@ -189,7 +189,7 @@ def check_message(part: str, name: str, wrong, outcome) -> None:
     assert len(blocks) == len(set(blocks)), f"{label} a line twice:\n{text}"
     judged = text
     for m in outcome.likely:
-        judged = judged.replace(" ".join(explanation(m).split()), "")
+        judged = judged.replace(explanation_line(m), "")
     guess = GUESS.search(judged)
     assert guess is None, f"{label} a guess at a cause ({guess.group(0)!r}) that its run did not confirm:\n{text}"
     full = report(outcome, part, verbose=True)

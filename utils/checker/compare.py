@@ -51,6 +51,10 @@ DETAIL = "\n[detail] "
 GUESS = re.compile(r"\b(usually|probably|perhaps|maybe|typically|often)\b|\?(\s|\)|$)", re.IGNORECASE)
 
 
+NO_PATTERN = "values differ, with no simple pattern"  # the difference found nothing to say but where it is largest
+RESEMBLES = "It equals what you get when"  # a test's `resembles` that the learner's value equals
+
+
 def aside(text: str) -> str:
     """`text` as an aside of a failure's message (see ASIDE): append it, e.g. f"{finding}{aside(why)}"."""
     return ASIDE + text
@@ -410,9 +414,8 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
         return partial
     wrong = ~torch.isclose(a, e, rtol=rtol, atol=atol)
     i = tuple(int(k) for k in torch.unravel_index((a - e).abs().argmax(), a.shape))
-    return (f"{int(wrong.sum())} of {a.numel()} values differ, with no simple pattern between them and the expected "
-            f"ones; the largest difference is at {_where(i)}: got {_number(a[i].item())}, expected "
-            f"{_number(e[i].item())}")
+    return (f"{int(wrong.sum())} of {a.numel()} {NO_PATTERN} between them and the expected ones; the largest "
+            f"difference is at {_where(i)}: got {_number(a[i].item())}, expected {_number(e[i].item())}")
 
 
 def _row_factors(a: Tensor, e: Tensor) -> Tensor | None:
@@ -533,12 +536,12 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
         return
     for description, wrong in (resembles or {}).items():
         if describe_difference(actual, wrong, atol=atol, rtol=rtol) is None:
-            problem += f". It equals what you get when {description}"
+            problem += f". {RESEMBLES} {description}"
             break
     message = f"{what}: {problem}."
     if isinstance(expected, Tensor) and isinstance(actual, Tensor):
         first = first_difference(actual, expected, atol, rtol)
-        if first and "values differ, with no simple pattern" in problem:  # the count is said already
+        if first and NO_PATTERN in problem:  # the count is said already
             first = first.split("; ", 1)[1].replace("the first is", "the first difference is", 1)
         if first:
             message += f"\n  {first}"

@@ -16,10 +16,11 @@ import sys
 from collections.abc import Iterator
 
 from utils.checker import callees, environment, summary
-from utils.checker.compare import split_message
+from utils.checker.compare import NO_PATTERN, RESEMBLES, split_message
 from utils.checker.layout import built_parts, exercise_names, part_defining
-from utils.checker.registry import explanation
+from utils.checker.registry import explanation_line
 from utils.checker.runner import Outcome, run_exercise_tests
+from utils.checker.transforms import SAME_CALL
 
 DEFAULT_TIMEOUT_S = 60.0
 DIAGNOSIS_BUDGET_S = 30.0  # of check()'s time, at most this much goes to naming the mistake
@@ -111,11 +112,11 @@ def _report(outcome: Outcome, part: str, timeout: float | None, name_mistakes: b
     if named:  # the most specific confirmed finding first: a known wrong version fails exactly the same way
         if len(named) == 1:
             lines.append(f"👉 Likely mistake (a known wrong version of {name} fails these tests in exactly the same "
-                         f"way, and passes the ones you pass): {' '.join(explanation(named[0]).split())}")
+                         f"way, and passes the ones you pass): {explanation_line(named[0])}")
         else:
             lines.append(f"👉 Known wrong versions of {name} fail these tests in exactly the same way; one of them is "
                          "likely your mistake:")
-            lines += [f"  - {' '.join(explanation(m).split())}" for m in named]
+            lines += [f"  - {explanation_line(m)}" for m in named]
     lines += failures(outcome.failed, not_judged, verbose, name)
     if not_judged:
         lines.append("\n" + environment.explain(
@@ -168,12 +169,12 @@ def _specificity(message: str) -> int:
     """How much a failure's finding says of its cause: a change of the call that reproduces the result, a named
     factor or transform, a located difference, or a count of differing values."""
     main = split_message(message)[0]
-    if "it equals the reference's result for the same call" in main or "It equals what you get when" in main:
+    if SAME_CALL in main or RESEMBLES in main:
         return 3
     if any(k in main for k in (", which is ", "opposite sign", "shifted by one", "transposed", "another order",
                                "every value is 0", "right on the real tokens", "right on padding", "NaN", "inf at")):
         return 2
-    if "values differ, with no simple pattern" in main:
+    if NO_PATTERN in main:
         return 0
     return 1
 

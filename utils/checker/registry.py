@@ -70,6 +70,11 @@ def explanation(wrong: object) -> str:
     return (inspect.getdoc(wrong) or getattr(wrong, "__name__", repr(wrong))).strip()
 
 
+def explanation_line(wrong: object) -> str:
+    """explanation(wrong) on one line, as check()'s message shows it."""
+    return " ".join(explanation(wrong).split())
+
+
 @dataclass(frozen=True)
 class Exercise:
     """What the checker knows about one exercise's mistakes."""

@@ -117,6 +117,7 @@ def recording_calls(fn, reference):
 
 
 RAISED_IN = "raised in the call "
+SAME_CALL = "it equals the reference's result for the same call"  # how a reproducing change is said
 
 
 def _path_to(container: object, value: object, depth: int = 0) -> tuple | None:
@@ -219,7 +220,7 @@ def explain(actual: object, expected: object, atol: float, rtol: float) -> str |
         for change, arguments in _changes(call.reference, call.arguments):
             try:
                 if _equal(_at(_run(call.reference, arguments), path), actual, atol, rtol):
-                    return f"it equals the reference's result for the same call with {change}"
+                    return f"{SAME_CALL} with {change}"
             except Exception:  # noqa: BLE001 - the reference may refuse a changed call: that change does not explain it
                 continue
     except Exception:  # noqa: BLE001 - a replay that fails explains nothing, and must not hide the test's own failure
