@@ -26,7 +26,8 @@ from utils.checker.properties import (assert_defaults_match, assert_gradients_ma
                                       assert_inputs_unchanged, assert_outputs_match, assert_raises,
                                       assert_reproducible)
 from utils.checker.registry import Exercise, Registry, mistake  # noqa: F401
-from utils.checker.trace import assert_same_trace, namespaces_of, reference_trace, tracing  # noqa: F401
+from utils.checker.trace import (assert_same_trace, course_helpers, namespaces_of, reference_trace,  # noqa: F401
+                                 tracing)
 
 exercise = pytest.mark.exercise  # @exercise("get_logprobs"): the test checks that exercise of its part
 

@@ -186,9 +186,9 @@ def test_the_first_departure_of_hand_made_traces():
     assert same_rows.observed == ("forward", 2, "rows", (0, 1))
 
     doubled = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=2.0), sizes), want)
-    assert "The loss of your backward 2 (update 2 of 2) is 2; the reference's is 1 (2 times the reference's: a sum " \
-        "where a mean belongs?)." in doubled.message, doubled.message
-    # a cause is suggested only where the factor points at it: not for the opposite sign, or a negative multiple
+    # the factor is said, no cause: a sum where a mean belongs would give it, and so would other mistakes
+    assert "The loss of your backward 2 (update 2 of 2) is 2; the reference's is 1 (2 times the reference's)." in \
+        doubled.message and "mean" not in doubled.message, doubled.message
     negated = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=-1.0), sizes), want)
     assert "is -1; the reference's is 1 (the reference's with the opposite sign)." in negated.message, negated.message
     tripled = first_departure(Trace(_update([0, 1]) + _update([2, 3], loss=-3.0), sizes), want)
@@ -237,3 +237,123 @@ def test_a_failed_trace_comparison_carries_its_departure():
     with pytest.raises(CheckFailure) as failure:
         assert_same_trace(Trace(_update([0, 1]) + _update([0, 1]), sizes), want, "the loop")
     assert failure.value.departure.observed == ("forward", 2, "rows", (0, 1))
+
+
+# --- helper calls: where the values part first ---------------------------------------------------------------------
+
+def scaled(values, factor):
+    return values * factor
+
+
+def centred(values, mask):
+    return values - (values * mask).sum() / mask.sum()
+
+
+def helper_loop(model, optimizer, data, target, *, factor=2.0, swap=False, inline=False, reorder=False,
+                unused_noise=False):
+    """One epoch of two minibatches, like toy_loop, whose targets pass through two helpers first: scaled, then centred
+    (over a mask that leaves out the last row of each minibatch). Each switch is a mistake or a harmless variant."""
+    mask = torch.tensor([1.0, 0.0])
+    for rows in ([0, 1], [2, 3]):
+        t = target[rows]
+        if reorder:  # a harmless variant: a helper's result that is not used, computed first
+            scaled(t, 3.0)
+        noisy = t + torch.tensor([0.0, 5.0]) if unused_noise else t  # harmless: that result is not used
+        t = (t * factor) if inline else scaled(t, factor)
+        if not reorder:
+            scaled(noisy, 3.0)
+        t = centred(mask, t) if swap else centred(t, mask)
+        loss = helper_loss(model(data[rows]), t)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def helper_traced(**variant):
+    model, optimizer, _, data, target = toy_setup()
+    with tracing(model, optimizer, rows=data, probes={"helper_loss": ("target",)}, namespaces=(globals(),),
+                 helpers=("scaled", "centred")) as trace:
+        helper_loop(model, optimizer, data, target, **variant)
+    return trace
+
+
+def test_a_departure_is_placed_at_the_first_helper_call_whose_values_differ():
+    want = helper_traced()
+    departure = first_departure(helper_traced(factor=4.0), want)
+    assert departure.message.startswith("The `factor` your code passes to scaled (call 1 of scaled, update 1 of 2, "
+                                        "before forward pass 1) differs from the reference's: 4.0, where the "
+                                        "reference passes 2.0."), departure.message
+    assert "\nIt shows later too: The `target` your code passes to helper_loss" in departure.message
+    assert departure_class(departure.observed) == "helper scaled factor"
+
+    swapped = first_departure(helper_traced(swap=True), want).message
+    assert "The `values` your code passes to centred (call 1 of centred" in swapped, swapped
+    assert "yours are the reference's `mask`, and your `mask` its `values`: the two swapped" in swapped, swapped
+
+
+def test_helper_calls_alone_never_fail_a_loop_that_ends_where_the_reference_does():
+    """A helper's calls in another order, a value computed inline, a helper given other values whose result is not
+    used: the loop still does what the reference does, and ends where it ends."""
+    want = helper_traced()
+    for variant in (dict(reorder=True), dict(inline=True), dict(unused_noise=True)):
+        assert first_departure(helper_traced(**variant), want) is None, variant
+
+
+def _helper(x, mask=None):
+    arguments = {"x": torch.tensor(x)} | ({} if mask is None else {"mask": torch.tensor(mask)})
+    return Event("helper", {"name": "h", "arguments": arguments})
+
+
+def test_the_same_operations_with_another_result_are_placed_at_the_helper_call():
+    """No event of the sequence departs, but the trained parameters differ: the first helper call given other values
+    says where; where none is, nothing is said (the difference is in the loop's own code)."""
+    sizes = {"a": 3, "b": 1}
+    want = Trace([_helper([1.0, 2.0])] + _update([0, 1]), sizes, final={"a": torch.ones(3), "b": torch.ones(1)})
+    got = Trace([_helper([1.0, 3.0])] + _update([0, 1]), sizes, final={"a": torch.zeros(3), "b": torch.ones(1)})
+    departure = first_departure(got, want)
+    assert departure.message.startswith("The `x` your code passes to h (call 1 of h, before forward pass 1) differs "
+                                        "from the reference's: "), departure.message
+    assert "The rest of what your code does matches the reference's; the trained parameters differ." in \
+        departure.message, departure.message
+    assert departure_class(departure.observed) == "helper h x"
+
+    got.events[0] = _helper([1.0, 2.0])
+    assert first_departure(got, want) is None  # no helper call differs: nothing to place the difference with
+    got.final = dict(want.final)
+    got.events[0] = _helper([1.0, 3.0])
+    assert first_departure(got, want) is None  # a helper given other values, and the same result: nothing departs
+
+
+def test_a_helper_call_is_compared_where_its_own_mask_keeps_the_values():
+    sizes = {"a": 3, "b": 1}
+    final = {"a": torch.ones(3), "b": torch.ones(1)}
+    want = Trace([_helper([1.0, 2.0], [True, False])] + _update([0, 1], loss=1.0), sizes, final=final)
+    got = Trace([_helper([1.0, 9.0], [True, False])] + _update([0, 1], loss=2.0), sizes, final=final)
+    departure = first_departure(got, want)  # the loss departs; the helper's value differs only where it is masked
+    assert departure.message.startswith("The loss of your backward 1 is 2"), departure.message
+    got.events[0] = _helper([5.0, 2.0], [True, False])
+    assert first_departure(got, want).message.startswith("The `x` your code passes to h")
+
+
+def test_calls_a_probed_helper_makes_are_its_own():
+    def probe_calls(values, factor):  # a probed helper that calls another: that call is not the loop's
+        return scaled(values, factor)
+
+    model, optimizer, _, data, target = toy_setup()
+    namespace = {"probe_calls": probe_calls, "scaled": scaled}
+    probe_calls.__globals__["scaled"] = scaled
+    with tracing(model, optimizer, probes={"probe_calls": ("factor",)}, namespaces=(namespace, globals()),
+                 helpers=("scaled",)) as trace:
+        namespace["probe_calls"](target, 2.0)
+        globals()["scaled"](target, 3.0)
+    assert [(e.kind, e.detail["name"]) for e in trace.events] == [("call", "probe_calls"), ("helper", "scaled")]
+    assert trace.events[1].detail["arguments"]["factor"] == 3.0
+
+
+def test_the_course_helpers_of_a_loop_are_found_in_its_code():
+    from solutions import part1_ppo, part5_dpo_rloo
+    from utils.checker.trace import course_helpers
+
+    assert {"get_logprobs", "masked_whiten", "ppo_loss", "kl_k3", "masked_mean"} <= set(course_helpers(part1_ppo.learn))
+    assert "dpo_loss" in course_helpers(part5_dpo_rloo.dpo_step)
+    assert not {"range", "len", "sum", "tracing"} & set(course_helpers(part1_ppo.learn))

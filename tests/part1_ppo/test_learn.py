@@ -8,8 +8,8 @@ import torch
 from solutions import part1_ppo as ref
 from tests.part1_ppo.common import LOOP_PROMPTS, length_reward, loop_config, loop_models, value_head_hooks
 from tests.support import (CheckFailure, assert_close, assert_equal, assert_inputs_unchanged, assert_reproducible,
-                           assert_same_trace, calling, describe_difference, exercise, expect, namespaces_of,
-                           reference_trace, tracing, with_finding)
+                           assert_same_trace, calling, course_helpers, describe_difference, exercise, expect,
+                           namespaces_of, reference_trace, tracing, with_finding)
 
 
 def learning_setup(tiny_model, **overrides):
@@ -89,9 +89,10 @@ def traced_learn(fn, policy, state, memory, cfg, seed=0):
                                               cfg.final_lr_fraction)
     trainable = {n: p for n, p in policy.named_parameters() if p.requires_grad}
     with tracing(policy.model, optimizer, scheduler, parameters=trainable, rows=memory.ids,
-                 probes={"ppo_loss": PPO_LOSS_ARGUMENTS}, namespaces=namespaces_of(fn, ref.learn)) as trace:
-        calling(fn, policy, optimizer, scheduler, memory, cfg, torch.Generator().manual_seed(seed),
-                what="learn(policy, optimizer, scheduler, memory, cfg, generator)")
+                 probes={"ppo_loss": PPO_LOSS_ARGUMENTS}, namespaces=namespaces_of(fn, ref.learn),
+                 helpers=course_helpers(ref.learn)) as trace:
+        trace.record_outcome(calling(fn, policy, optimizer, scheduler, memory, cfg, torch.Generator().manual_seed(seed),
+                                     what="learn(policy, optimizer, scheduler, memory, cfg, generator)"))
     return trace
 
 

@@ -6,7 +6,7 @@ import torch
 from solutions import part1_ppo as ref
 from tests.part1_ppo.common import LOOP_PROMPTS, length_reward, loop_config, loop_models, value_head_hooks
 from tests.support import (aside, assert_close, assert_equal, assert_same_trace, calling, exercise, expect,
-                           namespaces_of, reference_trace, tracing)
+                           course_helpers, namespaces_of, reference_trace, tracing)
 
 
 MEMORY_HINTS = {
@@ -58,8 +58,8 @@ def traced_rollout(fn, policy, reference, cfg, seed):
     """run_rollout, with what fn does recorded (utils/checker/trace.py): returns its trace."""
     base = getattr(policy.model, "base", policy.model)
     with tracing(base, probes={"compute_advantages": ("values", "rewards", "completion_mask", "gamma", "lam")},
-                 namespaces=namespaces_of(fn, ref.rollout)) as trace:
-        run_rollout(fn, policy, reference, cfg, seed)
+                 namespaces=namespaces_of(fn, ref.rollout), helpers=course_helpers(ref.rollout)) as trace:
+        trace.record_outcome(run_rollout(fn, policy, reference, cfg, seed)[0])
     return trace
 
 

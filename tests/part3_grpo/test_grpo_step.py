@@ -13,7 +13,7 @@ from solutions import part3_grpo as ref
 from solutions.part0_warmup import completion_logprobs
 from tests.part3_grpo.common import async_reward_cause
 from tests.support import (assert_close, assert_equal, assert_same_trace, calling, exercise, expect,
-                           lora_model_with_random_B, namespaces_of, reference_trace, tracing)
+                           course_helpers, lora_model_with_random_B, namespaces_of, reference_trace, tracing)
 
 STEP_PROMPTS = ["12+34=", "7+58="]
 
@@ -64,13 +64,16 @@ def run_step(fn, tiny_model, cfg, steps=1, traced=False):
     outs = []
     recording = tracing(tiny_model, optimizer, parameters={n: p for n, p in lora_model.named_parameters()
                                                           if p.requires_grad},
-                        probes={"grpo_loss": GRPO_LOSS_ARGUMENTS}, namespaces=namespaces_of(fn, ref.grpo_step)) \
+                        probes={"grpo_loss": GRPO_LOSS_ARGUMENTS}, namespaces=namespaces_of(fn, ref.grpo_step),
+                        helpers=course_helpers(ref.grpo_step)) \
         if traced else contextlib.nullcontext()
     try:
         with recording as trace:
             torch.manual_seed(11)
             for _ in range(steps):
                 outs.append(fn(lora_model, optimizer, step_rewards(), reference, list(STEP_PROMPTS), cfg))
+            if trace is not None:
+                trace.record_outcome(outs)
     finally:
         handle.remove()
     params = torch.cat([p.detach().flatten() for p in lora_model.adapters.parameters()])

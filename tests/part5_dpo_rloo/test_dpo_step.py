@@ -10,7 +10,8 @@ from solutions import part5_dpo_rloo as ref
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
 from tests.part5_dpo_rloo.common import LORA_TARGETS, MIXED_TRIPLES
 from tests.support import (aside, assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged,
-                           assert_same_trace, calling, exercise, expect, lora_model_with_random_B, namespaces_of,
+                           assert_same_trace, calling, course_helpers, exercise, expect, lora_model_with_random_B,
+                           namespaces_of,
                            reference_trace, tracing)
 
 STEP_TRIPLES = MIXED_TRIPLES[:4]  # prompts and answers of different lengths
@@ -115,9 +116,11 @@ def traced_step(fn, model, seed, reference, settings):
         ref_logps = ref.precompute_reference_logps(lora_model, STEP_TRIPLES, settings["loss_type"] == "ipo")
     rows = ref.preference_batch(lora_model.tokenizer, list(STEP_TRIPLES)).ids
     with tracing(model, optimizer, parameters={n: p for n, p in lora_model.named_parameters() if p.requires_grad},
-                 rows=rows, probes={"dpo_loss": DPO_LOSS_ARGUMENTS}, namespaces=namespaces_of(fn, ref.dpo_step)) \
+                 rows=rows, probes={"dpo_loss": DPO_LOSS_ARGUMENTS}, namespaces=namespaces_of(fn, ref.dpo_step),
+                 helpers=course_helpers(ref.dpo_step)) \
             as trace:
-        calling(fn, lora_model, optimizer, list(STEP_TRIPLES), ref_logps, cfg, what=step_what(reference, settings))
+        trace.record_outcome(calling(fn, lora_model, optimizer, list(STEP_TRIPLES), ref_logps, cfg,
+                                     what=step_what(reference, settings)))
     return trace
 
 

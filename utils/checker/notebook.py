@@ -20,6 +20,7 @@ from utils.checker.compare import NO_PATTERN, RESEMBLES, split_message
 from utils.checker.layout import built_parts, exercise_names, part_defining
 from utils.checker.registry import explanation_line
 from utils.checker.runner import Outcome, run_exercise_tests
+from utils.checker.trace import PASSES
 from utils.checker.transforms import SAME_CALL
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -166,10 +167,11 @@ def _dedup_key(message: str) -> str:
 
 
 def _specificity(message: str) -> int:
-    """How much a failure's finding says of its cause: a change of the call that reproduces the result, a named
-    factor or transform, a located difference, or a count of differing values."""
+    """How much a failure's finding says of its cause: a change of the call that reproduces the result, or the call of
+    a loop where its values part from the reference's; a named factor or transform, a located difference, or a count
+    of differing values."""
     main = split_message(message)[0]
-    if SAME_CALL in main or RESEMBLES in main:
+    if SAME_CALL in main or RESEMBLES in main or PASSES in main:
         return 3
     if any(k in main for k in (", which is ", "opposite sign", "shifted by one", "transposed", "another order",
                                "every value is 0", "right on the real tokens", "right on padding", "NaN", "inf at")):

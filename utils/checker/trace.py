@@ -15,6 +15,11 @@ head. Its end results (the parameters after training, the last loss) show *that*
     step        optimizer.step(), with each parameter group's learning rate
     scheduler   scheduler.step()
     call        a call of a named helper (`probes`, e.g. ppo_loss), with the arguments it was given
+    helper      a call of another course function the reference's loop calls (`helpers`: get_logprobs,
+                masked_whiten, kl_exact...), with all its arguments; not compared in the sequence (a learner may
+                compute a statistic inline, or in another order), only to say where a departure starts: when the
+                traces part somewhere, the earliest helper call given other values than the reference's same call
+                at the same place is where they part first
 
 `first_departure(got, want)` compares the learner's trace with the reference's, run from the same random state on
 the same inputs, and says in the learner's terms where they first part ("your backward 2 adds its gradient to the
@@ -39,8 +44,10 @@ from utils.checker.memory import memory
 from utils.checker.observe import freeze
 from utils.checker.shapes import mark_wrapper
 
-KINDS = ("forward", "zero_grad", "backward", "clip", "step", "scheduler", "call")
-INFORMATIONAL = ("zero_grad",)  # recorded for the counts; the next backward says whether the gradients were cleared
+KINDS = ("forward", "zero_grad", "backward", "clip", "step", "scheduler", "call", "helper")
+PASSES = "your code passes to"  # in a departure at a call: which argument of which call differs (notebook.py ranks it)
+ASIDE_KINDS = ("zero_grad", "helper")  # not compared in sequence: zero_grad is recorded for the counts (the next
+# backward says whether the gradients were cleared), a helper call only places a departure (first_departure)
 
 _UNITS = {"forward": "forward pass", "zero_grad": "zero_grad call", "backward": "backward call",
           "clip": "clip_grad_norm_ call", "step": "optimizer step", "scheduler": "scheduler step"}
@@ -48,7 +55,7 @@ _NAMES = {"forward": "forward pass", "zero_grad": "zero_grad", "backward": "back
           "step": "optimizer.step()", "scheduler": "scheduler.step()"}
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: its details hold tensors, which have no truth value
 class Event:
     """One thing the loop did. detail's keys depend on the kind (see the module's docstring)."""
 
@@ -62,6 +69,14 @@ class Trace:
 
     events: list[Event] = field(default_factory=list)
     sizes: dict[str, int] = field(default_factory=dict)  # trainable parameter name -> number of elements
+    final: dict[str, Tensor] = field(default_factory=dict)  # the trainable parameters when the block ended
+    outcome: object = None  # what the loop returned (frozen), where the test sets it (`record_outcome`)
+
+    def record_outcome(self, result: object) -> object:
+        """Keep a copy of what the loop returned (compared where the traces do not part: first_departure), and
+        return it."""
+        self.outcome = freeze(result)
+        return result
 
     def count(self, kind: str, name: str | None = None) -> int:
         """How many events of `kind` (of the helper `name`); forward passes do not count sampling's."""
@@ -78,6 +93,7 @@ class _Recorder:
     def __init__(self, trace: Trace, parameters: dict[str, nn.Parameter], rows: Tensor | None):
         self.trace, self.parameters, self.rows = trace, parameters, rows
         self.names = {id(p): n for n, p in parameters.items()}
+        self.depth = 0  # > 0 inside a probed call: the helpers it calls are its own business, not the loop's
 
     def add(self, kind: str, **detail) -> None:
         self.trace.events.append(Event(kind, detail))
@@ -121,7 +137,8 @@ class _Recorder:
 @contextlib.contextmanager
 def tracing(model, optimizer: torch.optim.Optimizer | None = None, scheduler=None, *,
             parameters: dict[str, nn.Parameter] | None = None, rows: Tensor | None = None,
-            probes: dict[str, tuple[str, ...]] | None = None, namespaces: tuple[dict, ...] = ()) -> Iterator[Trace]:
+            probes: dict[str, tuple[str, ...]] | None = None, namespaces: tuple[dict, ...] = (),
+            helpers: tuple[str, ...] = ()) -> Iterator[Trace]:
     """Record what the code inside the block does (the module's docstring lists the events) into the Trace yielded.
 
     model: the module whose forward passes count (a HookedTransformer: the base under any LoRA or value head).
@@ -130,6 +147,8 @@ def tracing(model, optimizer: torch.optim.Optimizer | None = None, scheduler=Non
     rows: the batch the loop draws its rows from ([n, seq] token ids), so that each pass says which rows it read.
     probes: {helper name: argument names}: calls of the helper through any of `namespaces` (module or notebook
         globals) are recorded with those arguments.
+    helpers: names of other helpers (course_helpers(the reference loop)): their calls through `namespaces` are
+        recorded with all their arguments, except those made inside a probed call (a helper's own helpers).
     """
     trace = Trace()
     if parameters is None:
@@ -192,12 +211,15 @@ def tracing(model, optimizer: torch.optim.Optimizer | None = None, scheduler=Non
                 recorder.add("scheduler")
                 return step(*args, **kwargs)
             _set(scheduler, "step", traced_step, undo)
+        aside = {name: None for name in helpers if name not in (probes or {})}
         for namespace in {id(ns): ns for ns in namespaces}.values():
-            for name, arguments in (probes or {}).items():
-                helper = namespace.get(name)
-                if callable(helper):
-                    _set(namespace, name, _probe(recorder, name, helper, arguments), undo, item=True)
+            for kind, watched in (("call", probes or {}), ("helper", aside)):
+                for name, arguments in watched.items():
+                    helper = namespace.get(name)
+                    if callable(helper):
+                        _set(namespace, name, _probe(recorder, name, helper, arguments, kind), undo, item=True)
         yield trace
+        trace.final = {n: p.detach().to("cpu", copy=True) for n, p in parameters.items()}
     finally:
         for put_back in reversed(undo):
             put_back()
@@ -221,20 +243,51 @@ def _set(owner, name: str, value, undo: list, item: bool = False) -> None:
     undo.append(lambda: setattr(owner, name, before) if own else delattr(owner, name))
 
 
-def _probe(recorder: _Recorder, name: str, helper: Callable, arguments: tuple[str, ...]) -> Callable:
-    signature = inspect.signature(helper)
+def _probe(recorder: _Recorder, name: str, helper: Callable, arguments: tuple[str, ...] | None,
+           kind: str = "call") -> Callable:
+    """helper, recording each call the loop makes of it (as an event of `kind`) with `arguments` (None: all)."""
+    try:
+        signature = inspect.signature(helper)
+    except (TypeError, ValueError):
+        return helper
 
     def probed(*args, **kwargs):
+        if recorder.depth == 0:
+            try:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                seen = {a: freeze(v) for a, v in bound.arguments.items() if arguments is None or a in arguments}
+            except TypeError:
+                seen = {}  # a call the helper itself will refuse: its error is the learner's to see
+            recorder.add(kind, name=name, arguments=seen)
+        recorder.depth += 1
         try:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            seen = {a: freeze(bound.arguments[a]) for a in arguments if a in bound.arguments}
-        except TypeError:
-            seen = {}  # a call the helper itself will refuse: its error is the learner's to see
-        recorder.add("call", name=name, arguments=seen)
-        return helper(*args, **kwargs)
+            return helper(*args, **kwargs)
+        finally:
+            recorder.depth -= 1
     probed.__wrapped__ = helper
     return mark_wrapper(probed, helper)
+
+
+def course_helpers(loop: Callable) -> tuple[str, ...]:
+    """The names of the course functions `loop` (a reference loop) calls by a global name: the functions of the
+    course's solutions and utilities (not the checker's) its code names, nested functions' code included."""
+    loop = inspect.unwrap(loop)
+    code, namespace = getattr(loop, "__code__", None), getattr(loop, "__globals__", {})
+    names: list[str] = []
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        names.extend(c.co_names)
+        stack.extend(k for k in c.co_consts if inspect.iscode(k))
+    found = []
+    for name in dict.fromkeys(names):
+        value = namespace.get(name)
+        module = getattr(value, "__module__", "") or ""
+        if inspect.isfunction(value) and value is not loop \
+                and module.startswith(("solutions", "utils")) and not module.startswith("utils.checker"):
+            found.append(name)
+    return tuple(found)
 
 
 # --- comparing ------------------------------------------------------------------------------------------------
@@ -248,8 +301,20 @@ class Departure:
 
 
 def _comparable(trace: Trace, probes_called: set[str]) -> list[Event]:
-    return [e for e in trace.events if e.kind not in INFORMATIONAL
+    return [e for e in trace.events if e.kind not in ASIDE_KINDS
             and (e.kind != "call" or e.detail["name"] in probes_called)]
+
+
+def _helper_windows(trace: Trace, probes_called: set[str]) -> list[list[Event]]:
+    """The helper calls of a trace, cut at its compared events: window j holds those before compared event j (the
+    last window, those after the last)."""
+    windows: list[list[Event]] = [[]]
+    for e in trace.events:
+        if e.kind == "helper":
+            windows[-1].append(e)
+        elif e.kind not in ASIDE_KINDS and (e.kind != "call" or e.detail["name"] in probes_called):
+            windows.append([])
+    return windows
 
 
 def first_departure(got: Trace, want: Trace, *, per_epoch: int | None = None, batch: str = "the batch",
@@ -266,21 +331,60 @@ def first_departure(got: Trace, want: Trace, *, per_epoch: int | None = None, ba
     called = {e.detail["name"] for e in got.events if e.kind == "call"}  # helpers the learner calls at all
     mine, theirs = _comparable(got, called), _comparable(want, called)
     describe = _Describer(got, want, per_epoch, batch, hooks or _hook_names, masks or {})
+    found, at = None, len(mine)
     for i, (g, w) in enumerate(zip(mine, theirs)):
         where = describe.where(theirs, i)
         if not _alike(g, w):  # one left out, or one too many, where the counts say so
             skipped = i + 1 < len(theirs) and _alike(g, theirs[i + 1]) and describe.fewer(w)
             extra = i + 1 < len(mine) and _alike(mine[i + 1], w) and describe.more(g)
             if skipped != extra:
-                return describe.skipped(mine, theirs, i, where) if skipped else describe.extra(mine, theirs, i, where)
-        if g.kind != w.kind:
-            return describe.order(mine, theirs, i, where)
-        problem = describe.detail_difference(g, w, mine, theirs, i, where, atol, rtol)
-        if problem is not None:
-            return problem
-    if len(mine) != len(theirs):
-        return describe.order(mine, theirs, min(len(mine), len(theirs)), describe.where(theirs, len(mine)))
-    return None
+                found = describe.skipped(mine, theirs, i, where) if skipped else describe.extra(mine, theirs, i, where)
+        if found is None and g.kind != w.kind:
+            found = describe.order(mine, theirs, i, where)
+        if found is None:
+            found = describe.detail_difference(g, w, mine, theirs, i, where, atol, rtol)
+        if found is not None:
+            at = i
+            break
+    if found is None and len(mine) != len(theirs):
+        at = min(len(mine), len(theirs))
+        found = describe.order(mine, theirs, at, describe.where(theirs, len(mine)))
+    if found is None:
+        if not _outcomes_differ(got, want, atol, rtol):
+            return None
+        # The same operations, but not the same result: where the loop's calls of the course's helpers first part
+        # says where the values do (nothing is said where they never part: the difference is in the loop's own code)
+        earlier = describe.helper_difference(_helper_windows(got, called), _helper_windows(want, called), theirs,
+                                             atol, rtol)
+        if earlier is None:
+            return None
+        what = _what_differs(got, want, atol, rtol)
+        return Departure(f"{earlier.message}\nThe rest of what your code does matches the reference's; {what} "
+                         f"{'differs' if what == 'what it returns' else 'differ'}.\n{describe.counts()}",
+                         earlier.observed)
+    earlier = describe.helper_difference(_helper_windows(got, called)[:at + 1], _helper_windows(want, called)[:at + 1],
+                                         theirs, atol, rtol)
+    if earlier is None:
+        return found
+    return Departure(f"{earlier.message}\nIt shows later too: {found.message}", earlier.observed)
+
+
+def _outcomes_differ(got: Trace, want: Trace, atol: float, rtol: float) -> bool:
+    """Whether the loops left different trained parameters, or returned different values (where recorded)."""
+    return bool(_what_differs(got, want, atol, rtol))
+
+
+def _what_differs(got: Trace, want: Trace, atol: float, rtol: float) -> str:
+    """"the trained parameters", "what it returns", both joined by "and", or "" where the two loops agree."""
+    from utils.checker.observe import same
+
+    differ = []
+    if set(got.final) == set(want.final) and not all(
+            same(got.final[n], want.final[n], rtol=rtol, atol=max(atol, 1e-6)) for n in want.final):
+        differ.append("the trained parameters")
+    if got.outcome is not None and want.outcome is not None and not same(got.outcome, want.outcome):
+        differ.append("what it returns")
+    return " and ".join(differ)
 
 
 def _alike(a: Event, b: Event) -> bool:
@@ -490,14 +594,12 @@ class _Describer:
             if a["loss"] is not None and b["loss"] is not None and not math.isclose(
                     a["loss"], b["loss"], rel_tol=rtol, abs_tol=atol):
                 ratio = a["loss"] / b["loss"] if b["loss"] else math.inf
-                # A cause is suggested only where the factor points at one: a whole multiple N >= 2 is what a sum
-                # over N terms gives where their mean belongs; -1 is only the opposite sign
+                # Only what the ratio is: a whole multiple may be a sum where a mean belongs, or not (the helper
+                # calls before it, compared in first_departure, say where the values part)
                 factor, whole = "", math.isfinite(ratio) and abs(ratio - round(ratio)) < 1e-3
                 if whole and round(ratio) == -1:
                     factor = " (the reference's with the opposite sign)"
-                elif whole and round(ratio) >= 2:
-                    factor = f" ({round(ratio)} times the reference's: a sum where a mean belongs?)"
-                elif whole and round(ratio) <= -2:
+                elif whole and abs(round(ratio)) >= 2:
                     factor = f" ({round(ratio)} times the reference's)"
                 return self.departure(f"The loss of your backward {n}{at} is {a['loss']:.6g}; the reference's "
                                       f"is {b['loss']:.6g}{factor}.", "backward", n, "loss", a["loss"])
@@ -528,10 +630,89 @@ class _Describer:
                 problem = _value_difference(actual, expected, atol, rtol, mask, self.masks.get(name, "the mask"))
                 if problem is not None:
                     place = f"call {k} of {name}" + (f", {where}" if where else "")
-                    return self.departure(f"The `{argument}` your code passes to {name} ({place}) differs from the "
+                    return self.departure(f"The `{argument}` {PASSES} {name} ({place}) differs from the "
                                           f"reference's: {problem}.", "call", name, k, argument, actual)
             return None
         return None
+
+    def helper_difference(self, mine: list[list[Event]], theirs_windows: list[list[Event]], theirs: list[Event],
+                          atol: float, rtol: float) -> Departure | None:
+        """The first helper call of the learner's, window by window (the calls between two compared events), given
+        other values than every call of the same helper the reference makes in that window, where both make that
+        helper's calls as often there (else the calls cannot be paired: a learner may compute a value inline)."""
+        for j, (window, reference) in enumerate(zip(mine, theirs_windows)):
+            where = self.where(theirs, min(j, len(theirs) - 1)) if theirs else ""
+            used: set[int] = set()  # the reference's calls paired already (each pairs with one of the learner's)
+            for position, g in enumerate(window):
+                name = g.detail["name"]
+                same = [w for w in reference if w.detail["name"] == name]
+                if len(same) != sum(x.detail["name"] == name for x in window) or not same:
+                    continue
+                k = sum(x.detail["name"] == name for x in window[:position + 1])  # in the window
+                problems = [None if id(w) in used else self.helper_arguments(g, w, atol, rtol) for w in same]
+                paired = next((w for w, p in zip(same, problems) if id(w) not in used and p is None), None)
+                if paired is not None:  # the same call as one of the reference's there (perhaps in another order)
+                    used.add(id(paired))
+                    continue
+                w = same[k - 1] if id(same[k - 1]) not in used else next(x for x in same if id(x) not in used)
+                argument, problem = self.helper_arguments(g, w, atol, rtol)
+                swapped = self.swapped(g, w, argument, atol, rtol) or \
+                    self.found_in(g, argument, reference, w, atol, rtol)
+                n = k + sum(x.detail["name"] == name for earlier in mine[:j] for x in earlier)  # in the whole loop
+                before = f"before {self.label(theirs, j)}" if j < len(theirs) else \
+                    (f"after {self.label(theirs, j - 1)}" if j else "")
+                place = "".join(f", {x}" for x in (where, before) if x)
+                return Departure(f"The `{argument}` {PASSES} {name} (call {n} of {name}{place}) differs "
+                                 f"from the reference's: {swapped or problem}.",
+                                 ("helper", name, n, argument, g.detail["arguments"].get(argument)))
+        return None
+
+    @staticmethod
+    def helper_arguments(g: Event, w: Event, atol: float, rtol: float) -> tuple[str, str] | None:
+        """(the first argument of helper call g whose value differs from w's, how), or None when none does. Values
+        are compared where the call's own mask (an argument named *mask, the same in both) keeps the tokens."""
+        mask_name = next((a for a, v in w.detail["arguments"].items() if a.endswith("mask") and isinstance(v, Tensor)),
+                         None)
+        mask = w.detail["arguments"][mask_name] if mask_name else None
+        if mask is not None and _value_difference(g.detail["arguments"].get(mask_name), mask, atol, rtol) is not None:
+            mask = None
+        for argument, expected in w.detail["arguments"].items():
+            actual = g.detail["arguments"].get(argument)
+            problem = _value_difference(actual, expected, atol, rtol, None if argument == mask_name else mask,
+                                        f"`{mask_name}`")
+            if problem is not None:
+                return argument, problem
+        return None
+
+    @staticmethod
+    def swapped(g: Event, w: Event, argument: str, atol: float, rtol: float) -> str:
+        """"it equals the reference's `other`" (and the two swapped, when `other` equals this one's), measured, else
+        ""."""
+        mine, theirs = g.detail["arguments"], w.detail["arguments"]
+        for other, value in theirs.items():
+            if other == argument or not isinstance(value, Tensor) or not isinstance(mine.get(argument), Tensor) \
+                    or mine[argument].shape != value.shape:
+                continue
+            if _value_difference(mine[argument], value, atol, rtol) is None:
+                if _value_difference(mine.get(other), theirs[argument], atol, rtol) is None:
+                    return (f"yours are the reference's `{other}`, and your `{other}` its `{argument}`: the two "
+                            "swapped")
+                return f"it equals the reference's `{other}` in that call"
+        return ""
+
+    @staticmethod
+    def found_in(g: Event, argument: str, reference: list[Event], w: Event, atol: float, rtol: float) -> str:
+        """"yours equal the `x` the reference passes to h there", where they do (measured), else ""."""
+        value = g.detail["arguments"].get(argument)
+        if not isinstance(value, Tensor):
+            return ""
+        for x in reference:
+            for other, theirs in x.detail["arguments"].items():
+                if x is not w and isinstance(theirs, Tensor) and theirs.shape == value.shape \
+                        and _value_difference(value, theirs, atol, rtol) is None:
+                    call = "another call of " if x.detail["name"] == g.detail["name"] else ""
+                    return f"yours equal the `{other}` the reference passes to {call}{x.detail['name']} there"
+        return ""
 
     def coverage(self, n: int, at: str, a: dict, b: dict) -> str:
         size = self.got.sizes
@@ -582,19 +763,39 @@ def _value_difference(actual, expected, atol: float, rtol: float, mask: Tensor |
     if isinstance(expected, float) and isinstance(actual, (int, float)) and not isinstance(actual, bool):
         return None if math.isclose(actual, expected, rel_tol=rtol, abs_tol=atol) else \
             f"{actual!r}, where the reference passes {expected!r}"
-    return None if actual == expected else f"{actual!r}, where the reference passes {expected!r}"
+    if isinstance(expected, dict) and isinstance(actual, dict) and actual.keys() == expected.keys():
+        for key, value in expected.items():  # a frozen dataclass (Samples) or a dict: the first field that differs
+            problem = _value_difference(actual[key], value, atol, rtol, mask, mask_name)
+            if problem is not None:
+                return f"its `{key}`: {problem}"
+        return None
+    if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)) and len(actual) == len(expected):
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            problem = _value_difference(a, e, atol, rtol, mask, mask_name)
+            if problem is not None:
+                return f"item {i}: {problem}"
+        return None
+    from utils.checker.observe import same
+
+    return None if same(actual, expected, rtol=rtol, atol=atol) else \
+        f"{_short(actual)}, where the reference passes {_short(expected)}"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def assert_same_trace(got: Trace, want: Trace, what: str, hint: str | None = None, **describe) -> None:
     """Fail, saying where, when the learner's trace `got` departs from the reference's `want` (first_departure's
     keywords in `describe`). The departure is what the failure records for the mistake's fingerprint; the failure
     also carries it (as `.departure`), for the mistake finder to pick the wrong versions that can match it."""
-    from utils.checker.compare import CheckFailure, expect
+    from utils.checker.compare import CheckFailure, aside, expect
 
     memory.count_comparison()
     departure = first_departure(got, want, **describe)
     try:
-        expect(departure is None, what, "" if departure is None else departure.message + (f"\n{hint}" if hint else ""),
+        expect(departure is None, what, "" if departure is None else departure.message + (aside(hint) if hint else ""),
                observed=None if departure is None else departure.observed)
     except CheckFailure as failure:
         failure.departure = departure
@@ -615,7 +816,7 @@ def departure_class(observed: tuple) -> str:
     kind = observed[0]
     if kind == "order":
         parts = observed[:1] + observed[2:4]
-    elif kind == "call":
+    elif kind in ("call", "helper"):
         parts = (kind, observed[1], observed[3])
     else:  # skipped / extra (the kind of event), forward / backward / clip / step (what differs in it)
         parts = (kind, observed[2])
