@@ -12,7 +12,9 @@ library's locked version, the version installed, and how its upstream tests (tho
 `@pytest.mark.upstream(library)`) fared; then every failure, naming its libraries.
 
 It reports; it never blocks. Exit status 0 whenever the tests ran, whatever they found; 2 when the canary itself could
-not run (the environment could not be made or installed, or pytest did not run), with the reason.
+not run (the environment could not be made or installed, or pytest did not run), with the reason. A test module that
+cannot be imported (a new release removed a name the course imports) is a finding, not a reason to stop: pytest goes
+on with the others (`--continue-on-collection-errors`) and the table lists the module under its failures.
 
 This module is also the pytest plugin that records, inside that environment, each test's libraries and outcome
 (`-p utils.canary --canary-report FILE`).
@@ -60,7 +62,7 @@ def canary_requirements(path: Path, uncapped: bool, torch_version: str) -> tuple
         found = REQUIREMENT.match(text)
         if found is None:
             raise CanaryCannotRun(f"{path.name}: cannot read the requirement {raw!r}")
-        name, extras, spec, marker = found[1], found[2] or "", found[3].strip(), (found[4] or "")
+        name, extras, spec, marker = found[1], found[2] or "", found[3].strip(), (found[4] or "").rstrip()
         if name.lower() == "torch":
             lines.append(f"torch=={torch_version}")
             notes.append(f"torch held at {torch_version}, the locked version ({path.name} allows {spec or 'any'})")
@@ -118,13 +120,19 @@ def make_environment(folder: Path, uncapped: bool, with_trl: bool) -> tuple[Path
     return python, notes
 
 
+def canary_pytest_command(python: Path | str, report: Path, paths: tuple[str, ...] = TESTS) -> list[str]:
+    """pytest on `paths` with this module as its plugin, writing `report`."""
+    # without --continue-on-collection-errors, one module that a new release cannot import stops the whole run
+    return [str(python), "-m", "pytest", "-q", "-p", "utils.canary", "--canary-report", str(report),
+            "-p", "no:cacheprovider", "--continue-on-collection-errors", *paths]
+
+
 def run_tests(python: Path, folder: Path) -> dict:
     """Run TESTS in the environment of `python`; the plugin's report (tests, versions, exit status)."""
     report = folder / "report.json"
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "WANDB_MODE": "disabled",
            "MPLBACKEND": "Agg", "PYTHONDONTWRITEBYTECODE": "1"}
-    command = [str(python), "-m", "pytest", "-q", "-p", "utils.canary", "--canary-report", str(report),
-               "-p", "no:cacheprovider", *TESTS]
+    command = canary_pytest_command(python, report)
     print(f"+ {' '.join(command[2:])}", flush=True)
     result = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     (folder / "pytest.log").write_text(result.stdout)
@@ -248,18 +256,30 @@ def pytest_configure(config):
 
 def _message(report) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else str(report.longrepr)
     if isinstance(report.longrepr, tuple):  # a skip: (file, line, reason)
         text = report.longrepr[2]
+    elif crash is not None:
+        text = crash.message
+    else:  # an import error while collecting: the traceback's `E   ` lines hold the error itself
+        text = str(report.longrepr)
+        errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+        text = errors[-1] if errors else text
     first = text.strip().splitlines()[0] if text.strip() else ""
     return re.sub(r"^(Failed|Skipped): ", "", first)[:400]
 
 
 class _Recorder:
-    """Each test's libraries (its `upstream` mark; None without one) and outcome, written to `path` at the end."""
+    """Each test's libraries (its `upstream` mark; None without one) and outcome, written to `path` at the end. A module
+    that could not be collected counts as one failed test: the upstream file's own ([]) or the course's (None)."""
 
     def __init__(self, path: str):
         self.path, self.libraries, self.results = path, {}, {}
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.libraries[report.nodeid] = [] if report.nodeid.startswith(UPSTREAM_TESTS) else None
+            self.results[report.nodeid] = {"outcome": "failed",
+                                           "message": f"could not be collected: {_message(report)}"}
 
     def pytest_collection_finish(self, session):
         for item in session.items:
