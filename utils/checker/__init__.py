@@ -2,8 +2,9 @@
 
     layout.py           where things are: the root, the parts, notebooks' cells and exercises (standard library only)
     transforms.py       the calls of the exercise under test: which one change of a call (an argument left at its
-                        default, two swapped, a flag flipped) makes the reference return the learner's result, and
-                        which call raised an exception (standard library and torch only)
+                        default, two swapped, a flag flipped), or which one slip of an axis inside the reference (a
+                        reduction or a softmax over another dimension), makes the reference return the learner's
+                        result, and which call raised an exception (standard library and torch only)
     memory.py           everything check() remembers in a process, in one object (`memory`), with one way to forget it
                         (`memory.forget()`): the wrong versions' runs and the classes of their trace departures, the
                         reference's runs and traces, the callees' outcomes, the implementations resolved (standard

@@ -4,29 +4,42 @@ Every exercise function the checker tests is called through its shape-checking w
 call here (`note_call`: the arguments, bound to the reference's parameters, and the result). When a value test fails,
 `assert_close` asks `explain(actual, expected)`:
 
-1. which noted call returned `actual` (by identity: the very object the test compared, or an item of it);
+1. which noted call returned `actual` (by identity: the very object the test compared, or an item of it; one of the
+   last KEEP calls, or an earlier one whose tensor the test still holds);
 2. whether the reference, called with those same arguments, returns `expected` there (so the test compared the call
    with the reference's own result, and nothing else explains the difference);
 3. which single change of that call makes the reference return `actual`: an argument left at its default, two
-   arguments swapped, a flag flipped, an argument set to 0.
+   arguments swapped, a flag flipped, an argument set to 0;
+4. only when none does, which single slip of an axis inside the reference does: one of its reductions (sum, nansum,
+   mean, nanmean, max, min, amax, amin, logsumexp, prod, std, var, argmax, argmin) taken over another dimension, over
+   all of them, or with keepdim the other way; a softmax, log_softmax or cumsum along another dimension; a mean over
+   all the positions a mask keeps (a sum divided by the mask's sum) taken as a mean of per-row means, or the reverse.
+   The reference is replayed under a TorchFunctionMode that sees its torch calls (`_Axes`), once to list them and
+   once per variant, within fixed bounds (SITES, OPS, ELEMENTS): the first 12 such calls, a few variants each. A
+   result that many slips give (all zeros, one number repeated, a whole number) is not searched (`_distinctive`).
 
-Only a change that reproduces the learner's result is said, in the learner's terms ("it equals the reference called
-with `beta` at its default 0.0"); so is which argument of the call a constant factor equals (`factors`). The
-reference runs on copies of the arguments, with the random state put back and no observation recorded, so the test
-itself sees nothing of this. Calls whose arguments are not plain data (a model, a config) are not replayed.
+Only a change that reproduces the learner's result is said, in the learner's terms ("it equals the reference's
+result for the same call with `beta` left at its default 0.0", "... with its `mean` over dimension 1 taken over
+dimension 0 instead"); so is which argument of the call a constant factor equals (`factors`). The reference runs on
+copies of the arguments, with the random state put back and no observation recorded, so the test itself sees nothing
+of this. Calls whose arguments are not plain data (a model, a config) are not replayed.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 PLAIN = (Tensor, int, float, bool, str, type(None))
 KEEP = 8  # the calls remembered: a test compares what it just computed
+OLDER = 32  # and the earlier ones whose result the test still holds (their arguments at most ELEMENTS numbers)
 
 
 @dataclass
@@ -40,13 +53,21 @@ class Call:
 
 
 class Calls:
-    """The last calls of the exercises under test, for the test that is running (recording() starts it afresh)."""
+    """The last calls of the exercises under test, for the test that is running (recording() starts it afresh); and,
+    among the earlier ones, those whose result is a tensor that the test still holds (`older`, by weak reference): a
+    test may call the exercise again, once per token, between computing a value and comparing it."""
 
     def __init__(self):
         self.calls: list[Call] = []
+        self.older: list[tuple[weakref.ref, Call]] = []  # (its result, the call without it), the latest OLDER
 
     def note(self, call: Call) -> None:
-        self.calls = (self.calls + [call])[-KEEP:]
+        self.calls.append(call)
+        if len(self.calls) > KEEP:
+            first = self.calls.pop(0)
+            if isinstance(first.result, Tensor) and _numbers(first.arguments) <= ELEMENTS:
+                alive = [(ref, c) for ref, c in self.older if ref() is not None]
+                self.older = (alive + [(weakref.ref(first.result), replace(first, result=None))])[-OLDER:]
 
     def returning(self, value: object) -> tuple[Call, tuple] | None:
         """The latest call whose result is `value` or holds it (in a tuple, list or dict), with its path there."""
@@ -54,7 +75,14 @@ class Calls:
             path = _path_to(call.result, value)
             if path is not None:
                 return call, path
+        for ref, call in reversed(self.older):
+            if ref() is value:
+                return replace(call, result=value), ()
         return None
+
+
+def _numbers(arguments: dict[str, object]) -> int:
+    return sum(v.numel() for v in arguments.values() if isinstance(v, Tensor))
 
 
 _calls: Calls | None = None
@@ -152,14 +180,17 @@ def _equal(a: object, b: object, atol: float, rtol: float) -> bool:
                                equal_nan=True))
 
 
-def _run(reference, arguments: dict[str, object]) -> object:
-    """The reference on copies of `arguments`, the random state put back afterwards. (The reference calls no checker
-    assertion, so the running test's observations are untouched.)"""
+def _run(reference, arguments: dict[str, object], mode: TorchFunctionMode | None = None) -> object:
+    """The reference on copies of `arguments` (under `mode`, where one is given), the random state put back afterwards.
+    (The reference calls no checker assertion, so the running test's observations are untouched.)"""
     signature = inspect.signature(reference)
     bound = signature.bind(**{k: _copy(v) for k, v in arguments.items()})
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return reference(*bound.args, **bound.kwargs)
+        if mode is None:
+            return reference(*bound.args, **bound.kwargs)
+        with mode:
+            return reference(*bound.args, **bound.kwargs)
 
 
 def _changes(reference, arguments: dict[str, object]):
@@ -204,10 +235,268 @@ def _short(value: object) -> str:
     return f"<{type(value).__name__}>"
 
 
+# --- a slip of one axis inside the reference ----------------------------------------------------------------------
+#
+# `.mean(0)` for `.mean(1)`, a sum over everything for a sum per row, a log_softmax along the sequence: no argument of
+# the call changes, so the changes above cannot reproduce it. The reference is replayed under a TorchFunctionMode that
+# sees each of its torch calls: once to list the calls an axis slip could change (the sites), then once per site and
+# variant, with that one call computed the other way.
+
+OVER_SEVERAL = ("sum", "nansum", "mean", "nanmean", "amax", "amin", "logsumexp", "std", "var")  # int, tuple or none
+OVER_ONE = ("prod", "max", "min", "argmax", "argmin")  # one int, or none: over everything
+ALONG_ONE = ("softmax", "log_softmax", "cumsum")  # one int, always given; the shape stays
+AXIS_CALLS = {getattr(where, name): name for name in OVER_SEVERAL + OVER_ONE + ALONG_ONE
+              for where in (torch, Tensor, F) if hasattr(where, name)}  # functions and Tensor methods alike
+DIVIDE = {torch.div, Tensor.div, torch.divide, Tensor.divide, torch.true_divide, Tensor.true_divide}  # `a / b` too
+SAME_COUNT = {torch.clamp, Tensor.clamp, torch.clamp_min, Tensor.clamp_min, torch.clip, Tensor.clip, Tensor.float,
+              Tensor.double, Tensor.to}  # a count clamped at 1 or cast to float is still the count of a mask
+SITES = 12  # the calls tried: the first ones the reference makes (a check of its inputs counts too)
+OPS = 500  # torch calls in one replay, at most (grpo_loss makes 76, shape checks included): longer is not searched
+ELEMENTS = 1 << 16  # numbers in the call's tensors, at most: so at worst ~100 replays (SITES x ~8) of OPS small calls
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth", "eleventh",
+            "twelfth")
+
+
+class _TooLong(Exception):
+    """The reference made more than OPS torch calls: it is not cheap enough to replay once per variant."""
+
+
+@dataclass
+class _Site:
+    """A call of the reference's run that one slip of an axis changes. `what` is a reduction's name (of an input of
+    `shape`, over `dims`, None when none were given), "token mean" (a sum divided by the sum of a 0/1 mask, over all
+    dimensions) or "row means" (the mean of such sums per row, over the last dimension). `variants`: what is tried in
+    its place, as (dims, keepdim) for a reduction; a mean has one, said by its kind."""
+
+    what: str
+    shape: tuple[int, ...]
+    dims: tuple[int, ...] | None = None
+    keepdim: bool = False
+    variants: tuple = (None,)
+
+
+class _Axes(TorchFunctionMode):
+    """The reference's run seen call by call: each site noted in order (`sites`, the first SITES) and, where `change`
+    = (site index, variant index) is given, that one site computed the other way. Where a sum, or a mean per row, came
+    from is followed by identity (`made`), through a clamp or a cast, to recognise a mean over a mask's positions."""
+
+    def __init__(self, change: tuple[int, int] | None = None):
+        super().__init__()
+        self.change, self.sites, self.ops = change, [], 0
+        self.made: dict[int, tuple] = {}  # id(tensor): ("sum", input, dims) or ("rows", numerator input, mask)
+        self.alive: list[Tensor] = []  # the tensors of `made`, kept so that no id is reused during the run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        if self.ops > OPS:
+            raise _TooLong
+        try:
+            name = AXIS_CALLS.get(func)
+        except TypeError:  # an unhashable callable: no reduction
+            name = None
+        if name is not None:
+            return self._reduction(func, name, args, kwargs)
+        if func in DIVIDE and len(args) == 2 and not kwargs:
+            return self._division(func, args)
+        result = func(*args, **kwargs)
+        if func in SAME_COUNT and args and id(args[0]) in self.made:
+            self._note(result, self.made[id(args[0])])
+        return result
+
+    def _site(self, site: _Site) -> int | None:
+        """Notes `site` (the first SITES only); the index of the variant to compute in its place, else None."""
+        if len(self.sites) >= SITES:
+            return None
+        self.sites.append(site)
+        if self.change is not None and self.change[0] == len(self.sites) - 1:
+            return self.change[1]
+        return None
+
+    def _note(self, tensor: object, how: tuple) -> None:
+        if isinstance(tensor, Tensor):
+            self.made[id(tensor)] = how
+            self.alive.append(tensor)
+
+    def _reduction(self, func, name: str, args: tuple, kwargs: dict):
+        read = _read(name, args, kwargs)
+        if read is None:
+            return func(*args, **kwargs)
+        x, dims, keepdim = read
+        source = self.made.get(id(x))
+        if name == "mean" and dims is None and source is not None and source[0] == "rows":
+            if self._site(_Site("row means", tuple(x.shape))) is not None:  # one mean over all the kept positions
+                return _kept_mean(source[1], source[2])
+        chosen = self._site(_Site(name, tuple(x.shape), dims, keepdim, _alternatives(name, x.dim(), dims, keepdim)))
+        if chosen is None:
+            result = func(*args, **kwargs)
+        else:
+            new_dims, new_keepdim = self.sites[-1].variants[chosen]
+            result = _reduce(func, name, x, kwargs, new_dims, new_keepdim, values=dims is None)
+        if name in ("sum", "nansum") and not keepdim:
+            self._note(result, ("sum", x, dims))
+        return result
+
+    def _division(self, func, args: tuple):
+        """A sum divided by the sum of a 0/1 mask of the same shape over the same dimensions is a mean over the
+        positions the mask keeps: over all of them (a site), or per row (noted, for the mean that follows)."""
+        top, bottom = (self.made.get(id(a)) if isinstance(a, Tensor) else None for a in args)
+        if top is None or bottom is None or top[0] != "sum" or bottom[0] != "sum" or top[2] != bottom[2]:
+            return func(*args)
+        x, mask, dims = top[1], bottom[1], top[2]
+        if x.shape != mask.shape or x.dim() < 2 or not _zero_one(mask) or dims not in (None, (x.dim() - 1,)):
+            return func(*args)
+        if dims is None and self._site(_Site("token mean", tuple(x.shape))) is not None:
+            return _row_means(x, mask)
+        result = func(*args)
+        if dims is not None:
+            self._note(result, ("rows", x, mask))
+        return result
+
+
+def _read(name: str, args: tuple, kwargs: dict) -> tuple[Tensor, tuple[int, ...] | None, bool] | None:
+    """(input, dims, keepdim) of a reduction's call, dims non-negative and sorted (None: none given); None where the
+    call is not one that can be rewritten (positional arguments past keepdim, named dims, torch.max of two tensors)."""
+    most = 2 if name in ("std", "var") or name in ALONG_ONE else 3  # std(x, dim, unbiased): a bool third
+    if not args or not isinstance(args[0], Tensor) or args[0].dim() == 0 or len(args) > most \
+            or {"other", "out"} & kwargs.keys():
+        return None
+    x, n = args[0], args[0].dim()
+    dim = kwargs["dim"] if "dim" in kwargs else args[1] if len(args) > 1 else None
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    if not isinstance(keepdim, bool) or isinstance(dim, bool):
+        return None
+    if dim is None or isinstance(dim, (tuple, list)) and len(dim) == 0:
+        return (x, None, keepdim) if name not in ALONG_ONE else None
+    if isinstance(dim, int):
+        return x, (dim % n,), keepdim
+    if isinstance(dim, (tuple, list)) and name in OVER_SEVERAL and all(type(d) is int for d in dim):
+        return x, tuple(sorted({d % n for d in dim})), keepdim
+    return None
+
+
+def _alternatives(name: str, n: int, dims: tuple[int, ...] | None, keepdim: bool) -> tuple:
+    """The other axes the call could have been given, as (dims, keepdim): each other dimension; with three or more,
+    each pair (three) or all but the first (four or more); all of them; then the same dims with keepdim the other
+    way. A rewrite that the function refuses, or that gives another shape, is simply no match."""
+    everything = tuple(range(n))
+    options: list[tuple[int, ...] | None] = [(d,) for d in range(n)]
+    if name in OVER_SEVERAL:
+        options += list(itertools.combinations(range(n), 2)) if n == 3 else [everything[1:]] if n > 3 else []
+        options.append(everything)
+    elif name in OVER_ONE and dims is not None and not keepdim and name not in ("max", "min"):
+        options.append(None)  # prod() or argmax() over everything (max and min would change what they return)
+    same = set(everything if dims is None else dims)
+    found = [(o, keepdim) for o in dict.fromkeys(options) if set(everything if o is None else o) != same]
+    if dims is not None and name not in ALONG_ONE:
+        found.append((dims, not keepdim))
+    return tuple(found)
+
+
+def _reduce(func, name: str, x: Tensor, kwargs: dict, dims: tuple[int, ...] | None, keepdim: bool, values: bool):
+    """`func` of `x` over `dims` (None: over everything), its other keyword arguments kept; the values alone where
+    the original call (of max or min over everything) returned a tensor and this one returns values and indices."""
+    rest = {k: v for k, v in kwargs.items() if k not in ("dim", "keepdim")}
+    if dims is None:
+        return func(x, **rest)
+    if name in ALONG_ONE:
+        return func(x, dim=dims[0], **rest)
+    result = func(x, dim=dims[0] if len(dims) == 1 else dims, keepdim=keepdim, **rest)
+    return result.values if values and name in ("max", "min") else result
+
+
+def _zero_one(mask: Tensor) -> bool:
+    return mask.dtype == torch.bool or bool(((mask == 0) | (mask == 1)).all())
+
+
+def _row_means(x: Tensor, mask: Tensor) -> Tensor:
+    """The mean over rows of each row's sum of `x` over its last dimension divided by its mask's count there (0 for a
+    row with none, as a count clamped at 1 gives)."""
+    count = mask.sum(-1)
+    return torch.where(count > 0, x.sum(-1) / count.clamp(min=1), 0).mean()
+
+
+def _kept_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """The sum of `x` divided by its mask's count, over everything (0 when the mask keeps nothing)."""
+    count = mask.sum()
+    return torch.where(count > 0, x.sum() / count.clamp(min=1), 0)
+
+
+def _over(dims: tuple[int, ...] | None, n: int, along: bool = False) -> str:
+    if dims is None or len(dims) == n > 1:
+        return "over all dimensions"
+    if len(dims) == 1:
+        return f"{'along' if along else 'over'} dimension {dims[0]}"
+    return f"over dimensions {', '.join(map(str, dims[:-1]))} and {dims[-1]}"
+
+
+def _said(sites: list[_Site], i: int, j: int) -> str:
+    """Site i of the reference's run taken with its variant j, in the learner's terms."""
+    site = sites[i]
+    if site.what == "token mean":
+        return ("its one mean over all the positions the mask keeps (a sum divided by the mask's sum) taken as a mean "
+                "of per-row means instead")
+    if site.what == "row means":
+        return ("its mean of per-row means (each row's sum over its last dimension divided by its mask's) taken as "
+                "one mean over all the positions the mask keeps instead")
+    n, along = len(site.shape), site.what in ALONG_ONE
+    same_name = [k for k, s in enumerate(sites) if s.what == site.what]
+    which = f"`{site.what}`"
+    if len(same_name) > 1:
+        which = f"{ORDINALS[same_name.index(i)]} `{site.what}` (of a {'×'.join(map(str, site.shape))} tensor)"
+    dims, keepdim = site.variants[j]
+    was = _over(site.dims, n, along) + (" (keepdim=True)" if site.keepdim and dims != site.dims else "")
+    if dims == site.dims:
+        return f"its {which} {was} taken {'with' if keepdim else 'without'} keepdim=True"
+    return f"its {which} {was} taken {_over(dims, n, along)} instead"
+
+
+def _distinctive(value: object) -> bool:
+    """A value few computations share: with one number, a fraction; with several, finite ones not all equal and not
+    all 0. All zeros, NaN everywhere, one number repeated or a whole number is what many different slips return (a
+    masked-out group, an empty count), so that a variant reproduces it shows nothing of the cause."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = torch.tensor(float(value))
+    if not isinstance(value, Tensor) or not value.dtype.is_floating_point or value.numel() == 0:
+        return False
+    finite = value.detach().double().flatten()
+    finite = finite[torch.isfinite(finite)]
+    if finite.numel() == 0:
+        return False
+    if value.numel() == 1:
+        return bool(finite[0] != finite[0].round())
+    return bool(finite.ne(0).any()) and finite.unique().numel() > 1
+
+
+def _axis_slips(call: Call, path: tuple, actual: object, expected: object, atol: float, rtol: float) -> list[str]:
+    """Each slip of one axis inside the reference that makes it return `actual` for this call, said in its terms; none
+    where `actual` is not distinctive, the call's tensors are large, or the reference makes more than OPS torch
+    calls."""
+    if not _distinctive(actual) or _numbers(call.arguments) > ELEMENTS:
+        return []
+    seen = _Axes()
+    try:
+        if not _equal(_at(_run(call.reference, call.arguments, seen), path), expected, atol, rtol):
+            return []  # the run under the mode is not the plain run: nothing to learn from its variants
+    except _TooLong:
+        return []
+    found = []
+    for i, site in enumerate(seen.sites):
+        for j in range(len(site.variants)):
+            try:
+                result = _at(_run(call.reference, call.arguments, _Axes((i, j))), path)
+            except Exception:  # noqa: BLE001 - a variant the reference refuses (a shape, an index) is no match
+                continue
+            if _equal(result, actual, atol, rtol):
+                found.append(_said(seen.sites, i, j))
+    return list(dict.fromkeys(found))
+
+
 def explain(actual: object, expected: object, atol: float, rtol: float) -> str | None:
     """The one change of the call that returned `actual` which makes the reference return `actual` too, said in the
-    learner's terms; None when no noted call returned it, the reference does not return `expected` for that call, or
-    no single change reproduces it."""
+    learner's terms: a change of its arguments, else a slip of one axis inside the reference (each that reproduces
+    it); None when no noted call returned it, the reference does not return `expected` for that call, or no single
+    change reproduces it."""
     if _calls is None:
         return None
     found = _calls.returning(actual)
@@ -223,6 +512,9 @@ def explain(actual: object, expected: object, atol: float, rtol: float) -> str |
                     return f"{SAME_CALL} with {change}"
             except Exception:  # noqa: BLE001 - the reference may refuse a changed call: that change does not explain it
                 continue
+        slips = _axis_slips(call, path, actual, expected, atol, rtol)
+        if slips:  # each that reproduces it: where several do, the learner's code tells which
+            return f"{SAME_CALL} with " + ", or with ".join(slips[:3])
     except Exception:  # noqa: BLE001 - a replay that fails explains nothing, and must not hide the test's own failure
         return None
     return None
