@@ -388,10 +388,10 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
             want = f" (expected {_number(pad_values.item())} there)" if pad_values.numel() == 1 else ""
             return ("right on the real tokens (where the mask is True) but not on padding (where it is False)"
                     f"{want}")
-        whole_rows_right = a.dim() >= 2 and any(close(a[i], e[i]) for i in range(a.shape[0]))
+        whole_rows_right = _some_row_close(a, e, atol, rtol)
         if on_pad and not on_real and wrong[mask].float().mean() >= 0.5 and not whole_rows_right:
             return "right on padding (where the mask is False) but wrong on the real tokens (where it is True)"
-    some_rows_right = a.dim() >= 2 and any(close(a[i], e[i]) for i in range(a.shape[0]))
+    some_rows_right = _some_row_close(a, e, atol, rtol)
     if not integer and a.dim() >= 2 and a.shape[-1] > 1 and not some_rows_right:
         rows = a.reshape(-1, a.shape[-1]), e.reshape(-1, e.shape[-1])
         offsets = (rows[0] - rows[1]).mean(-1, keepdim=True)
@@ -409,7 +409,7 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
         moved = ~torch.isclose(a, e, rtol=rtol, atol=atol)
         return (f"the right values in another order ({int(moved.sum())} of {a.numel()} in another place, e.g. "
                 f"{_positions(moved)})")
-    partial = _partial_difference(a, e, group_size, close)
+    partial = _partial_difference(a, e, group_size, close, atol, rtol)
     if partial:
         return partial
     wrong = ~torch.isclose(a, e, rtol=rtol, atol=atol)
@@ -447,13 +447,20 @@ def _the_others(n: int) -> str:
     return "the other one is right" if n == 1 else f"the other {n} are right"
 
 
-def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close) -> str | None:
+def _some_row_close(a: Tensor, e: Tensor, atol: float, rtol: float) -> bool:
+    """Whether some row (along dimension 0) of a 2-D or larger `a` is close to e's, everywhere in it."""
+    return a.dim() >= 2 and a.shape == e.shape and \
+        bool(torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True).flatten(1).all(dim=1).any())
+
+
+def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close, atol: float, rtol: float) -> str | None:
     while a.dim() > 1 and a.shape[0] == 1:  # a batch of one: look at what is inside it
         a, e = a[0], e[0]
-    if a.dim() == 0 or a.shape[0] < 2:
+    if a.dim() == 0 or a.shape[0] < 2 or a.shape != e.shape:
         return None
+    each = torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)  # what close() says of every element, at once
     if a.dim() == 1:  # single values: name the wrong ones only when they are few, or whole groups
-        ok = [close(a[i], e[i]) for i in range(a.shape[0])]
+        ok = each.tolist()
         bad = [i for i, good in enumerate(ok) if not good]
         if group_size and a.shape[0] % group_size == 0 and a.shape[0] > group_size:
             groups = sorted({i // group_size for i in bad})
@@ -463,7 +470,7 @@ def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close) -> 
         if bad and len(bad) <= a.shape[0] // 2:
             return f"positions {bad[:8]}{'...' if len(bad) > 8 else ''} are wrong, {_the_others(sum(ok))}"
         return None
-    rows_ok = [close(a[i], e[i]) for i in range(a.shape[0])]
+    rows_ok = each.flatten(1).all(dim=1).tolist()
     if any(rows_ok) and not all(rows_ok):
         bad = [i for i, ok in enumerate(rows_ok) if not ok]
         text = f"rows {bad[:8]}{'...' if len(bad) > 8 else ''} are wrong, {_the_others(sum(rows_ok))}"
@@ -482,7 +489,7 @@ def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close) -> 
                      f"{'every row of each' if whole else 'some rows of each'})")
         return text
     if a.shape[-1] > 1:
-        cols_ok = [close(a[..., j], e[..., j]) for j in range(a.shape[-1])]
+        cols_ok = each.reshape(-1, a.shape[-1]).all(dim=0).tolist()
         if any(cols_ok) and not all(cols_ok) and cols_ok.count(False) <= len(cols_ok) // 2:
             bad = [j for j, ok in enumerate(cols_ok) if not ok]
             return f"only positions {bad[:8]}{'...' if len(bad) > 8 else ''} of the last dimension are wrong"
