@@ -176,6 +176,53 @@ MESSAGE_LINES = 10  # check()'s default message, at most (the rest behind check(
 PREVIEW = re.compile(r"^\s*expected: (.*)\n\s*got:      (.*)$", re.MULTILINE)
 
 
+class MessageStats:
+    """What the meta-test saw of check()'s default messages on the registered wrong versions, printed at the end of
+    the run (conftest.py): how many, how long, how many name a cause and how, and how many carry a cause that no check
+    on the run confirmed (a guessing word outside a named mistake's explanation: must be 0, and each one fails its
+    meta-test). Kept per process; pytest-xdist's workers send theirs to the main process."""
+
+    def __init__(self):
+        self.counts = {"messages": 0, "unconfirmed cause": 0, "named by replay": 0, "named by a change of a call": 0,
+                       "placed at a loop's call": 0}
+        self.lines: list[int] = []
+
+    def add(self, text: str, named: bool, unconfirmed: bool) -> None:
+        from utils.checker.compare import RESEMBLES
+        from utils.checker.trace import PASSES
+        from utils.checker.transforms import SAME_CALL
+
+        self.counts["messages"] += 1
+        self.counts["unconfirmed cause"] += unconfirmed
+        self.counts["named by replay"] += named
+        self.counts["named by a change of a call"] += SAME_CALL in text or RESEMBLES in text
+        self.counts["placed at a loop's call"] += PASSES in text
+        self.lines.append(len(text.splitlines()))
+
+    def merge(self, data: dict) -> None:
+        for key, value in data["counts"].items():
+            self.counts[key] = self.counts.get(key, 0) + value
+        self.lines.extend(data["lines"])
+
+    def data(self) -> dict:
+        return {"counts": dict(self.counts), "lines": list(self.lines)}
+
+    def summary(self) -> str:
+        n = self.counts["messages"]
+        lines = sorted(self.lines)
+        median = lines[len(lines) // 2] if lines else 0
+        c = self.counts
+        rate = c["unconfirmed cause"] / n if n else 0.0
+        placed = c["placed at a loop's call"]
+        return (f"{n} messages of registered wrong versions: an unconfirmed cause in {c['unconfirmed cause']} "
+                f"({rate:.1%}, the false-hint rate); named by replay {c['named by replay']}, by a change of a call "
+                f"{c['named by a change of a call']}, placed at a loop's call {placed}; lines: median {median}, "
+                f"longest {lines[-1] if lines else 0} (at most {MESSAGE_LINES})")
+
+
+MESSAGES = MessageStats()
+
+
 def check_message(part: str, name: str, wrong, outcome) -> None:
     """What check() prints for a registered wrong version: short (MESSAGE_LINES), no block twice, no guess at a cause
     outside the named mistake's own explanation (confirmed by replay) and the asides, and no two previews that look
@@ -191,6 +238,7 @@ def check_message(part: str, name: str, wrong, outcome) -> None:
     for m in outcome.likely:
         judged = judged.replace(explanation_line(m), "")
     guess = GUESS.search(judged)
+    MESSAGES.add(text, named=bool(outcome.likely), unconfirmed=guess is not None)
     assert guess is None, f"{label} a guess at a cause ({guess.group(0)!r}) that its run did not confirm:\n{text}"
     full = report(outcome, part, verbose=True)
     for expected, got in PREVIEW.findall(full):

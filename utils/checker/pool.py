@@ -41,7 +41,8 @@ def forget() -> None:
 
 
 def restore() -> None:
-    """Put the shared model back as it was loaded: no hooks, the original weights, gradients and flags, eval mode."""
+    """Put the shared model back as it was loaded: no hooks, the original weights, gradients and flags, eval mode, no
+    attention pattern kept from the last forward pass."""
     model = _pool.model
     if model is None:
         return
@@ -53,6 +54,9 @@ def restore() -> None:
         if "ctx" not in vars(hook_point):
             hook_point.ctx = {}
     model.reset_hooks()
+    for module in model.modules():  # the bridge's attention keeps its last pattern, with the graph of a pass with
+        if isinstance(vars(module).get("_pattern"), torch.Tensor):  # autograd: no test may inherit it (it cannot be
+            module._pattern = None                                   # deep-copied, and it holds that graph alive)
     with torch.no_grad():
         for module, table, name, tensor, saved, requires_grad in _pool.pristine:
             if getattr(module, table).get(name) is not tensor:  # replaced (module.weight = nn.Parameter(...))
