@@ -1,6 +1,14 @@
+import os
 import sys
 
 import pytest
+
+# Under pytest-xdist (`pytest -n 2`, the README's test command), the cores are shared among the workers: each worker's
+# torch gets its share (utils.models.set_cpu_threads reads RLHF_THREADS), unless RLHF_THREADS is set already
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("RLHF_THREADS"):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["RLHF_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers)
+                                     if hasattr(os, "sched_getaffinity") else 1)
 
 pytest_plugins = ["utils.checker.plugin"]  # the course's options, fixtures and mistake finder (utils/checker/)
 

@@ -296,7 +296,9 @@ class _Recorder:
     def pytest_sessionfinish(self, session, exitstatus):
         import importlib.metadata
 
-        tests = [{"nodeid": nodeid, "name": nodeid.split("::")[-1], "libraries": self.libraries.get(nodeid), **result}
+        # a test by its function's name, a module that could not be collected by its file's (wherever it lies)
+        tests = [{"nodeid": nodeid, "name": nodeid.split("::")[-1].rsplit("/", 1)[-1],
+                  "libraries": self.libraries.get(nodeid), **result}
                  for nodeid, result in self.results.items()]
         versions = {dist.metadata["Name"]: dist.version for dist in importlib.metadata.distributions()
                     if dist.metadata["Name"]}
