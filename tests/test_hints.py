@@ -1,7 +1,8 @@
 """Every exercise of every notebook comes with its marks, its hints and a pointer to its solution, written once in its
 chapter source (the body of its `# %% [exercise] name` cell) and laid out by the notebook builder:
 
-    the marks (markdown)   "**Exercise `name`** · difficulty ★★☆ · importance ★★★ · about 15 minutes"
+    the marks (markdown)   "**Exercise `name`** · difficulty ★★☆ · importance ★★★ · about 15 minutes (a size estimate,
+                           not timed on learners)"
     the stub               (code, tagged "exercise")
     Hint 1 .. Hint n       (markdown, each folded in <details>; 1 <= n <= 3)
     the solution pointer   (markdown, folded: the file, and a line that prints the reference)
@@ -23,7 +24,8 @@ from utils.checker import layout
 
 PARTS = layout.parts()
 MARKS = re.compile(r"^\*\*Exercise `(?P<name>\w+)`\*\* · difficulty (?P<difficulty>[★☆]{3}) · importance "
-                   r"(?P<importance>[★☆]{3}) · about (?P<minutes>\d+) minutes$")
+                   r"(?P<importance>[★☆]{3}) · about (?P<minutes>\d+) minutes \(a size estimate, not timed on "
+                   r"learners\)$")
 FOLDED = re.compile(r"^<details><summary>(?P<summary>[^<]+)</summary>\n\n(?P<body>.*\S)\n\n</details>$", re.S)
 COMMAND = re.compile(r"```python\n(?P<command>import inspect, (?P<module>[\w.]+) as s; "
                      r"print\(inspect\.getsource\(s\.(?P<name>\w+)\)\))\n```")
@@ -124,7 +126,8 @@ def test_the_builder_lays_out_marks_stub_hints_pointer_and_check(demo_part):
     cells = [(c["cell_type"], c["metadata"].get("tags", []), "".join(c["source"]))
              for c in notebooks.build("part9_demo")["cells"]]
     assert cells[1:7] == [
-        ("markdown", ["marks"], "**Exercise `double`** · difficulty ★☆☆ · importance ★★☆ · about 5 minutes"),
+        ("markdown", ["marks"], "**Exercise `double`** · difficulty ★☆☆ · importance ★★☆ · about 5 minutes (a size "
+                                "estimate, not timed on learners)"),
         ("code", ["exercise"], 'def double(x: float) -> float:\n    """Returns: 2 * x."""\n'
                                '    raise NotImplementedError("write double")'),
         ("markdown", ["hint"], "<details><summary>Hint 1</summary>\n\nDoubling is a product by two.\n\n</details>"),

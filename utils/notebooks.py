@@ -215,11 +215,13 @@ def stub_source(part: str, name: str) -> str:
 MARKS = re.compile(r"^# marks: difficulty (?P<difficulty>[1-3]) · importance (?P<importance>[1-3]) · "
                    r"(?P<minutes>[1-9]\d*) minutes$")
 MARKS_EXAMPLE = "# marks: difficulty 2 · importance 3 · 15 minutes"
+# What the notebook says the minutes are: the README's size model ("How the minutes are made"), no timing of people
+MINUTES_ARE = "a size estimate, not timed on learners"
 HINT = re.compile(r"^# hint: (?P<text>\S.*)$")
 HINT_GOES_ON = re.compile(r"^#  +(?P<text>\S.*)$")  # a hint's next line: "#", two or more spaces, text
 MAX_HINTS = 3
 EXERCISE_HELP = (f"An exercise's cell holds a marks line, {MARKS_EXAMPLE!r} (difficulty and importance from 1 to 3, "
-                 f"the minutes a learner takes), then 1 to {MAX_HINTS} '# hint: ...' lines, the gentlest first and the "
+                 f"then its estimated minutes), then 1 to {MAX_HINTS} '# hint: ...' lines, the gentlest first and the "
                  "last pointing at the line that matters (a hint may go on over lines that start with '#' and two or "
                  "more spaces). Its code comes from solutions/.")
 
@@ -230,7 +232,7 @@ class ExerciseNotes:
 
     difficulty: int  # 1 to 3: how hard it is to write
     importance: int  # 1 to 3: how much the rest of the course leans on the idea
-    minutes: int  # what a learner takes to write it
+    minutes: int  # an estimate of the minutes it takes to write, from its size (README: how the minutes are made)
     hints: tuple[str, ...]  # 1 to MAX_HINTS, gentlest first
 
 
@@ -295,7 +297,7 @@ def exercise_cells(part: str, name: str, text: str) -> list[tuple[str, str, list
     solution, and its check."""
     notes = exercise_notes(part, name, text)
     marks = (f"**Exercise `{name}`** · difficulty {_stars(notes.difficulty)} · importance "
-             f"{_stars(notes.importance)} · about {notes.minutes} minutes")
+             f"{_stars(notes.importance)} · about {notes.minutes} minutes ({MINUTES_ARE})")
     return ([("markdown", marks, ["marks"]), ("exercise", stub_source(part, name), ["exercise"])]
             + [("markdown", _folded(f"Hint {i}", hint), ["hint"]) for i, hint in enumerate(notes.hints, 1)]
             + [("markdown", solution_pointer(part, name), ["solution"]), ("code", f"check({name})", ["check"])])

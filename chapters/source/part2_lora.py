@@ -12,8 +12,10 @@
 # adds $\frac{\alpha}{r} B A x$. That gives RLHF something precious for free: **the reference model is the same
 # module with the hooks removed**. No second copy of the weights, no syncing — just run the model without hooks.
 #
-# You will write the LoRA module, the hooks, the policy/reference pair, freezing, merging the update into the
-# weights and taking it out again, and saving an adapter; then Part 1's trainer runs unchanged with LoRA.
+# You will write the LoRA module (`LoRA`), its hooks (`lora_hooks`), the policy's and the reference's log-probs
+# (`policy_and_reference_logprobs`), freezing (`freeze_base`), merging the update into the weights and taking it out
+# again (`merge_lora`, `unmerge_lora`), and saving an adapter and loading it back with its checks (`save_adapter`,
+# `load_adapter`); then Part 1's trainer runs unchanged with LoRA.
 
 # %% [colab]
 
@@ -100,8 +102,11 @@ from utils.sampling import Samples, sample
 # `with model.hooks(fwd_hooks=hooks):` for a block of code — `generate` samples from the adapted model inside it;
 # and `model.add_hook` for hooks that stay until `model.reset_hooks()`. We never use the last one for LoRA.
 #
-# With `B = 0` the adapted model *is* the base model. Check it, then give `B` some random values and watch the
-# samples change inside the context manager only:
+# With `B = 0` the adapted model *is* the base model. Check it, then give `B` random values and watch the greedy
+# samples change inside the context manager only (the base column is sampled after the `with` block, from the same
+# module). The values must be large enough: with a standard deviation of 0.05 the logits move by less than 2 and every
+# greedy token stays the same (a LoRA can change the distribution without changing its most likely token); with 0.2,
+# used here, they move by up to about 9, and all three completions change.
 
 # %%
 model = load_model("tiny")
@@ -114,13 +119,16 @@ print("B = 0: adapted logits equal the base model's:", same)
 
 with torch.no_grad():
     for a in adapters.values():
-        a.B.normal_(0, 0.05)
+        a.B.normal_(0, 0.2)
 prompts = ["This is", "The", "My friend"]
 with model.hooks(fwd_hooks=lora_hooks(model, adapters)):
     adapted = sample(model, prompts, max_new_tokens=12, temperature=0)
 plain = sample(model, prompts, max_new_tokens=12, temperature=0)
 print(samples_table([{"prompt": p, "base": b, "with random B": a}
                      for p, b, a in zip(prompts, plain.texts, adapted.texts)]))
+with torch.no_grad():
+    moved = (model.run_with_hooks(plain.ids, fwd_hooks=lora_hooks(model, adapters)) - model(plain.ids)).abs().max()
+print(f"on the base completions, the random B moves the logits by up to {moved:.1f}")
 
 # %% [markdown]
 # ## 3. The reference model is the same module, without the hooks
@@ -193,7 +201,9 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 # %% [markdown]
 # ## 6. Saving and loading an adapter
 #
-# An adapter is a few tens of kilobytes, and it is all you need to share a fine-tune of a model everyone has.
+# An adapter is small: the one you train at the end of this part (rank 8 on `q`, `k`, `v` and `o` of the tiny model's
+# 4 blocks) is saved in 130 KiB, 32,768 parameters next to the model's 847,104 (3.2 MiB), and it is all you need to
+# share a fine-tune of a model everyone has.
 # Save it with **safetensors** — a plain tensor format that, unlike a pickle, cannot run code when loaded — with
 # `rank` and `alpha` in its metadata. Loading checks that the file fits the adapters (same keys, same shapes) and
 # says what does not fit otherwise. It also compares the metadata's rank and alpha with the adapters': an adapter
@@ -230,11 +240,16 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 # trains as in Part 1, and no gradient reaches the base weights. The learning rate is higher than for full
 # fine-tuning: the adapters start from zero and have few parameters. (As a script: `python -m solutions.part2_lora`,
 # or `--preset gpt2` for GPT-2 small on a GPU.)
+#
+# The training cell runs 60 phases and prints a table of samples every 20 (`table_every=20`: phases 0, 20, 40 and
+# the last). Expect about a minute on two free CPU cores (61 s: the README's "Part 2 in numbers"), and several times
+# that when other work shares the cores (3 minutes on two threads of a 2-core machine that other jobs kept busy
+# throughout). The progress bar shows the rate.
 
 # %% [provided] ppo_with_lora
 
 # %%
-cfg = PPOConfig(phases=3 if SMOKE else 60, lr_model=3e-3)
+cfg = PPOConfig(phases=3 if SMOKE else 60, lr_model=3e-3, table_every=20)
 trainer, lora_model = ppo_with_lora(cfg, rank=8, alpha=16.0)
 logger = trainer.train()
 plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction"], title="PPO with LoRA, rank 8",

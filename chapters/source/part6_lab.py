@@ -79,6 +79,9 @@ SEEDS = [0, 1] if SMOKE else [0, 1, 2]
 #   $\mathbb{E}_{a\sim\pi}[(1 - \frac{\text{ref}(a)}{\pi(a)} + \mathrm{k3}(a))\nabla\log\pi(a)] =
 #   \mathbb{E}_{a\sim\pi}[\log\frac{\pi(a)}{\text{ref}(a)}\nabla\log\pi(a)] =
 #   \nabla\mathrm{KL}(\pi(\cdot|s)\|\text{ref}(\cdot|s))$: the per-token reverse KL, like k2 and the exact per-token KL.
+#   The first equality holds token by token, before any expectation: each sampled token's gradient is
+#   $\log\frac{\pi(a)}{\text{ref}(a)}\nabla\log\pi(a)$, which is k2's. On-policy, k3 × ratio's gradient *is*
+#   k2's, sample by sample (their values differ: k3 against k2).
 
 # %% [setup]
 from solutions.part6_lab import (FIRST_TOKENS_IN_RANGE, FIRST_TOKENS_IN_VOCABULARY, KL_ESTIMATORS, KL_LOSSES,
@@ -186,16 +189,19 @@ kl_gradients.plot(kl_result);
 # - **k1 in the reward is the sequence-level reverse-KL gradient**: cosine 1.000000 and norm ratio 1.0000 on every seed.
 # - **k3 in the loss (Part 3's `beta` term) is not.** Cosine 0.79 with the reverse-KL gradient (0.52, 1.00, 0.85 on
 #   seeds 0, 1, 2), and 0.39 of its norm (0.72, 0.18, 0.26). Its expected gradient is the gradient of the per-token
-#   forward KL(ref‖π) on the states the policy visits, to a relative error of 5e-7 on every seed, and it is closer to
-#   the sequence's forward-KL gradient (cosine 0.92) than to the reverse one. So `beta` on k3 alone (Part 3, and TRL
+#   forward KL(ref‖π) on the states the policy visits, to a relative error below 5e-7 on every seed, and it is closer
+#   to the sequence's forward-KL gradient (cosine 0.92) than to the reverse one. So `beta` on k3 alone (Part 3, and TRL
 #   with `use_bias_correction_kl=False`) weighs a forward KL, token by token: here a weaker pull (the forward KL is
 #   0.57 nats where the reverse is 2.0), in another direction.
 # - **k2 in the loss, the exact per-token KL** (Part 1's PPO term) **and k3 times the ratio** (TRL 1.16's default
 #   `beta` term) have one expected gradient (k2 and the exact KL equal to six digits on every seed, k3 × ratio to a
-#   relative error of 5e-7): the per-token reverse KL with the states held fixed. Cosine 0.97 (0.92, 1.00, 0.99),
+#   relative error below 5e-7): the per-token reverse KL with the states held fixed. Cosine 0.97 (0.92, 1.00, 0.99),
 #   norm 0.74 (0.58, 0.99, 0.65). What they miss is the first token's share of the second token's KL; on seed 1 that
 #   share is small. One expectation, not one noise: from N samples, k3 × ratio's gradient is far noisier than the
 #   exact per-token KL's (cosine with its own expectation 0.48 at N = 1 and 0.95 at N = 64, against 0.95 and 0.99).
+#   Its noise is k2's, because its gradient is k2's sample by sample (the theory above): their two rows of
+#   `kl_figures["noise"]` are the same numbers to the last digit, and in the bottom row's two noise panels the k3 ×
+#   ratio line is drawn over k2's and hides it.
 # - **The distance decides whether any of this matters.** At a tenth of the main scale (KL 0.0007 nats) every cosine is
 #   above 0.997, and at 0.13 nats above 0.976; at 2 nats k3's falls to 0.79, at 8 nats to 0.74. Near the reference
 #   every KL gradient is the same to first order; they part once the policy has moved, which is when the KL term is
@@ -227,13 +233,22 @@ kl_gradients.plot(kl_result);
 #    likelihood, which already ranks about 80% of pairs right; all of it is trained with the **Bradley-Terry** loss
 #    (Bradley & Terry 1952; the reward-model loss of InstructGPT, Ouyang et al. 2022, eq. 1, and of TRL's
 #    `RewardTrainer`): with $P(y_c \succ y_r) = \sigma(r(y_c) - r(y_r))$, minimise $-\log \sigma(r(y_c) - r(y_r))$.
-# 3. **Best-of-n against it**: no training at all. Sample n answers, keep the one the proxy likes best. Its distance
-#    from the policy is known exactly, $\mathrm{KL} = \log n - (n-1)/n$ (Gao et al. 2022, section 2), and its gold
-#    score is computed exactly over a pool of 256 samples per prompt, for every n at once. Beside it, a **synthetic
-#    control** whose flaw we set: proxy = gold + σ·noise, the noise fixed per answer, as a reward model's errors are.
+# 3. **Best-of-n against it**: no training at all. Sample n answers, keep the one the proxy likes best. Here the n
+#    answers are drawn, with replacement, from a pool of 256 samples per prompt, so the distribution of the answer
+#    kept is known exactly for every n (among answers the proxy scores alike, the first drawn is kept, as `argmax`
+#    does), and with it its KL from the pool and its expected gold score. The textbook distance,
+#    $\mathrm{KL} = \log n - (n-1)/n$ (Gao et al. 2022, section 2), holds when no two samples tie in the proxy. A small
+#    model repeats itself: a pool of 256 answers holds 10 to 48 distinct ones (21 on average, the commonest about 37%
+#    of the pool; seeds 0, 1, 2), and an answer drawn twice has one score, so here the formula is only an upper bound
+#    (Beirami et al. 2024, arXiv:2401.01879), printed beside the exact KL. Beside it, a **synthetic control** whose
+#    flaw we set: proxy = gold + σ·noise, the noise fixed per answer, as a reward model's errors are.
 # 4. **GRPO against it**, Part 3's trainer with a fresh LoRA, while the exact verifier's score of the same samples is
 #    logged with weight 0; gold is drawn against $\sqrt{\mathrm{KL}}$, as Gao et al. draw it.
-# 5. **A verifier with a bug**, exploited; and **`beta` as the leash**.
+# 5. **The proxy taken apart.** Its two halves, each on its own: a **head-only** reward model (no likelihood term,
+#    the same pairs, the same recipe), and the **frozen policy's own likelihood** with no head. Best-of-n against the
+#    second keeps, as n grows, the pool's most likely answer: a pull towards the policy's mode, with no learned part to
+#    exploit.
+# 6. **A verifier with a bug**, exploited; and **`beta`**, set against the curve of the run without it.
 
 # %% [setup]
 import re
@@ -297,10 +312,11 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 #
 # - pairs from 300 training additions (about 230 pairs), a held-out set of pairs from 100 held-out additions; the
 #   reward model trains for 4 epochs (AdamW, lr 3e-4, all its weights and the head);
-# - best-of-n for n = 1, 2, 4, ..., 256 over a pool of 256 answers to each of 32 held-out additions, against the
-#   reward model and against the control at σ = 0.5, 1 and 2;
+# - the head-only control, trained on the same pairs in the same order from the same start;
+# - best-of-n for n = 1, 2, 4, ..., 256 over a pool of 256 answers to each of 64 held-out additions, against the
+#   reward model, the head-only control, the policy's likelihood and the synthetic control at σ = 0.5, 1 and 2;
 # - GRPO against the reward model (8 prompts × 8 completions a step, up to 8 new tokens, a rank-4 LoRA, lr 1.5e-3,
-#   40 steps) at `beta` 0, 0.5 and 2;
+#   40 steps) at `beta` 0, 0.5 and 2, and against the head-only control (`beta` 0, 20 steps);
 # - GRPO against the buggy verifier (beta 0, lr 1e-2, 40 steps);
 # - every 4 steps, one completion of each of 128 held-out additions (temperature 1) is scored by the run's reward and
 #   the KL to the reference: the exact per-token KL over the whole vocabulary, summed over each completion (its
@@ -312,10 +328,17 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 #   prompts, is about 0.015.
 #
 # `python -m solutions.part6_lab --rm-pairs 100 500 2500` runs best-of-n and GRPO against reward models trained on
-# that many pairs (a longer run, about 5 minutes, not part of the lab's default). Over seeds 0, 1, 2 their held-out
-# accuracy was 77-82%, 88-92% and 94-100%, and the peak of best-of-n's mean gold moved out and up: n = 8 (39%),
-# 16 (54%), 32 (73%); GRPO's peak moved from √KL 0.25-0.48 (gold 26-27%) with 100 pairs to 0.74-0.97 (29-33%) with
-# 500. Seed by seed the peaks of the two larger ones overlap, for both.
+# that many pairs (a longer run, not part of the lab's default: 12 minutes on a 2-core machine shared with other jobs).
+# This varies the reward model's training data, not its size: it is the same tiny model every time. Gao et al.'s
+# fig. 1 varies the number of the reward model's parameters; how much data it was trained on is a separate experiment
+# of theirs, which this one mirrors (a sweep of size would need reward models of several sizes, and the course ships
+# one tiny model). Over seeds 0, 1, 2 the held-out accuracy was 77-82%, 88-92% and 94-100%, and the peak of
+# best-of-n's mean gold moved up, 42% to 64% to 76%, and out from n = 8 (KL 1.02 nats) to n = 16 (KL 1.40) with 500
+# pairs, but no further with 2,500 (n = 16, KL 1.33: the exact KL of one n depends on which answers the judge ranks
+# on top). Each fall after the peak was resolved: 16.2 ± 2.8, 12.9 ± 2.7 and 11.1 ± 2.9 points down to
+# n = 256. GRPO's peak moved from √KL 0.25-0.48 (gold 26-27%) with 100 pairs to 0.74-0.97 (29-33%) with 500 and
+# 0.56-0.95 (30-33%) with 2,500, a real peak in every seed of every size; seed by seed the peaks of the two larger
+# ones overlap, for both methods.
 
 # %%
 from solutions.part6_lab import hacking
@@ -323,40 +346,88 @@ from solutions.part6_lab import hacking
 hacking_result = hacking.run(SEEDS, SMOKE, bradley_terry_loss=bradley_terry_loss,
                              reward_model_scores=reward_model_scores)
 hacking_figures = hacking.summarize(hacking_result)
+
+
+def paired(d):  # a paired difference over prompts, as "diff ± se"
+    return f"{d['diff']:+.4f} ± {d['se']:.4f} (n = {d['high_n']} against n = {d['low_n']})"
+
+
 print("reward model:", hacking_figures["reward_model"])
-print("best-of-n:", [{k: p[k] for k in ("n", "kl", "gold")} for p in hacking_figures["best_of_n"]])
+print("best-of-n (exact KL, the formula's bound):",
+      [{k: p[k] for k in ("n", "kl", "kl_formula", "gold")} for p in hacking_figures["best_of_n"]])
 print("its peak:", hacking_figures["best_of_n_peak"])
+print("rise:", paired(hacking_figures["best_of_n_rise"]), " fall:", paired(hacking_figures["best_of_n_fall"]))
 print("the control's peaks:", [(c["sigma"], c["peak"]["n"], c["peak"]["gold"]) for c in hacking_figures["control"]])
+likelihood_alone, head_only = hacking_figures["likelihood_only"], hacking_figures["head_only"]
+print("the policy's likelihood alone:", [(p["n"], p["gold"]) for p in likelihood_alone["best_of_n"]],
+      " fall:", paired(likelihood_alone["best_of_n_fall"]))
+print("... the reward model against it, at its peak:", paired(likelihood_alone["reward_model_at_its_peak_minus_this"]),
+      " at the largest n:", paired(likelihood_alone["reward_model_minus_this_at_largest_n"]))
+print("head-only control: held-out accuracy", head_only["held_out_accuracy"], " best-of-n",
+      [(p["n"], p["gold"]) for p in head_only["best_of_n"]], " rise:", paired(head_only["best_of_n_rise"]))
+print("... GRPO against it:", [{k: p[k] for k in ("step", "sqrt_kl", "gold")} for p in head_only["rl_curve"]["points"]])
 rl_curve = hacking_figures["rl_curve"]
 print("GRPO, beta = 0:", [{k: p[k] for k in ("step", "sqrt_kl", "gold")} for p in rl_curve["points"]])
 print("... its peak, seed by seed:", rl_curve["peak"])
 print(hacking_figures["buggy_verifier"])
 print([{k: b[k] for k in ("beta", "kl", "max_kl", "proxy", "gold")} for b in hacking_figures["beta_sweep"]])
+print("each beta's end against the unleashed run (its best at that KL or less, its peak), seed by seed:",
+      [(b["beta"], b["versus_unleashed_per_seed"]) for b in hacking_figures["beta_sweep"][1:]])
 hacking.plot(hacking_result);
 
 # %% [markdown]
 # What to look for (the numbers are from `python -m solutions.part6_lab --only hacking`, seeds 0, 1, 2; one
-# and two torch threads gave the same figures):
+# and two torch threads gave the same figures; ± is one standard error):
 #
 # - **A judge that knows something.** The reward model ranks 86-90% of held-out pairs right (97-100% of its training
-#   pairs): the policy's own likelihood already carries most of that, and the learned correction sharpens it.
-# - **Best-of-n over-optimises (left).** Gold goes from 22.9% at n = 1 to a peak of 47.6% at n = 8 (KL 1.2 nats;
-#   each seed's peak at n = 8 or 16), then falls to 36.5% (31% to 44%) at n = 256, while the proxy of the pick keeps
-#   rising: the shape of Gao et al.'s fig. 1, with no training at all. A bigger search finds the rare answers whose
-#   score the reward model gets most wrong.
+#   pairs): the policy's own likelihood already carries most of that, and the learned correction sharpens it. Trained
+#   the same way without the likelihood term, the head-only control ranks only 56% to 61% right (64% to 70% of its
+#   training pairs): from about 230 pairs, most of the judging comes from the likelihood term.
+# - **Best-of-n over-optimises (left), and the fall is real.** Gold goes from 25.6% at n = 1 to a peak of 51.2% at
+#   n = 8 (each seed's peak at n = 8 or 16), then falls to 36.7% (31% to 40% over the seeds) at n = 256, while the
+#   proxy of the pick keeps rising: the shape of Gao et al.'s fig. 1, with no training at all. Paired over the 64
+#   prompts, the rise is 25.7 ± 2.5 points and the fall 14.5 ± 3.1, each more than twice its standard error, and the
+#   fall is so in every seed (13.1 ± 4.9, 17.3 ± 3.8 and 13.2 ± 4.7 points): `best_of_n_rise`, `best_of_n_fall`. The
+#   peak is read off the same numbers, which favours both differences; the margin of two standard errors has to
+#   cover that too.
+# - **The formula overstates the distance.** The exact KL at the peak is 1.02 nats where $\log n - (n-1)/n$ says
+#   1.20, and 2.57 at n = 256 where it says 4.55, 77% more (33% more in √KL, the plot's axis). A pool's mass sits on
+#   a few repeated answers, and an answer drawn twice is one answer: n draws offer best-of-n fewer ways to move than
+#   n distinct samples would.
 # - **The control says why.** With proxy = gold + σ·noise fixed per answer, the peak comes earlier and lower as σ
-#   grows: n = 32 (66%) at σ = 0.5, n = 8 (38%) at σ = 1, n = 4 (28%) at σ = 2.
+#   grows: n = 16 (69%) at σ = 0.5, n = 8 (44%) at σ = 1, n = 4 (33%) at σ = 2.
+# - **The proxy taken apart (left, brown and purple).** The pull towards the policy's mode does not make gold fall.
+#   Best-of-n against the frozen policy's likelihood alone rises by 19.8 ± 4.9 points, to 45.3% at n = 16, and stays
+#   there: from then on it nearly always keeps the pool's most likely answer, which is right on 29 of the 64 prompts
+#   (n = 16 minus n = 256: +0.03 ± 0.06 points). So the reward model's fall comes with what Bradley-Terry training
+#   added to that likelihood, the head and the likelihood's own fine-tuning: a bigger search finds the answers they
+#   overrate. Whether the reward model's peak lies above the mode's 45.3%, and its end below it, is not resolved at
+#   64 prompts (+5.9 ± 6.3 and −8.6 ± 7.2 points, paired). A learned scorer without the likelihood term, the
+#   head-only control, is a poor judge (56% to 61% of held-out pairs right, against 86% to 90%) and is exploited
+#   almost at once: best-of-n's rise, +1.8 ± 1.0 points at n = 2, is not resolved, gold is back below the policy's
+#   own 25.6% by n = 4 and falls to 3.4% at n = 256. GRPO against it (dashed, middle) gains 0.9 to 3.7 points by
+#   step 4 or 8 (resolved in each seed), then collapses to 1.2% to 5.5% gold by step 20, at 5.1 to 9.8 nats from the
+#   reference; against the reward model, likelihood term included, no seed went past 3.2 nats in 40 steps.
 # - **GRPO (middle) rises, peaks and falls, in every seed.** Gold goes from 24.5% to a peak of 27% to 32% (at
-#   √KL 0.25 to 0.72), then down to 9% to 21% where the run is furthest from its reference (√KL 1.3 to 1.8),
-#   while the proxy keeps climbing. Each rise (2.4 to 7.3 points) and fall (10 to 18 points) is more than twice the standard
-#   error of its difference (0.006 to 0.016): `rl_curve["peak"]` checks it seed by seed. Without the teacher-forced
-#   part of the gold score the same runs could not show this: 128 sampled completions give a standard error of 0.04.
-#   Follow the points in order and the KL wanders (with no KL term nothing holds it): gold tracks the distance from
-#   the reference, not the number of steps.
-# - **`beta` is the leash (middle, orange and green).** `beta` 0, 0.5 and 2 end at KL 1.82, 0.37 and 0.03 nats with
-#   gold 20%, 32% and 28%: `beta` = 0.5 stops the policy near the top of the curve (in each seed level with or above
-#   the peak the unleashed run passed), `beta` = 2 holds it so close that it climbs less (3 to 6 points below
-#   `beta` = 0.5 in each seed).
+#   √KL 0.25 to 0.72), then down to 9% to 21% where the run is furthest from its reference (√KL 1.3 to 1.8), while
+#   the proxy keeps climbing. Each rise (2.4 to 7.3 points) and fall (10 to 18 points) is more than twice the
+#   standard error of its difference (0.006 to 0.016): `rl_curve["peak"]` checks it seed by seed. Without the
+#   teacher-forced part of the gold score the same runs could not show this: 128 sampled completions give a standard
+#   error of 0.04. Follow the points in order and the KL wanders (with no KL term nothing holds it): gold tracks the
+#   distance from the reference, not the number of steps.
+# - **`beta` against the unleashed curve (middle, orange and green): more than early stopping.** `beta` 0, 0.5 and 2
+#   end at KL 1.82, 0.37 and 0.03 nats with gold 20%, 32% and 28%. Gao et al. found that a KL penalty acts like early
+#   stopping: it does not lift gold above what the unpenalised run reaches at the same KL. Here `beta` = 0.5 ended
+#   above the best gold the unleashed run showed at any of its evaluations in seeds 1 and 2 (by 4.4 ± 1.0 and
+#   2.7 ± 0.6 points, paired over the 128 prompts) and level with it in seed 0 (+0.6 ± 0.7): stopping the unleashed
+#   run early, at any evaluation, would not have matched it in two seeds of three. Against what the unleashed run
+#   showed at the same KL or less it ended 4.4 to 6.0 points higher in every seed, though in seeds 0 and 2 the
+#   unleashed run's evaluations jumped from 0.07-0.10 nats past the penalised run's 0.29, so that comparison is at a
+#   lower KL. The unleashed run is evaluated every 4 steps: a higher peak between two evaluations is not ruled out.
+#   `beta` = 2 holds the policy so close (0.03 nats) that it climbs less: 2.9 to 6.3 points below `beta` = 0.5 in
+#   each seed. Why the penalty did better here than in Gao et al.'s runs this lab does not test. Two differences
+#   stand out: Part 3's `beta` is k3 in the loss, whose gradient follows a forward KL (section 1), where they put the
+#   KL in PPO's reward; and these are 40-step runs at one learning rate.
 # - **The buggy verifier (right).** `all([])` is True, so a completion with no number passes. GRPO finds it: the buggy
 #   reward goes from 25% to 100% while the gold score goes to 0% in every seed. The fix is one condition,
 #   `numbers and all(...)`; better, judge with the strict verifier (Part 3's `reward_exact_answer`).
@@ -445,11 +516,15 @@ for loss_type in ("grpo", "dapo", "dr_grpo"):
 # sad."); `"grpo"` should raise it more than `"dr_grpo"` does. `"dapo"` on one batch is `"dr_grpo"` times a constant.
 #
 # **The design.** (1) The primary result, one update: from the starting policy, 512 completions (64 for each of the 8
-# prompts), every configuration's loss on *that same batch* built from your `loss_token_weights`, and the first-order
-# change its update (of norm 1) makes to the read-out; per seed, the paired difference against `"dr_grpo"`, then its
-# mean, standard error and 95% t-interval over 10 seeds (one sampling pass and a few backward passes each: cheap).
+# prompts), every configuration's loss on *that same batch* built from your `loss_token_weights`, its gradient $g$ on
+# the LoRA, and the first-order change to the read-out of a step of norm 1 along $-g/\lVert g\rVert$; per seed, the
+# paired difference against `"dr_grpo"`, then its mean, standard error and 95% t-interval over 10 seeds (one sampling
+# pass and a few backward passes each: cheap). The step is the normalised gradient, so losses that differ by a
+# constant factor take the same step. It is not Adam's first step, which moves each number by about `lr` whatever the
+# size of its gradient, along the signs of $g$: another direction (at `lr` 1e-2, a step of norm about 0.64 over the
+# 4,096 numbers of the `B` matrices, the only ones with a gradient while `B` = 0).
 # One correction to the read-out: in this LoRA, a push to stop after *any* sentence moves the right − wrong gap too
-# (the gradient of the gap and that of the mean $\log P(	ext{EOS})$ over all 160 contexts have a cosine between
+# (the gradient of the gap and that of the mean $\log P(\text{EOS})$ over all 160 contexts have a cosine between
 # −0.57 and +0.65, depending on the seed's initial LoRA), and how much of such a uniform push an update carries
 # depends on how many right and wrong answers of its batch happened to stop. So the read-out takes the gap's gradient
 # with its component along the uniform one removed: how much more an update raises stopping after a right answer
@@ -503,10 +578,11 @@ length_bias.plot(length_bias_result);
 #   and wrong answers stay within about a token of each other: one set of weights decides when to stop after either.
 #
 # So: the push Liu et al. predict is there, measured where it acts (one update, paired, against a control that shows
-# the design can see it), and it is small: a few thousandths of a nat per update, lost in the drift of a 30-step run
-# with lengths of 3 to 24 tokens. Their responses run to thousands of tokens, so $1/L$ spans orders of magnitude and
-# the push compounds over hundreds of steps. More power, in about 8 minutes (20 seeds of 1,024 completions each,
-# every configuration, 60 training steps): `length_bias.run([0, 1, 2], cfg=length_bias.LengthBiasConfig.long(), ...)`.
+# the design can see it), and it is small: a few thousandths of a nat per gradient step of norm 1, lost in the drift
+# of a 30-step run with lengths of 3 to 24 tokens. Their responses run to thousands of tokens, so $1/L$ spans orders of
+# magnitude and the push compounds over hundreds of steps. More power, in about 8 minutes (20 seeds of 1,024
+# completions each, every configuration, 60 training steps):
+# `length_bias.run([0, 1, 2], cfg=length_bias.LengthBiasConfig.long(), ...)`.
 
 # %% [markdown]
 # ## 4. The policy shift, through hooks
@@ -723,8 +799,54 @@ policy_shift.plot(policy_shift_result);
 # %% [provided] sequence_mask_weights
 
 # %% [markdown]
-# The experiment (`solutions/part6_lab/off_policy.py`), with your three functions, on Part 3's additions (8 prompts ×
-# 8 completions a step, a rank-4 LoRA on q and v, `lr` 3e-3), each setting over the seeds in `SEEDS`:
+# ### The expectation, exactly
+#
+# Which of these corrections gives back the on-policy gradient, and how far are the others from it? Training runs
+# answer with noise (below); section 1's trick answers exactly. Over the 356² two-token completions of a prompt, a
+# sampler that draws completion $y$ with probability $\mu(y)$ gives a loss term $L(y)$ the expected gradient
+# $\sum_y \mu(y)\,\nabla L(y)$, which is the gradient of $\sum_y \mathrm{sg}(\mu(y))\,L(y)$. For GRPO's clipped
+# objective, summed over a completion's tokens,
+#
+# $$J = \sum_y \mathrm{sg}(\mu(y)) \sum_t w_t(y)\,\min\big(r_t\,A(y),\ \mathrm{clip}(r_t,\ 1-\epsilon,\
+# 1+\epsilon_\text{high})\,A(y)\big), \qquad r_t = \frac{\pi_\theta(y_t \mid y_{<t})}{\pi_\text{old}(y_t \mid
+# y_{<t})},$$
+#
+# and each correction is a choice of the weights $w_t$ and of "old": none ($w = 1$, and old is $\pi_\theta$ detached,
+# so $r_t = 1$ with the gradient of $\log\pi_\theta$), your TIS weights, the sequence ratio or TRL's mask, or no
+# weight and the sampler as old. With $\mu = \pi_\theta$ and no correction, $\nabla J = \sum_y \pi(y)\,A(y)\,\nabla
+# \log\pi(y) = \nabla\,\mathbb{E}_\pi[r]$ (a constant baseline in $A$ drops out, since $\sum_y \pi(y)\nabla\log\pi(y)
+# = 0$): the on-policy gradient that every correction is measured against.
+#
+# Write `expected_grpo_objective`: $J$ for completions given as a batch (row $y$ of `logprobs` holds its tokens'
+# log-probs), with `probs[y]` $= \mu(y)$. The same function gives the gradient of N samples: `probs` = count / N over
+# the completions drawn.
+
+# %% [exercise] expected_grpo_objective
+# marks: difficulty 2 · importance 2 · 20 minutes
+# hint: Per completion, the sum over its tokens of `tis_grpo_loss`'s per-token term without its minus sign (the weight
+#       included); then the sum over the completions of `probs` times that. Nothing is averaged.
+# hint: `ratio = torch.exp(logprobs - old)`, with `old = logprobs.detach()` when `old_logprobs` is None; with `A =
+#       advantages[:, None]`, `torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + high) * A)`, times `weights.detach()`.
+# hint: `(probs.detach() * per_token.sum(dim=1)).sum()`. Detach `probs`: on-policy (`probs` = π) the gradient would
+#       otherwise pick up an extra $\sum_y L(y)\nabla\pi(y)$.
+
+# %% [markdown]
+# The experiment (`solutions/part6_lab/off_policy.py`), with your four functions, each setting over the seeds in
+# `SEEDS`:
+#
+# - **exactly:** the on-policy gradient of $J$, and each correction's expected gradient under a stale sampler, through
+#   your `expected_grpo_objective` and `truncated_importance_weights`, over every two-token completion of a prompt
+#   `a+` in section 1's setting (its LoRA policy with a random `B`, here not scaled to a KL; a new one and a new prompt
+#   for each seed). The reward is 1 on a random half of the 356² completions and 0 on the rest, drawn once per seed;
+#   $A(y) = r(y) - \mathbb{E}_\mu[r]$, a group's mean in the limit of a large group, not divided by the std. The
+#   sampler is the same LoRA with `B` + σZ ($Z$ drawn like `B`), σ set so that the mean $|\log\pi -
+#   \log\pi_\text{sampler}|$ per token of the sampler's completions is 0.04, 0.11, 0.28 or 0.63 (reached to within
+#   3%), about what the uncorrected sweep below saw at lags 1, 2, 4 and 8. Besides the sweep's six corrections, two
+#   uncapped ones whose expectations the theory knows: per-token weights (`tis_token_uncapped`) and the sequence ratio
+#   (`sequence_ratio`). Each is compared with the on-policy gradient (cosine, norm ratio), and at the largest gap so is
+#   its gradient from N samples (N = 16, 128, 1024; 3 repeats).
+#
+# Then GRPO on Part 3's additions (8 prompts × 8 completions a step, a rank-4 LoRA on q and v, `lr` 3e-3):
 #
 # - **the clip:** GRPO (Part 3's `grpo_step`) with `num_iterations` 1, 2 and 4; every update's ratio goes through
 #   your `clip_fraction`;
@@ -749,56 +871,114 @@ from solutions.part6_lab import off_policy
 
 off_policy_result = off_policy.run(SEEDS, SMOKE, clip_fraction=clip_fraction,
                                    truncated_importance_weights=truncated_importance_weights,
-                                   tis_grpo_loss=tis_grpo_loss)
+                                   tis_grpo_loss=tis_grpo_loss, expected_grpo_objective=expected_grpo_objective)
 off_policy_figures = off_policy.summarize(off_policy_result)
+for entry in off_policy_figures["exact"]:  # exact expected gradients at the largest gap, against the on-policy one
+    print(f"{entry['correction']:>18}: cosine {entry['cosine']:+.3f} {entry['per_seed']['cosine']}, "
+          f"norm ratio {entry['norm_ratio']:.3f} {entry['per_seed']['norm_ratio']}")
 print({n: f["mean"] for n, f in off_policy_figures["clip_fraction"].items()}, off_policy_figures["gap"])
 for correction in off_policy.CORRECTIONS:  # held-out accuracy AUC (mean accuracy over the run) at each sampler lag
     print(f"{correction:>18}: " + "  ".join(f"lag {e['lag']} {e['auc']:.3f}" for e in off_policy_figures["sweep"]
                                            if e["correction"] == correction))
+for p in off_policy_figures["paired"]:  # paired by seed: mean +- standard error; resolved: 95% interval excludes 0
+    print(f"lag {p['lag']}: {p['a']} - {p['b']} = {p['mean']:+.3f} +- {p['standard_error']}"
+          + (" (resolved)" if p["resolved"] else ""))
 off_policy.plot(off_policy_result);
 
 # %% [markdown]
-# What to look for (the numbers are from `python -m solutions.part6_lab --only off_policy`, seeds 0, 1, 2):
+# What to look for (the numbers are from `python -m solutions.part6_lab --only off_policy`, seeds 0, 1, 2; the same
+# with 1 and 2 threads, `RLHF_THREADS=1` / `2`, to the digits shown here):
 #
+# - **Exactly, only the sequence ratio is unbiased.** Weighting every token of a completion by
+#   $\pi(y)/\pi_\text{sampler}(y)$ gave the on-policy gradient at every gap and in every seed: cosine 1.0000, norm
+#   ratio 1.0000. Every other correction's expected gradient departs from it, further as the sampler moves away. At a
+#   mean |log-ratio| of 0.04 per token (the uncorrected sweep's lag 1) the cosines are 0.88 to 1.00 (the lowest: the
+#   sampler as old and no correction, both in seed 2); at 0.63 (lag 8; a sequence-level KL(sampler‖π) of 0.83 nats
+#   on average), seed by seed:
+#   - no correction: −0.58, 0.97, 0.64, at 1.1, 0.31 and 7.1 times the on-policy gradient's norm: in seed 0 it points
+#     away from it;
+#   - per-token TIS uncapped (`tis_token_uncapped`): 0.96, 1.00 (0.998), 0.81. Biased with no cap at all, as the
+#     theory says: it corrects each token's draw given its prefix, and the prefix and the later token stay the
+#     sampler's. Capped at 1, 2 and 5: 0.95, 0.96, 0.97 (seed 0); 0.86, 0.93, 0.99 (seed 1); 0.83, 0.84, 0.84 (seed
+#     2). Cap 2 came closer than cap 1 and cap 5 closer than cap 1 in every seed, cap 5 than cap 2 in two (seed 2:
+#     0.839 against 0.842); removing the cap went further away in seeds 0 and 2;
+#   - TRL's sequence mask (cap 3): 0.89, −0.90, 0.94; in seed 1 it points away from the on-policy gradient, at 0.08
+#     of its norm;
+#   - the sampler as old policy: 0.85, 1.00 (0.998), −0.35, at 2.15, 3.0 and 2.0 times the norm; in seed 2 it points
+#     away already at a gap of 0.11 (−0.16).
+#
+#   These are three policies, three prompts and three rewards, one per seed, and the seeds disagree: which correction
+#   comes closest depends on them, and the means over seeds (the `exact` entries of the JSON) hide it.
+# - **The clip against the sampler is not a trust region.** `sampler_as_old` takes a token's gradient away where its
+#   ratio $\pi_\theta/\pi_\text{sampler}$ has left $[1-\epsilon,\ 1+\epsilon_\text{high}]$ in the direction its
+#   advantage pushes (above the range with $A > 0$, below it with $A < 0$). A token whose ratio left it the other way
+#   keeps its unclipped term, and with it the whole gradient, ratio $\cdot\,A\,\nabla\log\pi$: below $1-\epsilon$
+#   with $A > 0$ its factor is at most $(1-\epsilon)A$, but above $1+\epsilon_\text{high}$ with $A < 0$ it grows with
+#   the ratio, without bound. That term is why dual-clip PPO (Ye et al. 2020, arXiv:1912.09729) bounds the objective
+#   of a token with $A < 0$ from below by $c \cdot A$, for a constant $c > 1$. In the exact comparison at the largest
+#   gap, 7.4% of the sampler's tokens (the mean over seeds) were above the range with a negative advantage, with
+#   ratios up to about 113,000 (seed 2), and their part of the expected gradient had 0.58 of its norm (0.47 to 0.65
+#   by seed). In the sweep, at lag 8, 3.6% of the tokens of the `sampler_as_old` runs were above the range with a
+#   negative advantage.
+# - **With N samples.** At the largest gap, from N = 1024 completions, the gradient's cosine with the on-policy one is
+#   0.90 for the sequence ratio, 0.89 to 0.92 for the per-token weights (capped or not) and 0.95 for 1024 samples of
+#   the policy itself, but about 0.4 with no correction, 0.48 for the sequence mask and 0.49 for the sampler as old,
+#   though the first and the last are within cosine 0.98 and 0.99 of their own expectations: more samples take an
+#   estimate to its own expectation, not to the on-policy gradient. From fewer samples the lower the cap, the closer
+#   (N = 16: 0.70 for cap 1, 0.62 for cap 2, 0.52 for cap 5, 0.51 uncapped, 0.45 for the sequence ratio): a cap trades
+#   bias for variance. (Means of 3 repeats in each of the 3 seeds.) With two tokens the sequence ratio is a product of
+#   two ratios; the variance that grows with the length needs longer completions than this space has.
 # - **The clip fires only off-policy.** With `num_iterations` 1 the clip fraction is exactly 0 at every step of every
 #   seed: the ratio is 1. With 2 it averages 1.9% of the tokens (1.4% to 2.4% over the three seeds), with 4 6.2% (5.1%
 #   to 6.8%): each batch's first update clips nothing, and each further update on the same samples meets a policy
-#   that has moved further. Over 16 steps the extra updates did not buy reward: 0.46, 0.44 and 0.43 over the last 5
-#   steps (standard deviations 0.01, 0.05 and 0.08 over seeds). They did buy a clip that has work to do.
+#   that has moved further. Over 16 steps the extra updates did not raise the reward: 0.46, 0.44 and 0.43 over the
+#   last 5 steps; paired by seed, 2 minus 1 iteration is −0.020 ± 0.021 (standard error over the seeds) and 4 minus 1
+#   −0.030 ± 0.049, neither resolved (below).
 # - **Our sampler is the trainer, to float rounding.** The lean decoder and TransformerLens's `generate` give each
-#   token they drew a log-prob within 7e-6 of the trainer's (mean 4e-7): different kernels, a KV cache, the LoRA
-#   merged or as hooks, and the same function. The same decoder in bfloat16 is off by 0.006 on average and 0.07 at
-#   worst, a probability 7% off. Weights 4 steps stale: 0.08 on average and 1.53 at worst, a factor of 4.6.
-# - **The lag-0 check held.** Trained separately, the six lag-0 runs gave the same AUC in every seed, to the 4 digits
-#   reported: with weights and ratios of 1 to about 1e-6, they are the same run. So the default sweep now trains lag 0
+#   token they drew a log-prob within 5.5e-6 and 5.0e-6 of the trainer's (means 4e-7 and 3e-7): different kernels, a
+#   KV cache, the LoRA merged or as hooks, and the same function. The same decoder in bfloat16 is off by 0.006 on
+#   average and 0.064 at worst, a probability 7% off. Weights 4 steps stale: 0.08 on average and 1.53 at worst, a
+#   factor of 4.6.
+# - **The lag-0 check held.** Trained separately, the six lag-0 runs gave the same AUC in every seed (0.5451, 0.5185,
+#   0.5432): with weights and ratios of 1 to about 1e-6, they are the same run. So the default sweep trains lag 0
 #   once.
-# - **A stale sampler costs accuracy, more with every step of lag.** Uncorrected, the AUC (the mean held-out accuracy
-#   over the 24 steps) fell from 0.536 on-policy (0.518 to 0.545 over the three seeds) to 0.497 at lag 1 (0.485 to
-#   0.509), 0.440 at 2 (0.409 to 0.456), 0.350 at 4 (0.324 to 0.401) and 0.235 at 8 (0.208 to 0.271), below the 0.437
-#   the model starts from on these 135 additions: each lag's range lies below the one before. The mean |log-ratio| per
-#   token between trainer and sampler grew with it (0.04, 0.11, 0.28, 0.63).
-# - **Every correction helped, and the weights did not close the gap at large lags.** Paired with the uncorrected run
-#   of the same seed (same prompts, same starting LoRA), every correction raised the AUC at every lag from 1 to 8, in
-#   every seed. Token-level TIS helped more with a higher cap (in the means, at every lag): at lag 4, 0.441 (cap 1),
-#   0.480 (cap 2) and 0.509 (cap 5); at lag 8, 0.385 (0.256 to 0.453), 0.461 (0.420 to 0.485) and 0.483 (0.454 to
-#   0.514), all below the on-policy 0.536. TRL's sequence mask (cap 3) landed between caps 1 and 5 (0.472 at lag 4,
-#   0.448 at lag 8), though it masked few completions (3.1% at most, at lag 8): most of its effect is the weights of
-#   the completions it keeps. Cap 1 only ever lowers a weight, and it helped least.
-# - **The sampler as PPO's old policy did best.** `sampler_as_old` had the highest AUC of the six at every lag from 1
-#   to 8, in every seed, and kept the mean at the on-policy level at every lag: 0.549 (lag 1), 0.574 (lag 2), 0.557
-#   (lag 4), 0.539 at lag 8 (0.515 to 0.562), against 0.536 on-policy. Paired with the on-policy run of the same seed
-#   it was higher in seeds 1 and 2 and lower in seed 0 at every lag (by 0.001 to 0.041): level with on-policy within
-#   the seeds' spread, not shown to be better. Its gradient is each token's uncapped ratio
-#   $\pi_\theta/\pi_\text{sampler}$ inside the clip range, and none for a token whose ratio has left it in the
-#   direction its advantage pushes: a trust region around the sampler, not only a reweighting. Why it held up where
-#   the weights alone did not, this experiment does not separate.
 #
-# Three seeds, 24 steps, one task and one model: the effect of the lag, and of correcting at all, held in every seed,
-# but these are short runs of a tiny model; per-token TIS's bias (the prefixes and the later tokens stay the
-# sampler's) and the sequence weight's variance are not measured separately here. The numbers were the same with 1 and
-# 2 threads (`RLHF_THREADS=1` / `2`). The bfloat16 sampler's gap is less than a tenth of the 4-step-stale one's, and
-# we did not train with it (bfloat16 decoding is about ten times slower than float32 on a CPU). Yao et al. report that
-# such gaps do matter at scale, over long runs.
+# The sweep's claims are paired by seed (same prompts, same starting LoRA): each is a mean difference over the 3 seeds
+# ± its standard error, called **resolved** when its 95% t-interval (the mean ± 4.30 standard errors, with 3 seeds)
+# excludes 0 (`paired`, and each cell's `minus_none` and `minus_on_policy`, in the JSON). One evaluation of 135
+# additions near 50% accuracy has a binomial standard error of about 0.043; the AUC combines 7 evaluations of a run.
+#
+# - **A stale sampler costs accuracy, more with every step of lag.** Uncorrected, the AUC (the mean held-out accuracy
+#   over the 24 steps) fell from 0.536 on-policy (0.518 to 0.545 over the three seeds) to 0.497 at lag 1, 0.440 at 2,
+#   0.350 at 4 and 0.235 at 8, below the 0.437 the model starts from on these 135 additions. Paired with the
+#   on-policy run: −0.039 ± 0.004 at lag 1, −0.096 ± 0.007 at 2, −0.186 ± 0.023 at 4, −0.300 ± 0.027 at 8, each
+#   resolved. The mean |log-ratio| per token between trainer and sampler grew with it (0.045, 0.106, 0.281, 0.632).
+# - **Every correction helped; which helped most is mostly not resolved.** Paired with the uncorrected run at the
+#   same lag, every correction raised the AUC at every lag from 1 to 8 in every seed. Resolved: TIS with cap 2 and cap
+#   5 and the sampler as old at every lag (at lag 8: +0.226 ± 0.023, +0.247 ± 0.013, +0.303 ± 0.026); TRL's sequence
+#   mask at lags 1, 4 and 8 (+0.213 ± 0.017 at 8), not at 2 (+0.067 ± 0.021); cap 1 only at lag 4 (+0.091 ± 0.018).
+#   The means rose with the cap at every lag, but no difference between caps is resolved: cap 5 minus cap 2 is
+#   +0.001 ± 0.001 at lag 1 (0.531 against 0.530), +0.008 ± 0.003 at 2, +0.029 ± 0.009 at 4 and +0.022 ± 0.010 at
+#   8; cap 2 minus cap 1 from +0.020 ± 0.006 (lag 1) to +0.076 ± 0.045 (lag 8). Nor is the sequence mask against cap
+#   5 (−0.000 ± 0.009 at lag 1 to −0.035 ± 0.010 at lag 8); it masked few completions (3.1% at lag 8).
+# - **Back to on-policy?** At lag 8 the weighted corrections stayed below the on-policy run in the means: cap 5 by
+#   0.053 ± 0.025 and cap 2 by 0.075 ± 0.027 (not resolved), the sequence mask by 0.088 ± 0.015 (resolved); cap 1
+#   was below it at lags 1 and 2 (resolved: −0.026 ± 0.001, −0.064 ± 0.014).
+# - **The sampler as PPO's old policy did best of the six, and level with on-policy.** `sampler_as_old` had the
+#   highest AUC of the six at every lag from 1 to 8 in every seed (0.549, 0.574, 0.557 and 0.539 at lags 1, 2, 4 and
+#   8). Resolved: its lead over cap 5 at lags 1 and 2 (+0.018 ± 0.003, +0.039 ± 0.005), not at 4 and 8 (+0.048 ±
+#   0.023, +0.056 ± 0.016); over the sequence mask at lags 4 and 8 (+0.085 ± 0.006, +0.091 ± 0.009), not at 1 and 2.
+#   Against the on-policy run: +0.014 ± 0.008, +0.038 ± 0.020, +0.021 ± 0.031 and +0.003 ± 0.017 at lags 1, 2, 4
+#   and 8, none resolved: level with on-policy, not shown to be better. Its runs stayed nearer their sampler: a mean
+#   |log-ratio| of 0.088 per token at lag 8, against 0.632 uncorrected. Why it held up in training while its
+#   expected gradient at a fixed gap can point away from the on-policy one (above), this lab does not separate: the
+#   exact comparison measures one step at a fixed distance, the sweep a run whose distance it shapes itself.
+#
+# Three seeds, 24 steps, one task and one model: the cost of the lag, and the gain from TIS with cap 2 or 5 and from
+# the sampler as old, are resolved; most of the ranking among corrections is not, and these are short runs of a tiny
+# model. The exact comparison is one two-token prompt per seed, with an arbitrary reward. The bfloat16 sampler's gap
+# is less than a tenth of the 4-step-stale one's, and we did not train with it. Yao et al. report that such gaps do
+# matter at scale, over long runs.
 
 # %% [markdown]
 # ## What to take away
@@ -818,13 +998,17 @@ off_policy.plot(off_policy_result);
 #   per-token KL miss the earlier tokens' share of the later ones' KL (cosine 0.97 here); the exact per-token KL's
 #   gradient from one sample is already within cosine 0.95 of its expectation.
 # - **A learned reward is a proxy, and a search finds its blind spots** (section 2). Best-of-n against a reward model
-#   that ranks 86-90% of held-out pairs right doubled gold (22.9% to 47.6% at n = 8), then lost a quarter of it by
-#   n = 256; the bigger the proxy's error, the earlier the peak.
+#   that ranks 86-90% of held-out pairs right doubled gold (25.6% to 51.2% at n = 8), then lost 14.5 ± 3.1 points of
+#   it by n = 256 (paired over prompts); the bigger the proxy's error, the earlier the peak. Picking the policy's own
+#   most likely answer never fell: the fall is the learned part's. Measured exactly, best-of-n's KL is below
+#   $\log n - (n-1)/n$, which assumes no ties (2.57 nats against 4.55 at n = 256).
 # - **A bug in a verifier is a reward to be collected** (section 2): `all` of no numbers is True, and a completion with
 #   no number at all took the buggy reward to 100%, the gold score to 0.
-# - **`beta` is a leash** (section 2): against a reward model whose gold peaks along the run, `beta` 0.5 ended near
-#   the top of the curve (KL 0.37 nats, gold 32%), `beta` 0 ran past it (KL 1.82, gold 20%), and `beta` 2 held the
-#   policy so close that it climbed less (KL 0.03, gold 28%).
+# - **`beta` is a leash, and here more than early stopping** (section 2): against a reward model whose gold peaks
+#   along the run, `beta` 0 ran past the peak (KL 1.82 nats, gold 20%), `beta` 2 held the policy so close that it
+#   climbed less (KL 0.03, gold 28%), and `beta` 0.5 ended at KL 0.37 with gold 32%, above the best the unleashed run
+#   showed anywhere in two seeds of three (by 4.4 ± 1.0 and 2.7 ± 0.6 points), where Gao et al. found a KL penalty
+#   no better than stopping early.
 # - **Where a loss's length bias comes from is one line of arithmetic** (section 3): `"grpo"` gives each token of an
 #   L-token answer the weight 1/(B L), so a long wrong answer is penalised less per token; `"dr_grpo"` and `"dapo"`
 #   give every token of a batch one weight (and on one batch they are the same update).
@@ -842,10 +1026,15 @@ off_policy.plot(off_policy_result);
 #   instead of 82.2%), yet no block alone gets near all of them together.
 # - **The clip fires only off-policy** (section 5). With `num_iterations` 1 the ratio is exactly 1 and the clip
 #   fraction 0; with 2 and 4, 1.9% and 6.2% of the tokens are clipped (3 seeds), all of it in the later updates.
-# - **On-policy is a claim about the sampler** (section 5). Our lean decoder matches the trainer to 7e-6 in log-prob;
-#   in bfloat16 it is 0.07 off at worst, and weights 4 steps stale 1.53. The held-out accuracy AUC fell with every
-#   step of sampler lag, from 0.536 on-policy to 0.235 at 8 steps (3 seeds). Every correction recovered part of it, in
-#   every seed; per-token TIS more with a higher cap (cap 5: 0.483 at lag 8), TRL's default sequence mask (cap 3)
-#   0.448; only the sampler as PPO's old policy stayed at the on-policy level (0.539, within the seeds' spread).
-#   Per-token weights correct each token's draw given its prefix, not the prefixes nor the later tokens that set the
-#   reward.
+# - **On-policy is a claim about the sampler** (section 5). Our lean decoder matches the trainer to 5.5e-6 in
+#   log-prob; in bfloat16 it is 0.064 off at worst, and weights 4 steps stale 1.53. The held-out accuracy AUC fell
+#   with every step of sampler lag, from 0.536 on-policy to 0.235 at 8 steps (paired: −0.300 ± 0.027, 3 seeds). Every
+#   correction recovered part of it in every seed, TIS with cap 2 or 5 and the sampler as PPO's old policy resolved
+#   at every lag; the order among the caps is not resolved. The sampler as old policy was level with on-policy at
+#   every lag (+0.003 ± 0.017 at lag 8), the weights below it in the means.
+# - **Only the sequence ratio's expected gradient is the on-policy one** (section 5, exactly, over every two-token
+#   completion). Per-token weights, capped or not, correct each token's draw given its prefix, not the prefix nor the
+#   later tokens that set the reward; at lag 8's gap their cosines with the on-policy gradient were 0.81 to 0.998, and
+#   no correction, TRL's mask and the clip against the sampler each pointed away from it in one seed. That clip keeps
+#   the whole, unbounded ratio · A gradient of a token whose ratio left its range against its advantage (dual-clip
+#   PPO bounds it).

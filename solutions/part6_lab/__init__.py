@@ -25,7 +25,8 @@ Run the package as a script for every experiment with its defaults (at most 10 m
     python -m solutions.part6_lab                 # all five experiments, 3 seeds each, plots in lab_*.png
     python -m solutions.part6_lab --json          # ... ending with a JSON line of the figures
     python -m solutions.part6_lab --only kl_gradients hacking
-    python -m solutions.part6_lab --rm-pairs 100 500 2500   # hacking's longer variant: reward models of 3 sizes
+    python -m solutions.part6_lab --rm-pairs 100 500 2500   # hacking's longer variant: 3 reward models, trained
+                                                            # on 100, 500 and 2,500 pairs
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from solutions.part6_lab.kl_gradients import (FIRST_TOKENS_IN_RANGE, FIRST_TOKEN
                                               exact_sequence_kls, token_kl_estimate, two_token_logprobs)
 from solutions.part6_lab.length_bias import (LOSS_TYPES, loss_token_weights,  # noqa: F401 (re-exported)
                                              mean_length_by_outcome, reward_positive_answer)
-from solutions.part6_lab.off_policy import (clip_fraction, sequence_mask_weights,  # noqa: F401 (re-exported)
-                                            tis_grpo_loss, truncated_importance_weights)
+from solutions.part6_lab.off_policy import (clip_fraction, expected_grpo_objective,  # noqa: F401 (re-exported)
+                                            sequence_mask_weights, tis_grpo_loss, truncated_importance_weights)
 from solutions.part6_lab.policy_shift import (answer_attention, lora_on_blocks,  # noqa: F401 (re-exported)
                                               token_log_ratios)
 from utils import cli
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
     parser.add_argument("--rm-pairs", type=cli.at_least(1), nargs="+", metavar="PAIRS",
                         help="instead of the experiments: best-of-n and GRPO against reward models trained on this "
-                             "many pairs each, e.g. 100 500 2500 (hacking's longer variant, about 5 minutes)")
+                             "many pairs each, e.g. 100 500 2500 (hacking's longer variant: several minutes)")
     args = parser.parse_args(argv)
 
     smoke = bool(os.environ.get("RLHF_SMOKE"))

@@ -13,24 +13,35 @@ The "H" of RLHF is a reward model learned from human preferences. Here the prefe
    token (reward_model_scores). The head starts at zero, so before training the score is the policy's likelihood;
    both parts are trained with the Bradley-Terry loss. Its pair accuracy on pairs from held-out additions says how
    good a judge it is before RL starts.
-3. Best-of-n, exactly: a pool of samples per held-out prompt; the gold score of the proxy's pick among n, averaged
-   over every n-subset of the pool in closed form, against KL = log n - (n - 1) / n (Gao, Schulman & Hilton 2022,
-   "Scaling Laws for Reward Model Overoptimization"); and the same with a synthetic proxy, gold + sigma * noise fixed
-   per answer, as a control.
+3. Best-of-n, exactly: a pool of samples per held-out prompt, and best-of-n as n draws with replacement from the
+   pool's frequencies, the one the proxy scores highest kept. Its distribution over the pool's distinct answers is
+   exact (best_of_n_distribution), so are the KL to the pool, the gold (the exact verifier) and the proxy of the answer
+   kept, for every n. The pool is full of repeated answers, which tie in the proxy, so the KL is below the no-ties
+   formula log n - (n - 1) / n (Gao, Schulman & Hilton 2022, "Scaling Laws for Reward Model Overoptimization"), which
+   is kept beside it as the upper bound it is (Beirami et al. 2024). The rise to the peak and the fall after it are
+   paired differences over prompts with their standard errors (best_of_n_difference). Beside it, a synthetic proxy,
+   gold + sigma * noise fixed per answer, as a control.
 4. GRPO (Part 3's trainer, with a LoRA) against the reward model, beta = 0, with the gold score against sqrt(KL)
    along the run. Gold is the exact verifier's expected score on held-out additions, measured without most of its
    sampling noise: the probability of the bare sum then EOS comes from one teacher-forced pass (exact), and only the
    rarer right answers in other forms are sampled (evaluate). rl_peak says where gold peaks in each seed's run and
    whether the peak is real: a rise from the start, and a fall to the far end of the curve (the largest KL the run
    reached), each larger than twice the standard error of the paired difference over the prompts.
-5. The same GRPO against a verifier with a plausible bug (reward_every_number_right: `all` of no numbers is
+5. The two halves of the proxy, apart. The head-only control: a reward model without the likelihood term
+   (head_only_scores), trained on the same pairs from the same start, with best-of-n and a shorter GRPO run (beta = 0)
+   against it: what is left when only a learned scorer can be exploited. And best-of-n against the frozen policy's
+   own likelihood alone (policy_likelihood): the pull towards the policy's mode, with no learned part to exploit.
+6. The same GRPO against a verifier with a plausible bug (reward_every_number_right: `all` of no numbers is
    True), exploited; the fixed verifier is the exact one, logged as the gold score.
-6. beta as the leash: GRPO against the same reward model with the KL term at each of `betas`; at the end of each run,
+7. beta as the leash: GRPO against the same reward model with the KL term at each of `betas`; at the end of each run,
    the proxy, the gold score and the KL to the reference (exact per-token KL, summed over each completion, averaged
-   over completions sampled from the policy).
+   over completions sampled from the policy), and where it ended against the unleashed run's curve of gold against
+   KL (unleashed_comparison: Gao et al. found that a KL penalty acts like early stopping).
 
 Every run is repeated over the seeds (a seed draws the pairs, trains the reward model and runs RL), and the figures
-are means over seeds with the per-seed values beside them.
+are means over seeds with the per-seed values beside them. The longer variant (run_rm_sizes; `python -m
+solutions.part6_lab --rm-pairs 100 500 2500`) varies the reward model's training pairs, its data, not its number of
+parameters: the reward model is the same tiny model in every case (Gao et al.'s fig. 1 varies the parameters).
 
     run(seeds, smoke=False, *, bradley_terry_loss=..., reward_model_scores=..., cfg=None) -> result
     summarize(result) -> JSON-ready dict;  plot(result, path=None) -> Figure
@@ -43,9 +54,8 @@ import random
 import re
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -152,8 +162,9 @@ def reward_model_scores(
 
 @dataclass
 class HackingConfig:
-    """Defaults: three seeds in 135 s on an idle 2-core machine (2026-11-26, in the lab's default run);
-    `HackingConfig.smoke()` takes a few seconds a seed."""
+    """Defaults: three seeds in 100 s on a 2-core machine shared with other jobs (`python -m solutions.part6_lab --only
+    hacking`, 2 threads; the edition before the head-only control took 78 s just before it); `HackingConfig.smoke()`
+    takes a few seconds a seed."""
 
     rm_prompts: int = 300                 # train additions whose samples make the preference pairs
     rm_group: int = 8                     # answers sampled per prompt; a pair is one right and one wrong answer
@@ -175,13 +186,15 @@ class HackingConfig:
     eval_prompts: int = 128               # held-out additions scored at each evaluation ...
     eval_group: int = 1                   # ... with this many completions each, sampled at temperature 1
     eval_every: int = 4                   # steps between evaluations (and at the start and the end)
-    bon_prompts: int = 32                 # held-out additions of best-of-n's pools, spread over the held-out set
+    bon_prompts: int = 64                 # held-out additions of best-of-n's pools, spread over the held-out set
+    head_only: bool = True                # the control: a head-only reward model, best-of-n and GRPO against it
+    head_only_steps: int = 20             # GRPO steps against the control (its gold has collapsed by then)
 
     @classmethod
     def smoke(cls) -> "HackingConfig":
         return cls(rm_prompts=16, held_prompts=8, rm_epochs=1, bon_samples=16, bon_ns=(1, 2, 4, 16), sigmas=(1.0,),
                    steps=2, n_prompts=2, group_size=4, betas=(0.0, 0.5), eval_prompts=4, eval_group=2, eval_every=2,
-                   bon_prompts=4)
+                   bon_prompts=4, head_only_steps=2)
 
 
 # --- The pieces of one seed --------------------------------------------------------------------------------------
@@ -224,6 +237,27 @@ def proxy_scores(reward_model_scores, rm, head, prompts: list[str], completions:
     return completion_log_likelihood(kept["logits"], ids, mask, prompt_len) + correction
 
 
+def head_only_scores(reward_model_scores, rm, head, prompts: list[str], completions: list[str]) -> Tensor:
+    """The control's score: the head alone, read at the last real token (reward_model_scores), with no likelihood
+    term, as InstructGPT's reward model scores (Ouyang et al. 2022). Trained on the same pairs with the same recipe, it
+    separates what a learned scorer's errors contribute to over-optimisation from what the likelihood term's pull
+    towards the reward model's most likely answers does."""
+    ids, mask = reward_model_batch(rm.tokenizer, prompts, completions, rm.cfg.device)
+    return reward_model_scores(rm, head, ids, mask)
+
+
+def policy_likelihood(policy):
+    """The other half of the decomposition: the frozen policy's own log-likelihood of each completion (summed over the
+    completion and its EOS), no head, no training. Best-of-n against it keeps the pool's most likely answer as n
+    grows: a pull towards the policy's mode and nothing else."""
+    @torch.no_grad()
+    def score(prompts: list[str], completions: list[str]) -> list[float]:
+        ids, mask = reward_model_batch(policy.tokenizer, prompts, completions, policy.cfg.device)
+        prompt_len = tokenize_prompts(policy.tokenizer, prompts, policy.cfg.device)[0].shape[1]
+        return completion_log_likelihood(policy(ids, attention_mask=mask), ids, mask, prompt_len).tolist()
+    return score
+
+
 def completion_log_likelihood(logits: Float[Tensor, "batch seq vocab"], ids: Int[Tensor, "batch seq"],
                               mask: Int[Tensor, "batch seq"], prompt_len: int) -> Float[Tensor, "batch"]:
     """The log-probability of each row's completion (ids[:, prompt_len:], its real tokens as `mask` says: the answer
@@ -233,23 +267,26 @@ def completion_log_likelihood(logits: Float[Tensor, "batch seq vocab"], ids: Int
     return (token_logp * mask[:, prompt_len:]).sum(1)
 
 
-def _pair_scores(reward_model_scores, rm, head, triples):
+def _pair_scores(reward_model_scores, rm, head, triples, scorer=proxy_scores):
     prompts = [p for p, _, _ in triples] * 2
-    return proxy_scores(reward_model_scores, rm, head, prompts,
-                        [c for _, c, _ in triples] + [r for _, _, r in triples]).chunk(2)
+    return scorer(reward_model_scores, rm, head, prompts,
+                  [c for _, c, _ in triples] + [r for _, _, r in triples]).chunk(2)
 
 
 @torch.no_grad()
-def pair_accuracy(reward_model_scores, rm, head, triples) -> float:
-    """The fraction of pairs whose chosen answer the reward model scores above the rejected one."""
-    chosen, rejected = _pair_scores(reward_model_scores, rm, head, triples)
+def pair_accuracy(reward_model_scores, rm, head, triples, scorer=proxy_scores) -> float:
+    """The fraction of pairs whose chosen answer the reward model (scored by `scorer`) scores above the rejected
+    one."""
+    chosen, rejected = _pair_scores(reward_model_scores, rm, head, triples, scorer)
     return (chosen > rejected).float().mean().item()
 
 
-def train_reward_model(triples, cfg: HackingConfig, seed: int, bradley_terry_loss, reward_model_scores):
+def train_reward_model(triples, cfg: HackingConfig, seed: int, bradley_terry_loss, reward_model_scores,
+                       scorer=proxy_scores):
     """A fresh copy of the tiny model (the policy's own likelihood) and a Linear(d_model, 1) head starting at zero (the
-    correction), trained together on the pairs with the Bradley-Terry loss. Returns (model, head, the loss of each
-    step); both frozen afterwards."""
+    correction), trained together on the pairs with the Bradley-Terry loss on the scores `scorer` gives
+    (proxy_scores: likelihood plus head; head_only_scores: the control). Returns (model, head, the loss of each step);
+    both frozen afterwards."""
     torch.manual_seed(seed)
     rm = load_model("tiny")
     head = nn.Linear(rm.cfg.d_model, 1).to(rm.cfg.device)
@@ -261,7 +298,8 @@ def train_reward_model(triples, cfg: HackingConfig, seed: int, bradley_terry_los
     for _ in range(cfg.rm_epochs):
         order = rng.sample(triples, len(triples))
         for start in range(0, len(order), cfg.rm_batch):
-            chosen, rejected = _pair_scores(reward_model_scores, rm, head, order[start:start + cfg.rm_batch])
+            batch = order[start:start + cfg.rm_batch]
+            chosen, rejected = _pair_scores(reward_model_scores, rm, head, batch, scorer)
             loss = bradley_terry_loss(chosen, rejected)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -272,62 +310,98 @@ def train_reward_model(triples, cfg: HackingConfig, seed: int, bradley_terry_los
     return rm, head, losses
 
 
-def reward_model_reward(reward_model_scores, rm, head):
+def reward_model_reward(reward_model_scores, rm, head, scorer=proxy_scores):
     """The reward model as a GRPO reward function: (prompts, completions) -> one score each, batched, no gradient."""
     @torch.no_grad()
     def proxy(prompts: list[str], completions: list[str]) -> list[float]:
-        return proxy_scores(reward_model_scores, rm, head, prompts, completions).tolist()
+        return scorer(reward_model_scores, rm, head, prompts, completions).tolist()
     return proxy
 
 
 # --- Best-of-n, exactly ------------------------------------------------------------------------------------------
 
-def best_of_n_kl(n: int) -> float:
-    """KL(best-of-n || policy) = log n - (n - 1) / n nats, for a proxy without ties (Stiennon et al. 2020; Gao et al.
-    2022, section 2): best-of-n needs no training, and this is how far it moves from the policy."""
+def best_of_n_kl_formula(n: int) -> float:
+    """log n - (n - 1) / n nats: KL(best-of-n || policy) when no two samples can tie in the proxy (Stiennon et al.
+    2020; Gao et al. 2022, section 2). Where answers repeat, as a small model's do, it is only an upper bound
+    (Beirami et al. 2024, arXiv:2401.01879): the same answer drawn twice has one score, and best-of-n moves less."""
     return math.log(n) - (n - 1) / n
 
 
-def best_of_n_weights(pool_size: int, n: int) -> Float[Tensor, "pool"]:
-    """For a pool of `pool_size` samples sorted by proxy, lowest first: the probability that the i-th is the best of
-    n drawn from the pool without replacement, C(i - 1, n - 1) / C(pool_size, n) (zero for i < n). Averaging gold
-    with these weights is the unbiased estimate of best-of-n's gold (Nakano et al. 2021, appendix; Gao et al. 2022),
-    exact over the pool: no draw of n is made."""
-    i = torch.arange(1, pool_size + 1, dtype=torch.float64)
-    log_w = (torch.lgamma(i) - torch.lgamma((i - n + 1).clamp(min=1)) - math.lgamma(n)
-             - (math.lgamma(pool_size + 1) - math.lgamma(n + 1) - math.lgamma(pool_size - n + 1)))
-    return torch.where(i >= n, log_w.exp(), torch.zeros_like(log_w))
+def best_of_n_distribution(
+    probs: Float[Tensor, "answers"],
+    scores: Float[Tensor, "answers"],
+    n: int,
+) -> Float[Tensor, "answers"]:
+    """The distribution, over distinct answers, of the answer best-of-n keeps: n independent draws from `probs` (an
+    answer's probability, or its count in a pool: they are normalised here), and the draw with the highest score.
+    Answers with equal scores form one group. The best draw lands in a group with probability F^n - F_below^n, F the
+    mass of the answers scored at most the group's score and F_below of those scored below it; among tied draws the
+    first is kept (as argmax does), which picks each answer of the group in proportion to its probability.
+
+    Returns: [answers], each answer's probability of being kept, in the order given (0 where probs is 0).
+    """
+    order = torch.argsort(scores, stable=True)  # lowest score first
+    p, s = probs[order].to(torch.float64), scores[order]
+    p = p / p.sum()
+    starts = torch.ones_like(s, dtype=torch.bool)
+    starts[1:] = s[1:] != s[:-1]
+    group = starts.long().cumsum(0) - 1  # [answers], the index of each answer's group of equal scores
+    mass = torch.zeros(int(group[-1]) + 1, dtype=torch.float64).index_add_(0, group, p)  # [groups]
+    below = mass.cumsum(0) - mass
+    best_in_group = (below + mass).clamp(max=1.0) ** n - below.clamp(min=0.0) ** n
+    share = torch.where(mass[group] > 0, p / mass[group], torch.zeros_like(p))
+    out = torch.empty_like(p)
+    out[order] = share * best_in_group[group]
+    return out
+
+
+def best_of_n_kl(probs: Float[Tensor, "answers"], scores: Float[Tensor, "answers"], n: int) -> float:
+    """KL(best-of-n || probs), in nats, exactly: the sum over answers of p_n log(p_n / p), with p_n from
+    best_of_n_distribution. At most best_of_n_kl_formula(n), and below it wherever answers tie."""
+    p_n, p = best_of_n_distribution(probs, scores, n), probs.to(torch.float64) / probs.sum()
+    kept = p_n > 0
+    return (p_n[kept] * (p_n[kept] / p[kept]).log()).sum().item()
 
 
 @torch.no_grad()
-def answer_pool(policy, prompts: list[str], samples: int, max_new_tokens: int, seed: int) -> list[dict]:
-    """`samples` completions of each prompt from the policy at temperature 1, as the distinct answers and how often
-    each came (a proxy scores each distinct answer once)."""
+def answer_pool(policy, prompts: list[str], samples: int, max_new_tokens: int, seed: int,
+                chunk: int = 32) -> list[dict]:
+    """`samples` completions of each prompt from the policy at temperature 1 (sampled `chunk` prompts at a time), as
+    the distinct answers and how often each came (a proxy scores each distinct answer once)."""
     torch.manual_seed(20_000 + seed)
-    out = sample(policy, [p for p in prompts for _ in range(samples)], max_new_tokens=max_new_tokens)
     pool = []
-    for i, prompt in enumerate(prompts):
-        counts = Counter(out.texts[i * samples:(i + 1) * samples])
-        pool.append({"prompt": prompt, "answers": list(counts), "counts": list(counts.values())})
+    for first in range(0, len(prompts), chunk):
+        some = prompts[first:first + chunk]
+        out = sample(policy, [p for p in some for _ in range(samples)], max_new_tokens=max_new_tokens)
+        for i, prompt in enumerate(some):
+            counts = Counter(out.texts[i * samples:(i + 1) * samples])
+            pool.append({"prompt": prompt, "answers": list(counts), "counts": list(counts.values())})
     return pool
 
 
-def best_of_n_curve(pool: list[dict], score_fn, ns) -> list[dict]:
-    """Best-of-n against `score_fn` ((prompts, answers) -> scores), for each n: its KL, and the mean over prompts of
-    the gold (the exact verifier) and the proxy of the answer picked. Ties in the proxy are broken at random."""
-    sums = {n: [0.0, 0.0] for n in ns}
-    for entry in pool:
-        prompts = [entry["prompt"]] * len(entry["answers"])
-        counts = torch.tensor(entry["counts"])
-        proxy = torch.as_tensor(score_fn(prompts, entry["answers"]), dtype=torch.float64).repeat_interleave(counts)
-        gold = torch.tensor(reward_exact_answer(prompts, entry["answers"]), dtype=torch.float64).repeat_interleave(counts)
-        tiebreak = torch.rand(len(proxy), generator=torch.Generator().manual_seed(len(proxy)), dtype=torch.float64)
-        order = torch.from_numpy(np.lexsort((tiebreak.numpy(), proxy.numpy())))  # by proxy, lowest first
-        for n in ns:
-            weights = best_of_n_weights(len(proxy), n)
-            sums[n][0] += (weights * gold[order]).sum().item() / len(pool)
-            sums[n][1] += (weights * proxy[order]).sum().item() / len(pool)
-    return [{"n": n, "kl": round(best_of_n_kl(n), 4), "gold": sums[n][0], "proxy": sums[n][1]} for n in ns]
+def best_of_n_curve(pool: list[dict], score_fn, ns, chunk: int = 512) -> list[dict]:
+    """Best-of-n against `score_fn` ((prompts, answers) -> scores, called on every distinct answer of the pool, `chunk`
+    at a time), for each n, from the pool's own frequencies: each prompt's answers drawn n times with replacement, the
+    best kept (best_of_n_distribution). Every figure of a point is exact for that one distribution: its KL to the pool
+    (best_of_n_kl; "kl_formula" is log n - (n - 1) / n, the bound), and the gold (exact verifier) and proxy of the
+    answer kept, their expectations. Means over prompts, and each prompt's gold ("gold_per_prompt", for a paired
+    difference between two n)."""
+    prompts = [entry["prompt"] for entry in pool for _ in entry["answers"]]
+    answers = [answer for entry in pool for answer in entry["answers"]]
+    sizes = [len(entry["answers"]) for entry in pool]
+    scores = [s for i in range(0, len(answers), chunk) for s in score_fn(prompts[i:i + chunk], answers[i:i + chunk])]
+    proxy = torch.as_tensor(scores, dtype=torch.float64).split(sizes)
+    gold = torch.tensor(reward_exact_answer(prompts, answers), dtype=torch.float64).split(sizes)
+    probs = [torch.tensor(entry["counts"], dtype=torch.float64) for entry in pool]
+    curve = []
+    for n in ns:
+        kept = [best_of_n_distribution(p, s, n) for p, s in zip(probs, proxy)]
+        gold_per_prompt = [(q * g).sum().item() for q, g in zip(kept, gold)]
+        curve.append({"n": n, "kl": _mean(best_of_n_kl(p, s, n) for p, s in zip(probs, proxy)),
+                      "kl_formula": round(best_of_n_kl_formula(n), 4), "gold": _mean(gold_per_prompt),
+                      "proxy": _mean((q * s).sum().item() for q, s in zip(kept, proxy)),
+                      "gold_per_prompt": [round(g, 6) for g in gold_per_prompt]})
+    return curve
 
 
 def noisy_gold(sigma: float, seed: int):
@@ -407,18 +481,28 @@ def grpo_run(base, reward_fn, name: str, cfg: HackingConfig, seed: int, beta: fl
 
 # --- The experiment ----------------------------------------------------------------------------------------------
 
-def reward_model_for_seed(base, cfg: HackingConfig, seed: int, bradley_terry_loss, reward_model_scores) -> dict:
+def reward_model_for_seed(base, cfg: HackingConfig, seed: int, bradley_terry_loss, reward_model_scores,
+                          head_only: bool = False) -> dict:
     """The pairs of one seed (from training additions, and from held-out ones), the reward model trained on them,
-    and its pair accuracy on both."""
+    and its pair accuracy on both; with `head_only`, also the control (head_only_scores) trained on the same pairs in
+    the same order from the same start, under "head_only"."""
     rng = random.Random(seed)
     train_triples = preference_triples(base, rng.sample(addition_pairs("train"), cfg.rm_prompts), cfg.rm_group,
                                        cfg.max_new_tokens, seed)[:cfg.rm_pairs]
     held_triples = preference_triples(base, rng.sample(addition_pairs("held_out"), cfg.held_prompts), cfg.rm_group,
                                       cfg.max_new_tokens, seed + 1)
-    rm, head, losses = train_reward_model(train_triples, cfg, seed, bradley_terry_loss, reward_model_scores)
-    return {"rm": rm, "head": head, "pairs": len(train_triples), "held_pairs": len(held_triples), "rm_losses": losses,
-            "rm_train_accuracy": pair_accuracy(reward_model_scores, rm, head, train_triples),
-            "rm_held_accuracy": pair_accuracy(reward_model_scores, rm, head, held_triples)}
+
+    def judge(scorer) -> dict:
+        rm, head, losses = train_reward_model(train_triples, cfg, seed, bradley_terry_loss, reward_model_scores,
+                                              scorer)
+        return {"rm": rm, "head": head, "rm_losses": losses,
+                "rm_train_accuracy": pair_accuracy(reward_model_scores, rm, head, train_triples, scorer),
+                "rm_held_accuracy": pair_accuracy(reward_model_scores, rm, head, held_triples, scorer)}
+
+    out = {**judge(proxy_scores), "pairs": len(train_triples), "held_pairs": len(held_triples)}
+    if head_only:
+        out["head_only"] = judge(head_only_scores)
+    return out
 
 
 def _eval_prompts(count: int) -> list[str]:
@@ -429,9 +513,10 @@ def _eval_prompts(count: int) -> list[str]:
 
 def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_terry_loss,
         reward_model_scores=reward_model_scores, cfg: HackingConfig | None = None) -> dict:
-    """For each seed: the pairs and the reward model; best-of-n against it and against the synthetic control (no
-    training); a GRPO run against it at each beta of cfg.betas; and a GRPO run against the buggy verifier. The
-    exercises are the ones above unless passed (the notebook passes the learner's; reward_model_scores reads each
+    """For each seed: the pairs and the reward model (and, with cfg.head_only, the head-only control trained on the
+    same pairs); best-of-n against each and against the synthetic control (no training); a GRPO run against the reward
+    model at each beta of cfg.betas (and one against the control at beta 0); and a GRPO run against the buggy verifier.
+    The exercises are the ones above unless passed (the notebook passes the learner's; reward_model_scores reads each
     row's score with last_token_scores)."""
     cfg = cfg or (HackingConfig.smoke() if smoke else HackingConfig())
     if 0.0 not in cfg.betas:
@@ -440,20 +525,30 @@ def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_ter
         raise ValueError(f"best-of-n draws n from a pool of cfg.bon_samples = {cfg.bon_samples}: n up to "
                          f"{max(cfg.bon_ns)} needs a pool at least that large")
     eval_prompts, bon_prompts = _eval_prompts(cfg.eval_prompts), _eval_prompts(cfg.bon_prompts)
-    bar = tqdm(total=len(seeds) * (len(cfg.betas) + 1) * cfg.steps, desc="hacking: GRPO steps")
+    steps_per_seed = (len(cfg.betas) + 1) * cfg.steps + cfg.head_only * cfg.head_only_steps
+    bar = tqdm(total=len(seeds) * steps_per_seed, desc="hacking: GRPO steps")
     result = {"config": asdict(cfg), "seeds": list(seeds), "per_seed": []}
     for seed in seeds:
         base = load_model("tiny")
-        judge = reward_model_for_seed(base, cfg, seed, bradley_terry_loss, reward_model_scores)
+        judge = reward_model_for_seed(base, cfg, seed, bradley_terry_loss, reward_model_scores, cfg.head_only)
         proxy = reward_model_reward(reward_model_scores, judge.pop("rm"), judge.pop("head"))
         pool = answer_pool(base, bon_prompts, cfg.bon_samples, cfg.max_new_tokens, seed)
         best_of_n = best_of_n_curve(pool, proxy, cfg.bon_ns)
         control = {sigma: best_of_n_curve(pool, noisy_gold(sigma, seed), cfg.bon_ns) for sigma in cfg.sigmas}
+        likelihood_only = best_of_n_curve(pool, policy_likelihood(base), cfg.bon_ns)
         runs = {beta: grpo_run(base, proxy, "proxy", cfg, seed, beta, cfg.lr, eval_prompts, bar) for beta in cfg.betas}
         buggy = grpo_run(base, reward_every_number_right, "buggy", cfg, seed, 0.0, cfg.buggy_lr,
                          eval_prompts, bar)
-        result["per_seed"].append({"seed": seed, **judge, "best_of_n": best_of_n, "control": control,
-                                   "runs": runs, "buggy": buggy})
+        row = {"seed": seed, **judge, "best_of_n": best_of_n, "control": control, "likelihood_only": likelihood_only,
+               "runs": runs, "buggy": buggy}
+        if cfg.head_only:
+            head_judge = row.pop("head_only")
+            head_proxy = reward_model_reward(reward_model_scores, head_judge.pop("rm"), head_judge.pop("head"),
+                                             head_only_scores)
+            short = replace(cfg, steps=cfg.head_only_steps)  # no schedule: the first steps of a longer run
+            row["head_only"] = {**head_judge, "best_of_n": best_of_n_curve(pool, head_proxy, cfg.bon_ns),
+                                "run": grpo_run(base, head_proxy, "proxy", short, seed, 0.0, cfg.lr, eval_prompts, bar)}
+        result["per_seed"].append(row)
     bar.close()
     over = result["per_seed"][0]  # one completion per held-out prompt, at the end of the runs
     tqdm.write(f"\nWhat the policy found against the reward model (seed {over['seed']}, beta = 0, the end):\n"
@@ -464,13 +559,13 @@ def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_ter
 
 
 def run_rm_sizes(seeds: list[int], pairs=(100, 500, 2500), cfg: HackingConfig | None = None) -> dict:
-    """The longer variant: reward models trained on `pairs` pairs each (the same recipe; enough training additions
-    are drawn to make them), per seed; against each, best-of-n and a GRPO run at beta = 0 (its evaluations, without
-    the samples), to see where each peaks."""
+    """The longer variant, a sweep of the reward model's training data: reward models trained on `pairs` pairs each
+    (the same model and recipe; enough training additions are drawn to make them), per seed; against each, best-of-n
+    and a GRPO run at beta = 0 (its evaluations, without the samples), to see where each peaks."""
     cfg = cfg or HackingConfig()
     bon_prompts, eval_prompts = _eval_prompts(cfg.bon_prompts), _eval_prompts(cfg.eval_prompts)
     out = {"config": asdict(cfg), "seeds": list(seeds), "sizes": {}}
-    bar = tqdm(total=len(pairs) * len(seeds) * cfg.steps, desc="reward-model sizes: GRPO steps")
+    bar = tqdm(total=len(pairs) * len(seeds) * cfg.steps, desc="reward models' training pairs: GRPO steps")
     for size in pairs:
         sized = HackingConfig(**{**asdict(cfg), "rm_prompts": math.ceil(size / 0.6), "rm_pairs": size})
         rows = []
@@ -512,19 +607,80 @@ def _mean(values) -> float:
 
 
 def _mean_curve(curves: list[list[dict]]) -> list[dict]:
-    """Best-of-n curves of several seeds (the same n) -> one: means over seeds, with each seed's gold."""
-    return [{"n": points[0]["n"], "kl": points[0]["kl"], "gold": round(_mean(p["gold"] for p in points), 4),
-             "proxy": round(_mean(p["proxy"] for p in points), 4),
+    """Best-of-n curves of several seeds (the same n) -> one: means over seeds of the exact KL, sqrt(KL), gold and
+    proxy, with the formula's KL (the bound) and each seed's KL and gold."""
+    return [{"n": points[0]["n"], "kl": round(_mean(p["kl"] for p in points), 4),
+             "kl_formula": points[0]["kl_formula"],
+             "sqrt_kl": round(_mean(max(p["kl"], 0.0) ** 0.5 for p in points), 4),
+             "gold": round(_mean(p["gold"] for p in points), 4), "proxy": round(_mean(p["proxy"] for p in points), 4),
+             "kl_per_seed": [round(p["kl"], 4) for p in points],
              "gold_per_seed": [round(p["gold"], 4) for p in points]} for points in zip(*curves)]
 
 
 def _peak(curves: list[list[dict]]) -> dict:
-    """Where the mean gold of best-of-n peaks, and each seed's own peak n."""
+    """Where the mean gold of best-of-n peaks (the first n with the largest), and each seed's own peak n."""
     mean = _mean_curve(curves)
     top = max(mean, key=lambda p: p["gold"])
-    return {"n": top["n"], "kl": top["kl"], "gold": top["gold"], "gold_at_n1": mean[0]["gold"],
-            "gold_at_largest_n": mean[-1]["gold"],
+    return {"n": top["n"], "kl": top["kl"], "sqrt_kl": top["sqrt_kl"], "gold": top["gold"],
+            "gold_at_n1": mean[0]["gold"], "gold_at_largest_n": mean[-1]["gold"],
             "n_per_seed": [max(curve, key=lambda p: p["gold"])["n"] for curve in curves]}
+
+
+def best_of_n_difference(curves: list[list[dict]], high_n: int, low_n: int, margin: float = 2.0,
+                         low_curves: list[list[dict]] | None = None) -> dict:
+    """Best-of-n's gold at n = high_n minus at n = low_n, paired over the prompts of the pools (`curves`: each seed's
+    best_of_n_curve, the same prompts in every seed; `low_curves`, if given, another proxy's curves on the same pools,
+    for the low side). Each prompt's gold is first averaged over the seeds; "diff" is the mean over prompts of the
+    difference, "se" its standard error over prompts (paired_standard_error), which holds each seed's reward model and
+    pool fixed and covers what changes from prompt to prompt. "resolved": diff is more than `margin` standard errors
+    from 0. "per_seed": the same, seed by seed."""
+    def gold(curve: list[dict], n: int) -> list[float]:
+        return next(p["gold_per_prompt"] for p in curve if p["n"] == n)
+
+    def difference(high: list[float], low: list[float]) -> dict:
+        return {"diff": round(_mean(high) - _mean(low), 4), "se": round(paired_standard_error(high, low), 4)}
+
+    low_curves = curves if low_curves is None else low_curves
+    mean_high = [_mean(g) for g in zip(*(gold(c, high_n) for c in curves))]
+    mean_low = [_mean(g) for g in zip(*(gold(c, low_n) for c in low_curves))]
+    both = difference(mean_high, mean_low)
+    return {"high_n": high_n, "low_n": low_n, **both, "resolved": abs(both["diff"]) > margin * both["se"],
+            "margin": margin, "prompts": len(mean_high),
+            "per_seed": [difference(gold(c, high_n), gold(low, low_n)) for c, low in zip(curves, low_curves)]}
+
+
+def _best_of_n_figures(curves: list[list[dict]]) -> dict:
+    """The mean curve, its peak, and the rise to the peak (from n = 1) and the fall after it (to the largest n),
+    each paired over prompts (best_of_n_difference). The peak n is read off the same data, which biases both
+    differences upwards: the margin of two standard errors has to cover that too."""
+    peak = _peak(curves)
+    return {"best_of_n": _mean_curve(curves), "best_of_n_peak": peak,
+            "best_of_n_rise": best_of_n_difference(curves, peak["n"], curves[0][0]["n"]),
+            "best_of_n_fall": best_of_n_difference(curves, peak["n"], curves[0][-1]["n"])}
+
+
+def unleashed_comparison(run: list[dict], unleashed: list[dict]) -> dict:
+    """Where a run with a KL penalty ended, against the run without one (beta = 0, the same seed; each a list of
+    evaluations {step, kl, gold, gold_per_prompt}). Gao et al. (2022) found that a KL penalty acts like early stopping:
+    it does not raise gold above what the unpenalised run reaches at the same KL. "frontier" is the best gold the
+    unleashed run had at a KL no larger than this run's end, "peak" its best gold anywhere; each difference ("gold")
+    comes with the standard error of the paired difference over prompts. The unleashed run is seen every eval_every
+    steps only, so its true peak may lie between two evaluations; the best of several noisy evaluations is biased
+    upwards, in its favour.
+
+    Returns: {"kl", "gold": this run's end; "frontier": {"step", "kl", "gold", "difference": {"gold",
+    "standard_error"}}; "peak": the same}."""
+    end = run[-1]
+
+    def versus(e: dict) -> dict:
+        return {"step": e["step"], "kl": round(e["kl"], 4), "gold": round(e["gold"], 4),
+                "difference": {"gold": round(end["gold"] - e["gold"], 4), "standard_error": round(
+                    paired_standard_error(end["gold_per_prompt"], e["gold_per_prompt"]), 4)}}
+
+    below = [e for e in unleashed if e["kl"] <= end["kl"]] or unleashed[:1]  # the start has KL 0
+    return {"kl": round(end["kl"], 4), "gold": round(end["gold"], 4),
+            "frontier": versus(max(below, key=lambda e: e["gold"])),
+            "peak": versus(max(unleashed, key=lambda e: e["gold"]))}
 
 
 def _rl_points(runs: list[list[dict]]) -> list[dict]:
@@ -587,7 +743,9 @@ def summarize(result: dict) -> dict:
     per seed), and its curve (rl_curve: the points, means over seeds with each seed's values, and rl_peak's verdict on
     them); the beta sweep (KL, proxy, gold at the end, the largest KL and the lowest gold along the run, means over
     seeds with each seed's values, and each seed's gold at the end minus beta = 0's, with the standard error of that
-    paired difference); the buggy verifier's run; the reward model's pair accuracy."""
+    paired difference, and against the unleashed run's frontier and peak: unleashed_comparison); best-of-n (exact KL,
+    its peak, the paired rise and fall); the head-only control's best-of-n and GRPO (head_only) and best-of-n against
+    the policy's likelihood alone (likelihood_only); the buggy verifier's run; the reward model's pair accuracy."""
     seeds = result["per_seed"]
     over = [s["runs"][0.0]["evals"] for s in seeds]
     buggy = [s["buggy"]["evals"] for s in seeds]
@@ -603,10 +761,14 @@ def summarize(result: dict) -> dict:
                    "standard_error": round(paired_standard_error(e["gold_per_prompt"], u["gold_per_prompt"]), 4)}
                   for e, u in zip(ends, unleashed)]
         lowest = [min(e["gold"] for e in s["runs"][beta]["evals"]) for s in seeds]
+        against = [unleashed_comparison(s["runs"][beta]["evals"], s["runs"][0.0]["evals"]) for s in seeds]
         sweep.append({"beta": beta, "kl": round(_mean(e["kl"] for e in ends), 4),
                       "max_kl": round(_mean(furthest), 4), "max_kl_per_seed": [round(k, 4) for k in furthest],
                       "lowest_gold": round(_mean(lowest), 4), "lowest_gold_per_seed": [round(g, 4) for g in lowest],
                       "gold_minus_beta0_per_seed": versus,
+                      "versus_unleashed_per_seed": [{"frontier": a["frontier"]["difference"],
+                                                     "frontier_kl": a["frontier"]["kl"],
+                                                     "peak": a["peak"]["difference"]} for a in against],
                       "proxy": round(_mean(e["reward"] for e in ends), 4),
                       "gold": round(_mean(e["gold"] for e in ends), 4),
                       "kl_per_seed": [round(e["kl"], 4) for e in ends],
@@ -614,8 +776,7 @@ def summarize(result: dict) -> dict:
                       "gold_per_seed": [round(e["gold"], 4) for e in ends]})
     return {
         "rm_heldout_accuracy": round(_mean(s["rm_held_accuracy"] for s in seeds), 4),
-        "best_of_n": _mean_curve([s["best_of_n"] for s in seeds]),
-        "best_of_n_peak": _peak([s["best_of_n"] for s in seeds]),
+        **_best_of_n_figures([s["best_of_n"] for s in seeds]),
         "control": [{"sigma": sigma, "best_of_n": _mean_curve([s["control"][sigma] for s in seeds]),
                      "peak": _peak([s["control"][sigma] for s in seeds])} for sigma in result["config"]["sigmas"]],
         "rl_curve": {"points": _rl_points(over),
@@ -637,31 +798,61 @@ def summarize(result: dict) -> dict:
         "reward_model": {"pairs": [s["pairs"] for s in seeds],
                          "train_accuracy": [round(s["rm_train_accuracy"], 4) for s in seeds],
                          "held_out_accuracy": [round(s["rm_held_accuracy"], 4) for s in seeds]},
+        **({"head_only": _head_only_figures(seeds)} if "head_only" in seeds[0] else {}),
+        "likelihood_only": _likelihood_only_figures(seeds),
     }
 
 
+def _likelihood_only_figures(seeds: list[dict]) -> dict:
+    """Best-of-n against the policy's likelihood alone, as for the reward model, and the reward model against it on the
+    same pools, paired over prompts: at the reward model's peak n against the likelihood's largest n (where it keeps
+    the pool's most likely answer), and at the largest n both."""
+    alone, full = [s["likelihood_only"] for s in seeds], [s["best_of_n"] for s in seeds]
+    largest, peak = full[0][-1]["n"], _peak(full)["n"]
+    return {**_best_of_n_figures(alone),
+            "reward_model_at_its_peak_minus_this": best_of_n_difference(full, peak, largest, low_curves=alone),
+            "reward_model_minus_this_at_largest_n": best_of_n_difference(full, largest, largest, low_curves=alone)}
+
+
+def _head_only_figures(seeds: list[dict]) -> dict:
+    """The head-only control's figures: its pair accuracy, best-of-n against it (as for the reward model), and its
+    GRPO run at beta = 0 (the curve's points, rl_peak's verdict, and the end)."""
+    runs = [s["head_only"]["run"]["evals"] for s in seeds]
+    return {"train_accuracy": [round(s["head_only"]["rm_train_accuracy"], 4) for s in seeds],
+            "held_out_accuracy": [round(s["head_only"]["rm_held_accuracy"], 4) for s in seeds],
+            **_best_of_n_figures([s["head_only"]["best_of_n"] for s in seeds]),
+            "rl_curve": {"points": _rl_points(runs), "peak": rl_peak(runs)},
+            "gold_end_per_seed": [round(e[-1]["gold"], 4) for e in runs],
+            "kl_end_per_seed": [round(e[-1]["kl"], 4) for e in runs],
+            "max_kl_per_seed": [round(max(e["kl"] for e in evals), 4) for evals in runs]}
+
+
 def plot(result: dict, path=None):
-    """Three panels, gold against sqrt(KL) as Gao et al. (2022) draw it: best-of-n against the reward model and
-    against the synthetic control (mean over seeds, band from the lowest seed to the highest); GRPO against the reward
-    model (each seed's run at each beta, its path through (sqrt(KL), gold) evaluation by evaluation, its end marked,
-    and beta = 0's peaks starred); and the buggy verifier's run (its
-    reward and the gold score against steps)."""
+    """Three panels, gold against sqrt(KL) as Gao et al. (2022) draw it: best-of-n against the reward model, against
+    the head-only control, against the policy's likelihood alone and against the synthetic control (the mean over
+    seeds at each n, at the mean sqrt of the exact KL; band from the lowest seed's gold to the highest); GRPO against
+    the reward model (each seed's run at each beta, with and without the KL term on one plot, its path through
+    (sqrt(KL), gold) evaluation by evaluation, its end marked, beta = 0's peaks starred; and the head-only control's
+    run, dashed); and the buggy verifier's run (its reward and the gold score against steps)."""
     plt = pyplot_for(path)
     seeds = result["per_seed"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
 
     ax = axes[0]
-    curves = [("reward model", [s["best_of_n"] for s in seeds], "tab:blue")]
-    curves += [(f"control, sigma={sigma:g}", [s["control"][sigma] for s in seeds], colour)
+    curves = [("reward model", [s["best_of_n"] for s in seeds], "tab:blue", "-")]
+    if "head_only" in seeds[0]:
+        curves.append(("head-only control", [s["head_only"]["best_of_n"] for s in seeds], "tab:purple", "--"))
+    curves.append(("the policy's likelihood alone", [s["likelihood_only"] for s in seeds], "tab:brown", "-."))
+    curves += [(f"control, sigma={sigma:g}", [s["control"][sigma] for s in seeds], colour, ":")
                for sigma, colour in zip(result["config"]["sigmas"], ("tab:green", "tab:olive", "tab:gray"))]
-    for label, per_seed, colour in curves:
-        x = [p["kl"] ** 0.5 for p in per_seed[0]]
+    for label, per_seed, colour, style in curves:
+        x = [p["sqrt_kl"] for p in _mean_curve(per_seed)]
         gold = torch.tensor([[p["gold"] for p in curve] for curve in per_seed])
-        ax.plot(x, gold.mean(0), marker="o", color=colour, label=label)
+        ax.plot(x, gold.mean(0), marker="o", ls=style, color=colour, label=label)
         ax.fill_between(x, gold.min(0).values, gold.max(0).values, color=colour, alpha=0.15)
-    ax.set_xlabel("sqrt(KL), KL = log n - (n-1)/n")
+    ax.set_xlabel("sqrt(KL), exact over the pool's answers (ties included)")
     ax.set_ylabel("gold (exact verifier) of the pick")
-    ax.set_title("best-of-n against the proxy (exact over the pool)", fontsize=10)
+    ax.set_title("best-of-n against the proxy (exact, from the pool's frequencies)", fontsize=10)
     ax.legend(fontsize=8)
 
     ax = axes[1]
@@ -678,6 +869,10 @@ def plot(result: dict, path=None):
                 top = max(s["runs"][0.0]["evals"], key=lambda e: e["gold"])
                 ax.scatter([max(top["kl"], 0.0) ** 0.5], [top["gold"]], marker="*", s=120, color="black", zorder=4,
                            label="beta = 0's peak" if i == 0 else None)
+    for i, s in enumerate(seeds if "head_only" in seeds[0] else []):
+        evals = s["head_only"]["run"]["evals"]
+        ax.plot([max(e["kl"], 0.0) ** 0.5 for e in evals], [e["gold"] for e in evals], ls="--", marker=".", lw=1,
+                alpha=0.6, color="tab:purple", label="head-only control, beta = 0" if i == 0 else None)
     ax.set_xlabel("sqrt(KL(policy || reference)), nats per completion")
     ax.set_ylabel("gold (exact verifier)")
     ax.set_title("GRPO against the reward model", fontsize=10)
@@ -704,9 +899,10 @@ def plot(result: dict, path=None):
 
 
 def rm_sizes_figures(seeds: list[int], pairs=(100, 500, 2500), cfg: HackingConfig | None = None) -> dict:
-    """run_rm_sizes' figures: for each size, the pairs made, the held-out pair accuracy, best-of-n's peak (n, KL,
-    gold), per seed and over seeds, and the mean curve; GRPO's peak along the run (rl_peak: each seed's start, peak
-    and far end, and whether the peak is real); and the seconds it took."""
+    """run_rm_sizes' figures: for each number of training pairs (the reward model's data size, not its number of
+    parameters: the tiny model is the same in all), the pairs made, the held-out pair accuracy, best-of-n's peak (n,
+    exact KL, gold), per seed and over seeds, the mean curve and its paired rise and fall; GRPO's peak along the run
+    (rl_peak: each seed's start, peak and far end, and whether the peak is real); and the seconds it took."""
     import time
 
     start = time.perf_counter()
@@ -719,6 +915,8 @@ def rm_sizes_figures(seeds: list[int], pairs=(100, 500, 2500), cfg: HackingConfi
             "peak_per_seed": [{k: p[k] for k in ("n", "kl", "gold")} for p in
                               (max(r["best_of_n"], key=lambda p: p["gold"]) for r in rows)],
             "best_of_n": _mean_curve([r["best_of_n"] for r in rows]),
+            **{key: value for key, value in _best_of_n_figures([r["best_of_n"] for r in rows]).items()
+               if key in ("best_of_n_rise", "best_of_n_fall")},
             "rl_peak": {"peak_in_every_seed": rl["peak_in_every_seed"], "mean": rl["mean"],
                         "per_seed": [{k: s[k] for k in ("start", "peak", "far", "rises", "falls")}
                                      for s in rl["per_seed"]]}}
@@ -736,7 +934,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 description="Best-of-n and GRPO against reward models trained on more or fewer pairs "
                                             "(the lab's default run trains one, on about 235 pairs).")
     parser.add_argument("--rm-pairs", type=cli.at_least(1), nargs="+", default=[100, 500, 2500],
-                        help="the reward models' sizes, in training pairs")
+                        help="the reward models' training data, in pairs (the model is the same)")
     parser.add_argument("--seeds", type=cli.at_least(1, SEEDS.why), default=3, help="how many seeds (0, 1, ...)")
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
     args = parser.parse_args(argv)

@@ -227,7 +227,8 @@ def _k3_times_ratio(weights, first, second, ref_first, ref_second, first_tokens=
     `per_token_kl * coef_1`, coef_1 = exp(logp - old logp) with the gradient through logp): each token's k3 times
     its ratio pi / sg(pi), which is 1 but carries a gradient. The surrogate sum_y w(y) L(y) as estimator_surrogate
     builds it, over the rows first_tokens (default: every first token, in order). By the theory its expected
-    gradient is the exact per-token KL's."""
+    gradient is the exact per-token KL's, and each sampled token's gradient is k2's: (k3 + 1 - ref/pi) grad log pi =
+    log(pi/ref) grad log pi, so its noise rows are k2's."""
     def k3_times_ratio(logp, ref_logp):
         return token_kl_estimate(logp, ref_logp, "k3") * (logp - logp.detach()).exp()
 

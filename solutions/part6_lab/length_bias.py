@@ -16,7 +16,8 @@ before EOS, 3 to 24+ tokens. The exact verifier (`reward_positive_answer`) judge
 right), so that a right or a wrong answer can have any length, and the length is the policy's free choice.
 
 The primary result is one update, paired: from a fresh LoRA, one batch of completions, every configuration's loss on
-that same batch, and the first-order change its update (of norm 1) makes to a teacher-forced read-out, how much more
+that same batch, and the first-order change that a step of norm 1 along its normalised negative gradient, -g / |g|
+(not Adam's first step, which follows the signs of g: see _stop_push), makes to a teacher-forced read-out, how much more
 likely EOS becomes right after a right first sentence ("I feel happy.") than after a wrong one, with the part of
 that change a uniform push on stopping would make taken out (see _stop_push: in this LoRA such a uniform push moves
 the raw right - wrong gap too, by a batch-dependent amount that hid everything else). Per seed, the difference
@@ -247,10 +248,12 @@ def _stop_push(model, cfg: LengthBiasConfig, seed: int, loss_token_weights) -> d
     From the starting policy (a fresh LoRA, B = 0), cfg.push_group_size completions of each prompt, judged; each
     configuration's loss on that same batch (on-policy, so grpo_loss is sum of w[i, t] * -A_i * log pi(token), with
     w from `loss_token_weights`) and its gradient g on the LoRA. The probe: _eos_after_answer, [right, wrong]. Returns,
-    per configuration, [right, wrong, differential]: the first-order change of the two log P(EOS) for an update of
-    norm 1 along -g (for scale: a first Adam step at lr 1e-2 moves each of the 4096 numbers of the LoRA's B matrices
-    by about 0.01, a norm of about 0.64; A gets no gradient while B = 0), and the change of right - wrong along the
-    part of its gradient that is orthogonal to the gradient of stopping everywhere, (right + wrong) / 2.
+    per configuration, [right, wrong, differential]: the first-order change of the two log P(EOS) for a step of
+    norm 1 along -g / |g|, the normalised gradient (not Adam's first step, which moves each number by about lr along
+    the sign of its gradient: another direction; for scale, at lr 1e-2 that step moves each of the 4096 numbers of the
+    LoRA's B matrices by about 0.01, a norm of about 0.64; A gets no gradient while B = 0), and the change of
+    right - wrong along the part of its gradient that is orthogonal to the gradient of stopping everywhere,
+    (right + wrong) / 2.
 
     Why the differential read-out: in this LoRA a push to stop after *any* sentence moves right - wrong too, by an
     amount whose sign depends on the seed's initial A (the two gradients' cosine ranged from -0.57 to +0.65 over seeds

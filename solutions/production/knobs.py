@@ -133,8 +133,16 @@ TRL_DEFAULTS_THAT_DIFFER = ("lr_scheduler_type", "activation_checkpointing", "bf
 REFERENCE_TO_TRL: dict[str, Knob] = {
     "beta": Knob("beta", "the same (GRPO_TO_TRL's row): 0 loads no reference"),
     "lora": Knob(None, "True: GRPOTrainer(peft_config=LoraConfig(...)), whose reference is the model with its adapter "
-                       "disabled (our 'hooks_removed'); False: no peft_config, and TRL loads a second copy of the "
-                       "model (our 'frozen_copy')"),
+                       "disabled (our 'hooks_removed'); False: no peft_config, and with beta > 0 TRL does not copy "
+                       "the model it was given but loads the reference again from disk or the Hub, from the path in "
+                       "its config (trl 1.16: GRPOTrainer.__init__ calls create_model_from_path(get_config_model_id("
+                       "model.config)), trl/trainer/utils.py, which reads config._name_or_path). That is our "
+                       "'frozen_copy' only when the model holds exactly the weights saved at that path: a model "
+                       "changed in memory, or built with from_config (random weights, the path's name still in its "
+                       "config), gets the saved weights as its reference, and one built from a bare config "
+                       "(_name_or_path '') has nothing to load and fails. To start from other weights, save them "
+                       "and pass GRPOTrainer the folder's path (model='folder'): the policy and the reference are "
+                       "then both loaded from it"),
     "retraining_adapter": Knob(None, "pass GRPOTrainer a PeftModel that holds the trained adapter: with beta > 0 TRL "
                                      "copies it into a frozen adapter named 'ref' and computes the reference with "
                                      "it (our 'old_adapter')"),

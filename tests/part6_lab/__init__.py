@@ -3,11 +3,13 @@ utils/harness.py) and compares with the reference, solutions/part6_lab.
 
     test_kl_gradients.py  two_token_logprobs, token_kl_estimate, estimator_surrogate: the KL estimators k1, k2, k3
                           and where each puts the KL's gradient (exact expectations against the theory)
-    test_hacking.py       bradley_terry_loss, last_token_scores, reward_model_scores: the reward model's pieces
+    test_hacking.py       bradley_terry_loss, last_token_scores, reward_model_scores: the reward model's pieces;
+                          best-of-n's exact KL and the paired rise and fall
     test_length_bias.py   loss_token_weights, mean_length_by_outcome: the weight each loss type gives a token
     test_policy_shift.py  token_log_ratios, lora_on_blocks, answer_attention: what RL changed in the policy
-    test_off_policy.py    clip_fraction, truncated_importance_weights, tis_grpo_loss: learning from another
-                          policy's samples (PPO's clip, truncated importance sampling)
+    test_off_policy.py    clip_fraction, truncated_importance_weights, tis_grpo_loss, expected_grpo_objective:
+                          learning from another policy's samples (PPO's clip, truncated importance sampling), and
+                          each correction's exact expected gradient against the on-policy one
     test_lab_script.py    the lab's script (python -m solutions.part6_lab) and the experiments' refusals
     test_meta.py          the tests of these tests (tests/meta.py)
     mistakes.py           the known wrong versions (mistakes_<experiment>.py), gathered into REGISTRY

@@ -11,5 +11,6 @@ REGISTRY = Registry("part6_lab", {
     **mistakes_hacking.EXERCISES,  # bradley_terry_loss, last_token_scores, reward_model_scores
     **mistakes_length_bias.EXERCISES,  # loss_token_weights, mean_length_by_outcome
     **mistakes_policy_shift.EXERCISES,  # token_log_ratios, lora_on_blocks, answer_attention
-    **mistakes_off_policy.EXERCISES,  # clip_fraction, truncated_importance_weights, tis_grpo_loss
+    **mistakes_off_policy.EXERCISES,  # clip_fraction, truncated_importance_weights, tis_grpo_loss,
+    #                                   expected_grpo_objective
 })

@@ -1,5 +1,5 @@
 """The known wrong versions of the off_policy experiment's exercises: clip_fraction, truncated_importance_weights,
-tis_grpo_loss. Each docstring is what a learner whose version fails the same way reads."""
+tis_grpo_loss, expected_grpo_objective. Each docstring is what a learner whose version fails the same way reads."""
 
 import torch
 
@@ -328,6 +328,133 @@ def _tisl_nan_without_tokens(logprobs, old_logprobs, advantages, mask, weights=N
     return (per_token * mask).sum() / mask.sum()
 
 
+# --- expected_grpo_objective -------------------------------------------------------------------------------------
+
+def _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high, *, detach_probs=True,
+              detach_weights=True, ratio_detached=False, weight_inside=False, take_max=False, token_mean=False,
+              over="sum", probs_from=None):
+    old = (logprobs if ratio_detached else logprobs.detach()) if old_logprobs is None else old_logprobs
+    ratio = torch.exp(logprobs - old)
+    high = epsilon if epsilon_high is None else epsilon_high
+    w = None if weights is None else (weights.detach() if detach_weights else weights)
+    if weight_inside and w is not None:
+        ratio = ratio * w
+    A = advantages[:, None]
+    pick = torch.max if take_max else torch.min
+    per_token = pick(ratio * A, ratio.clamp(1 - epsilon, 1 + high) * A)
+    if w is not None and not weight_inside:
+        per_token = per_token * w
+    per_completion = per_token.mean(dim=1) if token_mean else per_token.sum(dim=1)
+    p = probs if probs_from is None else probs_from
+    p = p.detach() if detach_probs else p
+    if over == "mean":
+        return (p * per_completion).mean()
+    if over == "unweighted":
+        return per_completion.mean()
+    return (p * per_completion).sum()
+
+
+@mistake("gradient")
+def _ego_probs_not_detached(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2, epsilon_high=None):
+    """Let the gradient flow into probs: the sampling is not differentiated (the expected gradient is sum_y probs[y]
+    · grad L(y), not grad of probs[y] · L(y)). Detach probs: on-policy, with probs = pi(y) attached, the gradient
+    gets an extra sum_y L(y) grad pi(y)."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high, detach_probs=False)
+
+
+def _ego_mean_over_completions(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2,
+                               epsilon_high=None):
+    """Averaged probs[y] · L(y) over the completions (.mean()) instead of summing it: probs already weighs each
+    completion, so an expectation is the sum over y of probs[y] · L(y)."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high, over="mean")
+
+
+def _ego_unweighted(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2, epsilon_high=None):
+    """Ignored probs and averaged over the completions, as a batch of samples would be: here each completion stands
+    for its probability, so weigh its sum over tokens by probs[y] and sum over y."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high, over="unweighted")
+
+
+def _ego_policy_probabilities(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2,
+                              epsilon_high=None):
+    """Weighed each completion by the trainer's own probability exp(sum of logprobs) instead of probs: the
+    expectation is over what the sampler drew, with the probabilities it drew them with (probs), and the
+    corrections (weights, the ratio to old) are what turn it toward the trainer's."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high,
+                     probs_from=logprobs.detach().sum(dim=1).exp())
+
+
+def _ego_token_mean(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2, epsilon_high=None):
+    """Averaged a completion's tokens instead of summing them: L(y) sums the per-token terms, as the policy gradient
+    sums grad log pi over a completion's tokens."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high, token_mean=True)
+
+
+def _ego_max(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2, epsilon_high=None):
+    """Took the max of the two terms: PPO's objective is the pessimistic min(ratio·A, clip(ratio)·A)."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high, take_max=True)
+
+
+def _ego_loss(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2, epsilon_high=None):
+    """Returned the loss, minus the objective: this is the objective itself, whose gradient is the expected policy
+    gradient (the direction that raises the reward)."""
+    return -_ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high)
+
+
+def _ego_weight_inside_ratio(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2,
+                             epsilon_high=None):
+    """Multiplied the weight into the ratio before the clip, so the clip cuts the correction: the weight multiplies
+    the whole clipped term, min(r·A, clip(r)·A) · w."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high, weight_inside=True)
+
+
+@mistake("argument")
+def _ego_ignores_weights(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2, epsilon_high=None):
+    """Ignored the weights: multiply each token's clipped term by its weight."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, None, epsilon, epsilon_high)
+
+
+@mistake("argument")
+def _ego_ignores_epsilon_high(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2,
+                              epsilon_high=None):
+    """Clipped at 1 + epsilon above whatever epsilon_high was: the upper bound is 1 + epsilon_high when it is
+    given."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, None)
+
+
+@mistake("zero")
+def _ego_epsilon_high_or_epsilon(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2,
+                                 epsilon_high=None):
+    """`epsilon_high or epsilon` took epsilon_high = 0 (no room above 1) for "not given": 0 is a value; use epsilon
+    only when epsilon_high is None."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high or epsilon)
+
+
+@mistake("gradient")
+def _ego_old_not_detached(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2, epsilon_high=None):
+    """With old_logprobs None, took old = logprobs without .detach(): the ratio is then a constant 1 with no
+    gradient, and the objective pulls on nothing. The old side is logprobs.detach()."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high, ratio_detached=True)
+
+
+@mistake("gradient")
+def _ego_weights_not_detached(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2,
+                              epsilon_high=None):
+    """Let a gradient flow into the weights: they are constants (detach them), or the trainer's log-probs they were
+    made from get a second, wrong gradient."""
+    return _ego_core(probs, logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high, detach_weights=False)
+
+
+@mistake("inputs")
+def _ego_weights_in_place(probs, logprobs, old_logprobs, advantages, weights=None, epsilon=0.2, epsilon_high=None):
+    """Multiplied probs into the caller's weights in place (weights *= probs[:, None]): they are the caller's;
+    multiply into a new tensor."""
+    if weights is None:
+        return _ego_core(probs, logprobs, old_logprobs, advantages, None, epsilon, epsilon_high)
+    weights.mul_(probs[:, None])
+    return _ego_core(torch.ones_like(probs), logprobs, old_logprobs, advantages, weights, epsilon, epsilon_high)
+
+
 EXERCISES = {
     "clip_fraction": Exercise(
         wrong=[_cf_any_sign, _cf_signs_swapped, _cf_zero_advantage_counts, _cf_inclusive_bounds, _cf_unmasked,
@@ -342,5 +469,11 @@ EXERCISES = {
         wrong=[_tisl_ignores_weights, _tisl_weight_inside_ratio, _tisl_weights_not_detached, _tisl_weight_after_mean,
                _tisl_self_normalized, _tisl_max, _tisl_ignores_epsilon_high, _tisl_on_policy_ratio_detached,
                _tisl_per_sequence, _tisl_objective, _tisl_masks_weights_in_place, _tisl_nan_without_tokens],
+    ),
+    "expected_grpo_objective": Exercise(
+        wrong=[_ego_probs_not_detached, _ego_mean_over_completions, _ego_unweighted, _ego_policy_probabilities,
+               _ego_token_mean, _ego_max, _ego_loss, _ego_weight_inside_ratio, _ego_ignores_weights,
+               _ego_ignores_epsilon_high, _ego_epsilon_high_or_epsilon, _ego_old_not_detached,
+               _ego_weights_not_detached, _ego_weights_in_place],
     ),
 }

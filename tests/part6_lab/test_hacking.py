@@ -171,37 +171,160 @@ def test_reward_model_batch_layout(tiny_model):
                   what="reward_model_batch", why="one prompt per completion")
 
 
-def test_best_of_n_weights_are_the_chance_of_being_the_best_of_n():
-    """Against a brute force: every n-subset of a pool of 7, the best of each (by rank) counted."""
-    from itertools import combinations
+# --- best-of-n, exactly: its distribution with ties, its KL, and the paired rise and fall -------------------------
 
+def _tied_pool():
+    """A pool of 8 samples: 5 distinct answers drawn 3, 1, 2, 1 and 1 times, and two ties in score between distinct
+    answers (0 and 2; 1 and 3) whose counts differ, so a rule for ties that ignores the counts shows."""
+    counts = torch.tensor([3.0, 1.0, 2.0, 1.0, 1.0], dtype=torch.float64)
+    scores = torch.tensor([0.5, 2.0, 0.5, 2.0, -1.0], dtype=torch.float64)
+    return counts, scores
+
+
+def _brute_force_best_of_n(counts, scores, n):
+    """Every ordered n-tuple of the pool's samples (drawn with replacement, all equally likely), its best kept: the
+    first draw with the highest score, as argmax keeps it. Returns the kept answer's distribution."""
+    from itertools import product
+
+    samples = [answer for answer, count in enumerate(counts.long().tolist()) for _ in range(count)]
+    kept = torch.zeros(len(counts), dtype=torch.float64)
+    for draw in product(samples, repeat=n):
+        best = max(range(n), key=lambda i: (scores[draw[i]].item(), -i))  # the highest score, the first of ties
+        kept[draw[best]] += 1
+    return kept / len(samples) ** n
+
+
+def test_best_of_n_distribution_and_kl_against_every_draw():
+    """Against exact enumeration of all 8^n draws of n = 1 to 4 from a pool with repeated answers and tied scores: the
+    distribution of the answer kept, and its KL to the pool, sum p_n log(p_n / p)."""
     from solutions.part6_lab import hacking
 
-    for n in (1, 2, 3, 7):
-        counts = torch.zeros(7, dtype=torch.float64)
-        subsets = list(combinations(range(7), n))
-        for subset in subsets:
-            counts[max(subset)] += 1
-        assert_close(hacking.best_of_n_weights(7, n), counts / len(subsets), f"best_of_n_weights(7, {n})")
-    assert_close(torch.tensor(hacking.best_of_n_kl(1)), torch.tensor(0.0), "best-of-1 is the policy: KL 0")
-    assert_close(torch.tensor(hacking.best_of_n_kl(4)), torch.tensor(math.log(4) - 0.75), "log n - (n - 1) / n")
+    counts, scores = _tied_pool()
+    p = counts / counts.sum()
+    for n in (1, 2, 3, 4):
+        expected = _brute_force_best_of_n(counts, scores, n)
+        assert_close(hacking.best_of_n_distribution(counts, scores, n), expected,
+                     f"best_of_n_distribution(n={n}) on a pool with ties")
+        kl = (expected * (expected / p).log()).sum()
+        assert_close(torch.tensor(hacking.best_of_n_kl(counts, scores, n), dtype=torch.float64), kl,
+                     f"best_of_n_kl(n={n}) on a pool with ties")
+    # the order given is kept, and an answer scored below everything else is never kept once n > 1
+    shuffled = torch.tensor([4, 2, 0, 3, 1])
+    assert_close(hacking.best_of_n_distribution(counts[shuffled], scores[shuffled], 3),
+                 _brute_force_best_of_n(counts, scores, 3)[shuffled], "best_of_n_distribution of the answers reordered")
+
+
+def test_the_formula_is_an_upper_bound_reached_without_ties():
+    """log n - (n - 1) / n is the KL when no two samples tie. With ties (repeated answers, or distinct answers scored
+    alike) the exact KL is below it; with 4,096 distinct answers of distinct scores it is the formula to 1e-4."""
+    from solutions.part6_lab import hacking
+
+    assert_close(torch.tensor(hacking.best_of_n_kl_formula(1)), torch.tensor(0.0), "best-of-1 is the policy: KL 0")
+    assert_close(torch.tensor(hacking.best_of_n_kl_formula(4)), torch.tensor(math.log(4) - 0.75), "log n - (n - 1) / n")
+    counts, scores = _tied_pool()
+    g = torch.Generator().manual_seed(0)
+    random_pools = [(torch.randint(1, 40, (12,), generator=g).double(),  # 12 answers, repeated 1 to 39 times
+                     torch.randint(0, 5, (12,), generator=g).double())  # scored 0 to 4: distinct answers tie too
+                    for _ in range(5)]
+    for pool_counts, pool_scores in [(counts, scores)] + random_pools:
+        for n in (2, 4, 16, 256):
+            exact, bound = hacking.best_of_n_kl(pool_counts, pool_scores, n), hacking.best_of_n_kl_formula(n)
+            expect(0.0 <= exact < bound, "best_of_n_kl", f"the exact KL of best-of-{n} over a pool with ties lies in "
+                   f"[0, the formula's {bound:.4f})", observed=exact)
+    distinct = torch.ones(4096, dtype=torch.float64)
+    for n in (2, 16):
+        assert_close(torch.tensor(hacking.best_of_n_kl(distinct, torch.arange(4096.0), n)),
+                     torch.tensor(hacking.best_of_n_kl_formula(n)), f"best_of_n_kl(n={n}) with no ties", atol=1e-4)
 
 
 def test_best_of_n_curve_on_a_known_pool():
-    """One prompt, answers right ("42") and wrong ("41", "40"): against gold itself best-of-n's gold is the chance
-    that one of n draws is right; against the reverse order, the chance that all n are right."""
+    """One prompt, answers right ("42", drawn twice) and wrong ("41", "40", once each, tied in score): against gold
+    itself best-of-n's gold is the chance that one of n draws is right, 1 - 0.5^n; against the reverse order, the
+    chance that all n are, 0.5^n. The KL is exact, below the formula, and the same both ways."""
     from solutions.part6_lab import hacking
 
     pool = [{"prompt": "12+30=", "answers": ["42", "41", "40"], "counts": [2, 1, 1]}]
     gold = hacking.best_of_n_curve(pool, ref.reward_every_number_right, (1, 2, 4))
-    # P(no right answer among n draws without replacement from 2 right, 2 wrong) = C(2, n) / C(4, n)
-    assert_close(torch.tensor([p["gold"] for p in gold]), torch.tensor([0.5, 1 - 1 / 6, 1.0]),
+    assert_close(torch.tensor([p["gold"] for p in gold]), torch.tensor([0.5, 0.75, 0.9375]),
                  "best-of-n's gold against the gold itself")
+    assert_close(torch.tensor([p["gold_per_prompt"][0] for p in gold]), torch.tensor([0.5, 0.75, 0.9375]),
+                 "best-of-n's gold, prompt by prompt (one prompt)")
+    kl = [(1 - q) * math.log((1 - q) / 0.5) + q * math.log(q / 0.5) for q in (0.5, 0.25, 0.0625)]
+    assert_close(torch.tensor([p["kl"] for p in gold]), torch.tensor(kl),
+                 "best-of-n's exact KL (two groups of mass 1/2)")
+    assert_close(torch.tensor([p["kl_formula"] for p in gold]),
+                 torch.tensor([round(hacking.best_of_n_kl_formula(n), 4) for n in (1, 2, 4)]), "the formula beside it")
     reverse = hacking.best_of_n_curve(pool, lambda p, c: [-x for x in ref.reward_every_number_right(p, c)], (1, 2, 4))
-    assert_close(torch.tensor([p["gold"] for p in reverse]), torch.tensor([0.5, 1 / 6, 0.0]),
+    assert_close(torch.tensor([p["gold"] for p in reverse]), torch.tensor([0.5, 0.25, 0.0625]),
                  "best-of-n's gold against the reverse of the gold")
+    assert_close(torch.tensor([p["kl"] for p in reverse]), torch.tensor(kl), "the KL of the reverse order")
     noisy = hacking.noisy_gold(1.0, seed=0)
     assert_equal(noisy(["12+30="], ["42"]), noisy(["12+30="], ["42"]), "the control's noise is fixed per answer")
+
+
+def test_best_of_n_difference_is_paired_over_prompts():
+    """Two seeds, four prompts: each prompt's gold is averaged over the seeds, then the difference between two n is
+    taken prompt by prompt; its standard error is the standard deviation of those differences over sqrt(4)."""
+    from solutions.part6_lab import hacking
+
+    def curve(golds):
+        return [{"n": n, "kl": math.log(n), "kl_formula": 0.0, "gold": sum(g) / len(g), "proxy": 0.0,
+                 "gold_per_prompt": g} for n, g in golds.items()]
+
+    seeds = [curve({1: [0.0, 0.5, 0.0, 0.5], 4: [1.0, 0.5, 0.5, 1.0], 16: [0.5, 0.5, 0.0, 0.5]}),
+             curve({1: [0.5, 0.0, 0.0, 0.0], 4: [1.0, 1.0, 0.5, 0.5], 16: [0.5, 0.0, 0.5, 0.5]})]
+    fall = hacking.best_of_n_difference(seeds, 4, 16)
+    # per prompt, averaged over seeds: at 4 (1, 0.75, 0.5, 0.75), at 16 (0.5, 0.25, 0.25, 0.5): differences
+    # (0.5, 0.5, 0.25, 0.25), mean 0.375, standard deviation 0.125 * sqrt(4 / 3), over sqrt(4)
+    assert_close(torch.tensor([fall["diff"], fall["se"]]), torch.tensor([0.375, round(0.0625 * math.sqrt(4 / 3), 4)]),
+                 "best_of_n_difference: the fall from n = 4 to 16 and its paired standard error")
+    assert_equal((fall["high_n"], fall["low_n"], fall["prompts"], fall["resolved"]), (4, 16, 4, True),
+                 "0.375 is more than twice its standard error")
+    assert_close(torch.tensor([[s["diff"], s["se"]] for s in fall["per_seed"]]),
+                 torch.tensor([[0.375, 0.125], [0.375, 0.2394]]), "the same, seed by seed", atol=1e-4)
+    rise = hacking.best_of_n_difference(seeds, 4, 1)
+    assert_close(torch.tensor([rise["diff"], rise["se"]]), torch.tensor([0.5625, 0.0625]),
+                 "best_of_n_difference: the rise from n = 1 to 4 (differences 0.75, 0.5, 0.5, 0.5)")
+    figures = hacking._best_of_n_figures(seeds)
+    assert_equal((figures["best_of_n_peak"]["n"], figures["best_of_n_rise"]["low_n"],
+                  figures["best_of_n_fall"]["low_n"]), (4, 1, 16),
+                 "the peak of the mean curve, the rise from n = 1 and the fall to the largest n")
+    assert_equal(hacking.best_of_n_difference(seeds, 16, 4)["resolved"], True, "a resolved fall read the other way")
+    # another proxy on the same pools, for the low side: at 16, (0, 0.5, 0, 0.5) and (0.5, 0, 0.5, 0.5)
+    other = [curve({16: [0.0, 0.5, 0.0, 0.5]}), curve({16: [0.5, 0.0, 0.5, 0.5]})]
+    across = hacking.best_of_n_difference(seeds, 4, 16, low_curves=other)
+    assert_close(torch.tensor([across["diff"], across["se"]] + [s["diff"] for s in across["per_seed"]]),
+                 torch.tensor([0.4375, 0.1197, 0.5, 0.375]),
+                 "best_of_n_difference against another proxy's curves (differences 0.75, 0.5, 0.25, 0.25)", atol=1e-4)
+    flat = [curve({1: [0.0, 1.0, 0.0, 1.0], 2: [1.0, 0.0, 1.0, 0.0]})]
+    assert_equal(hacking.best_of_n_difference(flat, 2, 1)["resolved"], False,
+                 "differences of +1 and -1 that average 0 are not a change")
+
+
+def test_a_penalised_run_against_the_unleashed_frontier():
+    """The unleashed run (beta = 0) reaches gold 0.30 at KL 0.3, falls to 0.25 at KL 0.55 and reaches 0.40 at KL 2; a
+    penalised run ending at KL 0.6 is compared with the best the unleashed run had at KL 0.6 or less (0.30, the
+    frontier, not its last evaluation there) and with its best anywhere (0.40, the peak), each paired over prompts."""
+    from solutions.part6_lab import hacking
+
+    def evals(points):
+        return [{"step": 4 * i, "kl": kl, "gold": sum(g) / len(g), "gold_per_prompt": g}
+                for i, (kl, g) in enumerate(points)]
+
+    unleashed = evals([(0.0, [0.2, 0.2, 0.2]), (0.3, [0.3, 0.4, 0.2]), (0.55, [0.2, 0.3, 0.25]),
+                       (2.0, [0.4, 0.5, 0.3]), (3.0, [0.1, 0.1, 0.1])])
+    penalised = evals([(0.0, [0.2, 0.2, 0.2]), (0.6, [0.4, 0.4, 0.25])])
+    out = hacking.unleashed_comparison(penalised, unleashed)
+    assert_equal((out["frontier"]["step"], out["frontier"]["kl"], out["peak"]["step"]), (4, 0.3, 12),
+                 "the frontier at KL 0.6 is the unleashed evaluation at KL 0.3; its peak is at KL 2")
+    # differences per prompt: against the frontier (0.1, 0, 0.05), against the peak (0, -0.1, -0.05)
+    assert_close(torch.tensor([out["frontier"]["difference"]["gold"], out["frontier"]["difference"]["standard_error"],
+                               out["peak"]["difference"]["gold"], out["peak"]["difference"]["standard_error"]]),
+                 torch.tensor([0.05, 0.0289, -0.05, 0.0289]), "the differences and their paired standard errors",
+                 atol=1e-4)
+    early = evals([(0.0, [0.2, 0.2, 0.2]), (0.1, [0.25, 0.2, 0.2])])
+    assert_equal(hacking.unleashed_comparison(early, unleashed)["frontier"]["step"], 0,
+                 "below every KL the unleashed run reached but 0, the frontier is its start")
 
 
 @pytest.mark.slow
@@ -315,7 +438,8 @@ def test_hacking_experiment_smoke():
     result = hacking.run(seeds=[0], smoke=True)
     figures = hacking.summarize(result)
     for key in ("proxy_start", "proxy_end", "gold_start", "gold_end", "beta_sweep", "buggy_verifier",
-                "rm_heldout_accuracy", "best_of_n", "rl_curve", "control"):
+                "rm_heldout_accuracy", "best_of_n", "best_of_n_rise", "best_of_n_fall", "rl_curve", "control",
+                "head_only"):
         expect(key in figures, "hacking.summarize", f"the figures lack {key!r}", observed=sorted(figures))
     expect(all({"beta", "kl", "proxy", "gold"} <= set(b) for b in figures["beta_sweep"]), "hacking beta_sweep",
            "each entry needs beta, kl, proxy, gold", observed=figures["beta_sweep"])
@@ -325,8 +449,19 @@ def test_hacking_experiment_smoke():
            observed=[b["kl"] for b in figures["beta_sweep"]])
     ns = [p["n"] for p in figures["best_of_n"]]
     expect(ns[0] == 1 and ns == sorted(ns), "hacking best_of_n", "sorted by n from n = 1", observed=ns)
-    expect(all({"n", "kl", "gold", "proxy"} <= set(p) for p in figures["best_of_n"]), "hacking best_of_n",
-           "each point needs n, kl, gold, proxy", observed=figures["best_of_n"])
+    expect(all({"n", "kl", "kl_formula", "sqrt_kl", "gold", "proxy"} <= set(p) for p in figures["best_of_n"]),
+           "hacking best_of_n", "each point needs n, kl, kl_formula, sqrt_kl, gold, proxy",
+           observed=figures["best_of_n"])
+    expect(all(0.0 <= p["kl"] <= p["kl_formula"] + 1e-4 for p in figures["best_of_n"]), "hacking best_of_n",
+           "the exact KL lies between 0 and the formula, its bound", observed=figures["best_of_n"])
+    expect({"diff", "se", "resolved"} <= set(figures["best_of_n_fall"]), "hacking best_of_n_fall",
+           "the fall after the peak, paired over prompts", observed=figures["best_of_n_fall"])
+    head = figures["head_only"]
+    expect({"best_of_n", "best_of_n_fall", "rl_curve", "held_out_accuracy"} <= set(head), "hacking head_only",
+           "the head-only control's best-of-n and GRPO", observed=sorted(head))
+    expect(all({"frontier", "peak"} <= set(v) for b in figures["beta_sweep"] for v in b["versus_unleashed_per_seed"]),
+           "hacking beta_sweep", "each run against the unleashed run's frontier and peak",
+           observed=figures["beta_sweep"])
     points, peak = figures["rl_curve"]["points"], figures["rl_curve"]["peak"]
     expect(all({"step", "kl", "sqrt_kl", "gold", "gold_per_seed"} <= set(p) for p in points), "hacking rl_curve",
            "each point needs step, kl, sqrt_kl, gold, gold_per_seed", observed=points)

@@ -25,6 +25,14 @@ def test_the_lab_script_reports_every_experiment(tmp_path):
     assert set(hacking) >= {"proxy_start", "proxy_end", "gold_start", "gold_end", "beta_sweep"}, "hacking's keys"
     for point in hacking["beta_sweep"]:
         assert set(point) >= {"beta", "kl", "proxy", "gold"}, f"a beta_sweep entry: {point}"
+    # best-of-n's KL computed exactly from the pool (ties counted), never above the formula, which bounds it
+    for point in hacking["best_of_n"]:
+        assert point["kl"] <= point["kl_formula"] + 1e-9, f"a best_of_n entry above its upper bound: {point}"
+    assert set(hacking["best_of_n_fall"]) >= {"diff", "se"}, "hacking.best_of_n_fall"
+    assert "head_only" in hacking, "hacking.head_only, the proxy without its likelihood term"
+    exact = figures["off_policy"]["exact"]
+    assert len(exact) >= 7 and all(set(e) >= {"correction", "cap", "cosine", "norm_ratio"} for e in exact), \
+        "off_policy.exact: each correction's expected gradient against the on-policy one"
     for name in ("grpo", "dr_grpo", "control"):  # the configurations trained (and the settings, under "settings")
         lengths = figures["length_bias"][name]
         assert set(lengths) >= {"wrong_start", "wrong_end", "right_start", "right_end"}, f"length_bias[{name!r}]"

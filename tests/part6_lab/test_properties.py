@@ -51,3 +51,8 @@ def test_truncated_importance_weights_beyond_values(impl):
 @exercise("tis_grpo_loss")
 def test_tis_grpo_loss_beyond_values(impl):
     beyond_values(impl, PART, "tis_grpo_loss")
+
+
+@exercise("expected_grpo_objective")
+def test_expected_grpo_objective_beyond_values(impl):
+    beyond_values(impl, PART, "expected_grpo_objective")
