@@ -350,7 +350,8 @@ def first_departure(got: Trace, want: Trace, *, per_epoch: int | None = None, ba
         at = min(len(mine), len(theirs))
         found = describe.order(mine, theirs, at, describe.where(theirs, len(mine)))
     if found is None:
-        if not _outcomes_differ(got, want, atol, rtol):
+        what = _what_differs(got, want, atol, rtol)
+        if not what:
             return None
         # The same operations, but not the same result: where the loop's calls of the course's helpers first part
         # says where the values do (nothing is said where they never part: the difference is in the loop's own code)
@@ -358,7 +359,6 @@ def first_departure(got: Trace, want: Trace, *, per_epoch: int | None = None, ba
                                              atol, rtol)
         if earlier is None:
             return None
-        what = _what_differs(got, want, atol, rtol)
         return Departure(f"{earlier.message}\nThe rest of what your code does matches the reference's; {what} "
                          f"{'differs' if what == 'what it returns' else 'differ'}.\n{describe.counts()}",
                          earlier.observed)
@@ -369,13 +369,9 @@ def first_departure(got: Trace, want: Trace, *, per_epoch: int | None = None, ba
     return Departure(f"{earlier.message}\nIt shows later too: {found.message}", earlier.observed)
 
 
-def _outcomes_differ(got: Trace, want: Trace, atol: float, rtol: float) -> bool:
-    """Whether the loops left different trained parameters, or returned different values (where recorded)."""
-    return bool(_what_differs(got, want, atol, rtol))
-
-
 def _what_differs(got: Trace, want: Trace, atol: float, rtol: float) -> str:
-    """"the trained parameters", "what it returns", both joined by "and", or "" where the two loops agree."""
+    """What the two loops left different: "the trained parameters", "what it returns" (where the test recorded it), both
+    joined by "and", or "" where they agree."""
     from utils.checker.observe import same
 
     differ = []
