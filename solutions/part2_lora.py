@@ -39,18 +39,27 @@ from utils.files import why_unreadable
 from utils.sampling import Samples
 
 # Not exercises: the notebook shows them in full for the learner to read and run.
-PROVIDED = ("make_adapters", "base_weight", "LoRAModel", "ppo_with_lora")
+PROVIDED = ("available_targets", "make_adapters", "base_weight", "LoRAModel", "ppo_with_lora")
 
-# Where each adaptable projection reads its input and writes its output, per block (TransformerLens 4 names).
-# q, k, v write [batch, pos, head, d_head]; o reads the per-head z [batch, pos, head, d_head].
+# Where each adaptable projection reads its input and writes its output, per block (TransformerLens 4 names): every
+# projection the bridge wraps has a hook point on its input and one on its output. q, k and v write per-head
+# [batch, pos, head, d_head] (on a model with grouped-query attention, k and v have fewer heads than q); o reads the
+# per-head z. "mlp_gate" exists only on a gated MLP (Llama-style: down(silu(gate(x)) * up(x)), with "mlp_in" the up
+# projection and "mlp_out" the down one).
 TARGETS = {
-    "q": ("attn.q.hook_in", "attn.hook_q"),
-    "k": ("attn.k.hook_in", "attn.hook_k"),
-    "v": ("attn.v.hook_in", "attn.hook_v"),
+    "q": ("attn.q.hook_in", "attn.q.hook_out"),
+    "k": ("attn.k.hook_in", "attn.k.hook_out"),
+    "v": ("attn.v.hook_in", "attn.v.hook_out"),
     "o": ("attn.o.hook_in", "attn.o.hook_out"),
-    "mlp_in": ("mlp.in.hook_in", "mlp.hook_pre"),
+    "mlp_gate": ("mlp.gate.hook_in", "mlp.gate.hook_out"),
+    "mlp_in": ("mlp.in.hook_in", "mlp.in.hook_out"),
     "mlp_out": ("mlp.out.hook_in", "mlp.out.hook_out"),
 }
+
+
+def available_targets(model) -> tuple[str, ...]:
+    """The targets of TARGETS that `model` has: all but "mlp_gate" on GPT-2, all of them on a Llama-style model."""
+    return tuple(t for t in TARGETS if f"blocks.0.{TARGETS[t][1]}" in model.hook_dict)
 
 
 # --- 1. The LoRA module --------------------------------------------------------------------------------------
@@ -77,17 +86,23 @@ class LoRA(nn.Module):
 @contract(rank=at_least(1), alpha=LORA_ALPHA, targets=nonempty("with no target there is nothing to train"))
 def make_adapters(model, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] = ("q", "k", "v", "o"),
                   ) -> nn.ModuleDict:
-    """One LoRA per block and target, keyed "L{layer}_{target}" (e.g. "L0_q"), on the model's device."""
-    cfg = model.cfg
-    d_heads = cfg.n_heads * cfg.d_head
-    dims = {"q": (cfg.d_model, d_heads), "k": (cfg.d_model, d_heads), "v": (cfg.d_model, d_heads),
-            "o": (d_heads, cfg.d_model), "mlp_in": (cfg.d_model, cfg.d_mlp), "mlp_out": (cfg.d_mlp, cfg.d_model)}
+    """One LoRA per block and target, keyed "L{layer}_{target}" (e.g. "L0_q"), on the model's device. Each one's
+    d_in and d_out are those of the weight it updates (base_weight): with grouped-query attention k and v are
+    narrower than q."""
     unknown = set(targets) - set(TARGETS)
     if unknown:
-        raise ValueError(f"unknown LoRA targets {sorted(unknown)}; choose from {list(TARGETS)}")
-    adapters = nn.ModuleDict({f"L{layer}_{t}": LoRA(*dims[t], rank=rank, alpha=alpha)
-                              for layer in range(cfg.n_layers) for t in targets})
-    return adapters.to(cfg.device)
+        raise ValueError(f"unknown LoRA targets {sorted(unknown)}; choose from {list(available_targets(model))}")
+    missing = set(targets) - set(available_targets(model))
+    if missing:
+        raise ValueError(f"this model has no {', '.join(sorted(missing))} projection (its MLP is not gated); choose "
+                         f"from {list(available_targets(model))}")
+    adapters = nn.ModuleDict()
+    for layer in range(model.cfg.n_layers):
+        for t in targets:
+            weight, in_out = base_weight(model, f"L{layer}_{t}")
+            d_in, d_out = weight.shape if in_out else weight.shape[::-1]
+            adapters[f"L{layer}_{t}"] = LoRA(d_in, d_out, rank=rank, alpha=alpha)
+    return adapters.to(model.cfg.device)
 
 
 # --- 2. LoRA as forward hooks --------------------------------------------------------------------------------
@@ -209,10 +224,10 @@ def base_weight(model, key: str) -> tuple[nn.Parameter, bool]:
         raise ValueError(f"adapter key {key!r} names no weight of this model: keys are 'L<layer>_<target>' with a "
                          f"layer from 0 to {model.cfg.n_layers - 1} and a target in {list(TARGETS)}, as "
                          "make_adapters(model, ...) names them")
-    block = model.blocks[int(layer)]
-    projection = {"q": block.attn.q, "k": block.attn.k, "v": block.attn.v, "o": block.attn.o,
-                  "mlp_in": getattr(block.mlp, "in"), "mlp_out": block.mlp.out}[target]
-    module = projection.original_component
+    if target not in available_targets(model):
+        raise ValueError(f"adapter key {key!r} names a {target} projection, which this model does not have: its "
+                         f"targets are {list(available_targets(model))}")
+    module = model.blocks[int(layer)].get_submodule(TARGETS[target][0].removesuffix(".hook_in")).original_component
     return module.weight, not isinstance(module, nn.Linear)
 
 

@@ -309,6 +309,13 @@ class GRPOConfig:
         check_fields(self)
 
     @classmethod
+    def tiny_llama(cls, **overrides) -> "GRPOConfig":
+        """The embedded Llama-style model on a CPU. It needs more than q and v: with LoRA on every projection (the
+        gated MLP's three too), a lower learning rate and 200 steps it gains what the GPT-2 one gains in 150."""
+        return replace(cls(model="tiny-llama", steps=200, lr=2e-3,
+                           lora_targets=("q", "k", "v", "o", "mlp_gate", "mlp_in", "mlp_out")), **overrides)
+
+    @classmethod
     def gpt2(cls, **overrides) -> "GRPOConfig":
         """GPT-2 small on a GPU, on the '.' count of Part 1 (GPT-2 has never seen our additions)."""
         return replace(cls(model="gpt2", task="periods", steps=200, n_prompts=8, group_size=8, max_new_tokens=32,
@@ -492,12 +499,17 @@ class GRPOTrainer:
 
 # --- The script ---------------------------------------------------------------------------------------------
 
+PRESETS = {"tiny": GRPOConfig, "tiny-llama": GRPOConfig.tiny_llama, "gpt2": GRPOConfig.gpt2}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = cli.ArgumentParser(
         description="GRPO with a hand-written LoRA; watch held-out accuracy climb.",
         epilog="--steps 0 trains nothing: it measures the starting model's held-out accuracy (addition task), and "
                "reward_start and reward_end, means over training batches, are null.")
-    parser.add_argument("--preset", choices=["tiny", "gpt2"], default="tiny")
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    parser.add_argument("--model", help="the model to train; a preset's name (tiny-llama: the embedded Llama-style "
+                                        "model) takes that preset too; default: the preset's model")
     parser.add_argument("--steps", type=cli.at_least(0, STEPS.why))
     parser.add_argument("--seed", type=int)
     parser.add_argument("--beta", type=cli.at_least(0.0, GRPOConfig.RULES["beta"].why))
@@ -507,8 +519,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
     args = parser.parse_args(argv)
 
-    cfg = GRPOConfig.gpt2() if args.preset == "gpt2" else GRPOConfig()
-    overrides = {k: v for k, v in {"steps": args.steps, "seed": args.seed, "beta": args.beta,
+    cfg = PRESETS[args.model if args.model in PRESETS else args.preset]()
+    overrides = {k: v for k, v in {"model": args.model, "steps": args.steps, "seed": args.seed, "beta": args.beta,
                                    "loss_type": args.loss_type}.items() if v is not None}
     if os.environ.get("RLHF_SMOKE"):
         overrides.setdefault("steps", 3)

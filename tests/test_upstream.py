@@ -173,7 +173,7 @@ def test_bridge_logits_equal_hugging_face(tiny_model, plain_gpt2, batch):
 # TARGETS), the lab's attention (attn.hook_pattern), the checker and Part 0's tests (resid, attn_out, mlp_out, q/k/v/z).
 BLOCK_HOOKS = {
     "hook_resid_pre": "bpd", "hook_resid_mid": "bpd", "hook_resid_post": "bpd", "ln1.hook_normalized": "bpd",
-    "attn.hook_q": "bphe", "attn.hook_k": "bphe", "attn.hook_v": "bphe", "attn.hook_z": "bphe",
+    "attn.hook_q": "bphe", "attn.hook_k": "bpge", "attn.hook_v": "bpge", "attn.hook_z": "bphe",
     "attn.hook_pattern": "bhpp", "hook_attn_out": "bpd", "hook_mlp_out": "bpd",
     "attn.q.hook_in": "bpd", "attn.k.hook_in": "bpd", "attn.v.hook_in": "bpd",
     "attn.o.hook_in": "bphe", "attn.o.hook_out": "bpd",
@@ -183,17 +183,20 @@ MODEL_HOOKS = {"hook_embed": "bpd", "ln_final.hook_normalized": "bpd", "unembed.
 
 
 def course_hook_names(model) -> dict[str, tuple[int, ...] | None]:
-    """{hook name: expected shape} for PROMPTS' batch; Part 2's TARGETS included (shape unchecked if new)."""
-    from solutions.part2_lora import TARGETS
+    """{hook name: expected shape} for PROMPTS' batch; Part 2's TARGETS that the model has included (shape unchecked
+    if new). g: the key/value heads (fewer than the query heads h under grouped-query attention)."""
+    from solutions.part2_lora import TARGETS, available_targets
 
     cfg = model.cfg
     sizes = {"b": len(PROMPTS), "p": None, "d": cfg.d_model, "h": cfg.n_heads, "e": cfg.d_head, "m": cfg.d_mlp,
-             "v": cfg.d_vocab}
-    suffixes = dict(BLOCK_HOOKS) | {name: None for pair in TARGETS.values() for name in pair if name not in BLOCK_HOOKS}
+             "v": cfg.d_vocab, "g": getattr(cfg, "n_key_value_heads", None) or cfg.n_heads}
+    suffixes = dict(BLOCK_HOOKS) | {name: None for t in available_targets(model) for name in TARGETS[t]
+                                    if name not in BLOCK_HOOKS}
     names = {f"blocks.{layer}.{suffix}": dims for layer in range(cfg.n_layers) for suffix, dims in suffixes.items()}
     return names | MODEL_HOOKS, sizes
 
 
+@pytest.mark.both_architectures
 @upstream("transformer_lens")
 def test_every_hook_the_course_uses_fires_once_with_its_shape(tiny_model, batch):
     ids, mask = batch
@@ -272,18 +275,20 @@ def test_hooks_hold_what_the_course_reads(tiny_model, plain_gpt2, batch):
     tiny_model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.both_architectures
 @upstream("transformer_lens")
 def test_lora_hooks_are_a_change_of_the_weight(tiny_model, batch):
     """Part 2's LoRA keeps a projection's input at TARGETS[t][0] and adds its update to the output at TARGETS[t][1]:
     right only if the two hooks see that projection's input and output. Adding x @ D^T there must equal adding D to
     the weight (transposed where it is stored [d_in, d_out]), which is what merge_lora does."""
-    from solutions.part2_lora import TARGETS, base_weight
+    from solutions.part2_lora import TARGETS, available_targets, base_weight
 
     ids, mask = batch
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         base = tiny_model(ids, attention_mask=mask)
-        for target, (in_name, out_name) in TARGETS.items():
+        for target in available_targets(tiny_model):
+            in_name, out_name = TARGETS[target]
             weight, in_out = base_weight(tiny_model, f"L1_{target}")
             d_out, d_in = weight.shape[::-1] if in_out else weight.shape
             delta = torch.randn(d_out, d_in, generator=generator) * 0.05
@@ -347,17 +352,20 @@ def test_hooks_are_temporary_where_the_course_says(tiny_model, batch):
     expect(_active(tiny_model) == [], f"reset_hooks() left hooks on {_active(tiny_model)}")
 
 
+@pytest.mark.both_architectures
 @upstream("transformers", "transformer_lens")
 def test_generate_honours_hooks_with_the_kv_cache(tiny_model, batch):
     """sample() decodes through TransformerLens's generate whenever a hook is on (the LoRA, the value head, a
     steering vector): the hooks must run at every step, the cached decode must equal a full recompute under the
     same hooks, and the tokens must not be inference tensors (they are trained on afterwards)."""
-    from solutions.part2_lora import TARGETS
+    from solutions.part2_lora import TARGETS, base_weight
 
     ids, mask = batch
     steps, generator = 4, torch.Generator().manual_seed(1)
     d = tiny_model.cfg.d_model
-    deltas = {t: torch.randn(d, d, generator=generator) * 0.3 for t in ("q", "v")}
+    shapes = {t: base_weight(tiny_model, f"L0_{t}") for t in ("q", "v")}  # v is narrower under grouped-query attention
+    deltas = {t: torch.randn(*(w.shape[::-1] if in_out else w.shape), generator=generator) * 0.3
+              for t, (w, in_out) in shapes.items()}
     steer = torch.randn(d, generator=generator) * 3
     widths = []
 
@@ -396,17 +404,19 @@ def test_generate_honours_hooks_with_the_kv_cache(tiny_model, batch):
     expect(_active(tiny_model) == [], f"hooks left on {_active(tiny_model)} after generate")
 
 
+@pytest.mark.both_architectures
 @upstream("transformers", "transformer_lens")
 def test_lean_decoder_equals_the_bridge(tiny_model, batch):
     """utils/decoder.py reads the bridge's weights by TransformerLens's module names (embed, pos_embed, blocks.L.ln1,
-    attn.q/k/v/o, mlp.in/out, ln_final, unembed: each `.original_component`) and Hugging Face's layouts; sample()
+    attn.q/k/v/o, mlp.gate/in/out, ln_final, unembed: each `.original_component`), Hugging Face's layouts and, for a
+    Llama-style model, its rotary embedding; sample()
     uses it whenever no hook is on. Its logits and greedy tokens must be the bridge's."""
-    from utils.decoder import LeanGPT2, unsupported_reason
+    from utils.decoder import lean_decoder, unsupported_reason
 
     ids, mask = batch
     why = unsupported_reason(tiny_model)
     expect(why is None, f"the lean decoder refuses the plain bridge: {why} (sample() would always take the slow path)")
-    lean = LeanGPT2(tiny_model)
+    lean = lean_decoder(tiny_model)
     with torch.no_grad():
         logits, _, _ = lean.prefill(ids, mask, ids.shape[1] + 4)
         expect_close(logits, tiny_model(ids, attention_mask=mask)[:, -1], "the lean decoder's logits after a "

@@ -9,7 +9,7 @@ import torch
 from tests.support import lora_model_with_random_B, run_script
 from utils import data
 from utils.logger import RunLogger, samples_table
-from utils.models import ModelUnavailableError, load_model, load_tiny_hf
+from utils.models import EMBEDDED, ModelUnavailableError, architecture, load_model, load_tiny_hf
 from utils.plotting import plot_curves
 from utils.sampling import completion_mask_from_ids, sample, tokenize_prompts
 
@@ -26,8 +26,34 @@ def test_tiny_model_loads_offline_in_seconds(monkeypatch):
     assert model.tokenizer.eos_token_id == model.cfg.d_vocab - 1, "EOS should be the last token id"
 
 
+def test_tiny_llama_is_llama_style_and_an_early_checkpoint(monkeypatch):
+    """What makes it Llama-style (the issue's definition) and leaves RL room (the GPT-2 one's accuracy band)."""
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = load_model("tiny-llama", device="cpu")
+    hf = model.original_model
+    assert isinstance(hf, LlamaForCausalLM) and architecture(model) == "llama"
+    assert hf.config.num_key_value_heads < hf.config.num_attention_heads, "grouped-query attention"
+    kinds = {type(m) for m in hf.modules()}
+    assert {LlamaRMSNorm, LlamaRotaryEmbedding, LlamaMLP} <= kinds and not any("LayerNorm" in k.__name__ for k in kinds)
+    assert hf.config.hidden_act == "silu" and hasattr(hf.model.layers[0].mlp, "gate_proj")
+    assert model.tokenizer.eos_token_id == model.cfg.d_vocab - 1
+    gpt2 = sum(p.numel() for p in load_tiny_hf()[0].parameters())
+    assert 0.8 < sum(p.numel() for p in hf.parameters()) / gpt2 < 1.2, "about the GPT-2-style model's size"
+    report = json.loads((EMBEDDED["tiny-llama"][0] / "training.json").read_text())
+    assert 0.35 <= report["held_out_accuracy"] <= 0.50
+
+
+def test_an_unknown_embedded_name_lists_the_embedded_models():
+    with pytest.raises(ModelUnavailableError, match="'tiny'.*'tiny-llama'"):
+        load_model("tiny-mistral", device="cpu")
+
+
+@pytest.mark.both_architectures
 def test_bridge_logits_match_the_hugging_face_model(tiny_model):
-    hf_model, tokenizer = load_tiny_hf()
+    hf_model, tokenizer = load_tiny_hf(EMBEDDED["tiny-llama" if architecture(tiny_model) == "llama" else "tiny"][0])
     ids = torch.tensor([tokenizer("This is a happy day .").input_ids])
     with torch.no_grad():
         expected = hf_model(ids).logits
@@ -133,18 +159,19 @@ PADDED_PROMPTS = ["12+34=", "This is a much longer prompt", "12+34=", "The", "71
 
 def adapted_model(model, seed: int = 0):
     """A LoRA model (Part 2's reference) with adapters on every projection and random B, so that it differs."""
-    from solutions.part2_lora import TARGETS
+    from solutions.part2_lora import available_targets
 
-    return lora_model_with_random_B(model, seed, targets=tuple(TARGETS), std=0.05, reseed=True)
+    return lora_model_with_random_B(model, seed, targets=available_targets(model), std=0.05, reseed=True)
 
 
+@pytest.mark.both_architectures
 @pytest.mark.parametrize("adapted", [False, True], ids=["base", "lora"])
 def test_lean_decoder_computes_the_bridge_logits_at_every_step(tiny_model, adapted, monkeypatch):
-    from utils.decoder import LeanGPT2
+    from utils.decoder import LeanDecoder
 
     model = adapted_model(tiny_model) if adapted else tiny_model
     seen = []  # the logits of every decoding step, as the decoder hands them to pick()
-    monkeypatch.setattr(LeanGPT2, "pick", staticmethod(lambda logits, t, k: seen.append(logits) or logits.argmax(-1)))
+    monkeypatch.setattr(LeanDecoder, "pick", staticmethod(lambda logits, t, k: seen.append(logits) or logits.argmax(-1)))
     out = sample(model, PADDED_PROMPTS, max_new_tokens=8, temperature=0, engine="lean", stop_at_eos=False)
     with torch.no_grad():
         expected = model(out.ids, attention_mask=out.attention_mask)  # the bridge, on the finished rows
@@ -156,6 +183,7 @@ def test_lean_decoder_computes_the_bridge_logits_at_every_step(tiny_model, adapt
                                    msg=lambda m: f"decoding step {step}: {m}")
 
 
+@pytest.mark.both_architectures
 @pytest.mark.parametrize("adapted", [False, True], ids=["base", "lora"])
 def test_lean_and_bridge_engines_decode_the_same_greedy_tokens(tiny_model, adapted):
     model = adapted_model(tiny_model) if adapted else tiny_model
@@ -169,13 +197,15 @@ def test_lean_and_bridge_engines_decode_the_same_greedy_tokens(tiny_model, adapt
                                                                 lean.completion_mask)
 
 
+@pytest.mark.both_architectures
 def test_lora_weight_updates_are_the_merged_deltas(tiny_model):
     from solutions.part2_lora import base_weight
 
     model = adapted_model(tiny_model)
     updates = model.weight_updates()
     assert len(updates) == len(model.adapters)
-    modules = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o", "mlp_in": "mlp.in", "mlp_out": "mlp.out"}
+    modules = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o", "mlp_gate": "mlp.gate", "mlp_in": "mlp.in",
+               "mlp_out": "mlp.out"}
     for key, adapter in model.adapters.items():
         layer, target = key[1:].split("_", 1)
         path = f"blocks.{layer}.{modules[target]}"
@@ -315,6 +345,16 @@ def test_pretraining_script_runs_a_few_steps(tmp_path):
     report = json.loads((tmp_path / "training.json").read_text())
     assert report["steps"] == 3 and report["final_loss"] > 0
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
+
+
+def test_pretraining_a_llama_style_model_runs_a_few_steps(tmp_path):
+    from utils.pretrain_tiny import PretrainConfig, pretrain
+
+    report = pretrain(PretrainConfig(arch="llama", out=str(tmp_path), max_steps=2, eval_every=2, corpus_tokens=5000,
+                                     eval_pairs=4, d_model=32, n_layers=1))
+    assert report["steps"] == 2 and report["final_loss"] > 0
+    hf_model, _ = load_tiny_hf(tmp_path)
+    assert type(hf_model).__name__ == "LlamaForCausalLM" and hf_model.config.num_key_value_heads == 2
 
 
 def test_pretraining_is_deterministic_for_a_seed(tmp_path):

@@ -1,4 +1,4 @@
-"""A lean GPT-2 decoder with a KV cache, over a TransformerBridge's own weights: the fast path of `utils.sampling`.
+"""Lean decoders with a KV cache, over a TransformerBridge's own weights: the fast path of `utils.sampling`.
 
 Why it exists. TransformerLens's `generate` runs every token through the bridge: about 225 modules on the tiny
 model (a hook point around every intermediate, attention and LayerNorm in Python). That is what makes hooks
@@ -18,7 +18,12 @@ Four things make it faster than the bridge, and than Hugging Face's `generate` t
   once, and its keys and values are copied to its rows: the "prefill" is shared;
 - the next token is drawn with one uniform number per row (inverse-CDF sampling, `pick`).
 
-It computes what the bridge computes, to float rounding: `tests/test_utils.py` checks its logits against the
+The Llama-style models (Llama, Qwen2, SmolLM2: `LeanLlama`) get the same treatment: RMSNorm instead of LayerNorm, the
+rotary position embedding applied to q and k (its angles from the Hugging Face model's own `rotary_emb`, so any RoPE
+scaling it has is the same), grouped-query attention (the cache holds the fewer k/v heads; torch's attention shares
+each among its query heads), and the gated MLP down(silu(gate(x)) * up(x)), gate and up in one matrix multiplication.
+
+Each computes what the bridge computes, to float rounding: `tests/test_utils.py` checks their logits against the
 bridge's at every decoding step (padded and repeated prompts, with and without a merged LoRA), its greedy tokens
 against TransformerLens's, and its samples' frequencies against softmax(logits / temperature).
 """
@@ -33,27 +38,47 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-# The projections a weight update may name, per block, as paths in the bridge: "blocks.{layer}.{one of these}".
-PROJECTIONS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.in", "mlp.out")
+# The projections a weight update may name, per block, as paths in the bridge: "blocks.{layer}.{one of these}"
+# ("mlp.gate" on a gated MLP only).
+PROJECTIONS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.in", "mlp.out")
+
+
+# The Hugging Face classes each lean decoder reproduces.
+LLAMA_STYLE = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
 def unsupported_reason(model) -> str | None:
-    """Why the lean decoder cannot stand in for `model.generate`, or None if it can: it must be a bridge over a
-    Hugging Face GPT-2 with its standard attention, and no hook may be active (a hook can change anything)."""
+    """Why no lean decoder can stand in for `model.generate`, or None if one can: it must be a bridge over a Hugging
+    Face GPT-2 with its standard attention, or over a Llama-style model (LLAMA_STYLE) with SiLU and full attention,
+    and no hook may be active (a hook can change anything)."""
     hf = getattr(model, "original_model", None)
-    if type(hf).__name__ != "GPT2LMHeadModel":
-        return f"the lean decoder knows GPT-2 only, and this model wraps {type(hf).__name__}"
-    config = hf.config
-    if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
-        return "this GPT-2 scales its attention in a non-standard way"
-    if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):  # the same function, two spellings
-        return f"this GPT-2 uses the {config.activation_function} activation, not gelu_new"
-    if any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in hf.modules()):
+    kind = type(hf).__name__
+    config = getattr(hf, "config", None)
+    if kind == "GPT2LMHeadModel":
+        if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
+            return "this GPT-2 scales its attention in a non-standard way"
+        if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):  # the same function, two spellings
+            return f"this GPT-2 uses the {config.activation_function} activation, not gelu_new"
+    elif kind in LLAMA_STYLE:
+        if config.hidden_act != "silu":
+            return f"this {kind} uses the {config.hidden_act} activation, not silu"
+        if getattr(config, "use_sliding_window", False) or getattr(config, "pretraining_tp", 1) != 1:
+            return f"this {kind} uses sliding-window attention or tensor-parallel slices"
+    else:
+        return f"the lean decoders know GPT-2 and {', '.join(LLAMA_STYLE)} only, and this model wraps {kind}"
+    if any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in hf.modules()) or (
+            kind in LLAMA_STYLE and hf.training and config.attention_dropout > 0):
         return "the model is in training mode with dropout on (call model.eval() to sample without it)"
     hooked = [name for name, m in model.named_modules() if any(_counts(m, fn) for fn in _hook_functions(m))]
     if hooked:
         return f"hooks are active on {hooked[0]}{' and others' if len(hooked) > 1 else ''}"
     return None
+
+
+def lean_decoder(model, updates: dict[str, Tensor] | None = None) -> "LeanDecoder":
+    """The lean decoder for `model`'s architecture (check unsupported_reason first)."""
+    kind = type(model.original_model).__name__
+    return (LeanLlama if kind in LLAMA_STYLE else LeanGPT2)(model, updates)
 
 
 def _hook_functions(module: nn.Module) -> list:
@@ -83,12 +108,23 @@ def linear_weight(module: nn.Module) -> tuple[Float[Tensor, "d_out d_in"], Tenso
     return weight, module.bias
 
 
-class LeanGPT2:
-    """The bridge's weights, gathered once per sampling call (with `updates` merged in), and a decoding loop.
+def _bias_cat(parts: list[tuple[Tensor, Tensor | None]]) -> Tensor | None:
+    """The biases of weights concatenated along d_out (zeros for a part without one), or None if none has one."""
+    if all(b is None for _, b in parts):
+        return None
+    return torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
+
+
+class LeanDecoder:
+    """What both lean decoders share: the bridge's weights, gathered once per sampling call (with `updates` merged
+    in), the KV cache, the prefill and the decoding loop. A subclass reads its architecture's weights (`_read`)
+    and computes its forward pass.
 
     updates: {"blocks.{layer}.{projection}": [d_in, d_out] matrix} added to those projections' weights; a LoRA
     model's `weight_updates()` gives them. The bridge itself is not modified.
     """
+
+    n_kv_heads: int
 
     def __init__(self, model, updates: dict[str, Tensor] | None = None):
         updates = dict(updates or {})
@@ -97,52 +133,35 @@ class LeanGPT2:
             raise ValueError(f"weight updates for {unknown}: name projections as 'blocks.L.P' with P one of "
                              f"{PROJECTIONS}")
         cfg = model.cfg
-        self.n_heads, self.d_head, self.eps = cfg.n_heads, cfg.d_head, model.ln_final.original_component.eps
+        final = model.ln_final.original_component
+        self.n_heads, self.d_head = cfg.n_heads, cfg.d_head
+        self.eps = getattr(final, "eps", getattr(final, "variance_epsilon", None))  # LayerNorm's, RMSNorm's
+        self.n_kv_heads = self.n_heads
         self.W_E = model.embed.original_component.weight                   # [vocab, d_model]
-        self.W_pos = model.pos_embed.original_component.weight             # [n_ctx, d_model]
         unembed = model.unembed.original_component
         self.W_U, self.b_U = unembed.weight, unembed.bias                  # [vocab, d_model], [vocab] or None
-        final = model.ln_final.original_component
-        self.ln_f = (final.weight, final.bias)
+        self._read_model(model)
         self.blocks = []
         for layer, block in enumerate(model.blocks):
-            def projection(name: str) -> tuple[Tensor, Tensor | None]:
+            def projection(name: str, layer=layer, block=block) -> tuple[Tensor, Tensor | None]:
                 weight, bias = linear_weight(block.get_submodule(name).original_component)
                 update = updates.pop(f"blocks.{layer}.{name}", None)
                 return (weight if update is None else weight + update.T.to(weight.dtype)), bias
 
-            qkv = [projection(name) for name in ("attn.q", "attn.k", "attn.v")]
-            ln1, ln2 = block.ln1.original_component, block.ln2.original_component
-            self.blocks.append({
-                "ln1": (ln1.weight, ln1.bias), "ln2": (ln2.weight, ln2.bias),
-                "qkv": (torch.cat([w for w, _ in qkv]), torch.cat([b for _, b in qkv])),  # one matmul for all three
-                "o": projection("attn.o"), "mlp_in": projection("mlp.in"), "mlp_out": projection("mlp.out")})
+            self.blocks.append(self._read(model, block, projection))
         if updates:
-            raise ValueError(f"weight updates for layers this model does not have: {sorted(updates)}")
+            raise ValueError(f"weight updates for projections this model does not have: {sorted(updates)}")
 
-    def forward(self, tokens: Int[Tensor, "batch pos"], positions: Int[Tensor, "batch pos"],
-                mask: Tensor, cache: list[tuple[Tensor, Tensor]], start: int) -> Float[Tensor, "batch vocab"]:
-        """Logits at the last position of `tokens`, which sit at columns start.. of the cache (written here).
+    def _read_model(self, model) -> None:
+        """Read what lies outside the blocks."""
+        raise NotImplementedError
 
-        mask: [batch, 1, pos, start + pos] bool, True where a query may attend to a key.
-        """
-        batch, n = tokens.shape
-        x = self.W_E[tokens] + self.W_pos[positions]                               # [batch, pos, d_model]
-        for block, (k_cache, v_cache) in zip(self.blocks, cache):
-            h = F.layer_norm(x, x.shape[-1:], *block["ln1"], self.eps)
-            q, k, v = F.linear(h, *block["qkv"]).view(batch, n, 3, self.n_heads, self.d_head).unbind(2)
-            k_cache[:, :, start:start + n] = k.transpose(1, 2)                       # [batch, head, pos, d_head]
-            v_cache[:, :, start:start + n] = v.transpose(1, 2)
-            z = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :start + n],
-                                               v_cache[:, :, :start + n], attn_mask=mask)
-            x = x + F.linear(z.transpose(1, 2).reshape(batch, n, -1), *block["o"])
-            h = F.layer_norm(x, x.shape[-1:], *block["ln2"], self.eps)
-            x = x + F.linear(F.gelu(F.linear(h, *block["mlp_in"]), approximate="tanh"), *block["mlp_out"])
-        last = F.layer_norm(x[:, -1], x.shape[-1:], *self.ln_f, self.eps)
-        return F.linear(last, self.W_U, self.b_U)
+    def _read(self, model, block, projection) -> dict:
+        """One block's weights; `projection(name)` gives (weight [d_out, d_in] with its update merged, bias)."""
+        raise NotImplementedError
 
     def new_cache(self, batch: int, length: int) -> list[tuple[Tensor, Tensor]]:
-        shape = (batch, self.n_heads, length, self.d_head)
+        shape = (batch, self.n_kv_heads, length, self.d_head)
         return [(self.W_E.new_empty(shape), self.W_E.new_empty(shape)) for _ in self.blocks]
 
     @torch.no_grad()
@@ -211,3 +230,86 @@ class LeanGPT2:
         cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)
         u = torch.rand(len(cdf), 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
         return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+
+
+class LeanGPT2(LeanDecoder):
+    """GPT-2: x = W_E[tok] + W_pos[pos]; per block x += attn(ln1(x)); x += mlp(ln2(x)); logits = ln_f(x) @ W_U^T."""
+
+    def _read_model(self, model) -> None:
+        self.W_pos = model.pos_embed.original_component.weight             # [n_ctx, d_model]
+        final = model.ln_final.original_component
+        self.ln_f = (final.weight, final.bias)
+
+    def _read(self, model, block, projection) -> dict:
+        qkv = [projection(name) for name in ("attn.q", "attn.k", "attn.v")]
+        ln1, ln2 = block.ln1.original_component, block.ln2.original_component
+        return {"ln1": (ln1.weight, ln1.bias), "ln2": (ln2.weight, ln2.bias),
+                "qkv": (torch.cat([w for w, _ in qkv]), _bias_cat(qkv)),  # one matmul for all three
+                "o": projection("attn.o"), "mlp_in": projection("mlp.in"), "mlp_out": projection("mlp.out")}
+
+    def forward(self, tokens: Int[Tensor, "batch pos"], positions: Int[Tensor, "batch pos"],
+                mask: Tensor, cache: list[tuple[Tensor, Tensor]], start: int) -> Float[Tensor, "batch vocab"]:
+        """Logits at the last position of `tokens`, which sit at columns start.. of the cache (written here).
+
+        mask: [batch, 1, pos, start + pos] bool, True where a query may attend to a key.
+        """
+        batch, n = tokens.shape
+        x = self.W_E[tokens] + self.W_pos[positions]                               # [batch, pos, d_model]
+        for block, (k_cache, v_cache) in zip(self.blocks, cache):
+            h = F.layer_norm(x, x.shape[-1:], *block["ln1"], self.eps)
+            q, k, v = F.linear(h, *block["qkv"]).view(batch, n, 3, self.n_heads, self.d_head).unbind(2)
+            k_cache[:, :, start:start + n] = k.transpose(1, 2)                       # [batch, head, pos, d_head]
+            v_cache[:, :, start:start + n] = v.transpose(1, 2)
+            z = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :start + n],
+                                               v_cache[:, :, :start + n], attn_mask=mask)
+            x = x + F.linear(z.transpose(1, 2).reshape(batch, n, -1), *block["o"])
+            h = F.layer_norm(x, x.shape[-1:], *block["ln2"], self.eps)
+            x = x + F.linear(F.gelu(F.linear(h, *block["mlp_in"]), approximate="tanh"), *block["mlp_out"])
+        last = F.layer_norm(x[:, -1], x.shape[-1:], *self.ln_f, self.eps)
+        return F.linear(last, self.W_U, self.b_U)
+
+
+class LeanLlama(LeanDecoder):
+    """Llama-style: x = W_E[tok]; per block x += attn(rms1(x)) with RoPE on q and k and grouped-query attention;
+    x += down(silu(gate(rms2(x))) * up(rms2(x))); logits = rms_f(x) @ W_U^T."""
+
+    def _read_model(self, model) -> None:
+        hf = model.original_model
+        self.n_kv_heads = hf.config.num_key_value_heads
+        self.rotary = hf.model.rotary_emb                                  # (x, position_ids) -> cos, sin
+        self.ln_f = model.ln_final.original_component.weight
+
+    def _read(self, model, block, projection) -> dict:
+        qkv = [projection(name) for name in ("attn.q", "attn.k", "attn.v")]
+        gate_up = [projection(name) for name in ("mlp.gate", "mlp.in")]
+        return {"ln1": block.ln1.original_component.weight, "ln2": block.ln2.original_component.weight,
+                "qkv": (torch.cat([w for w, _ in qkv]), _bias_cat(qkv)),
+                "o": projection("attn.o"), "gate_up": (torch.cat([w for w, _ in gate_up]), _bias_cat(gate_up)),
+                "down": projection("mlp.out")}
+
+    def forward(self, tokens: Int[Tensor, "batch pos"], positions: Int[Tensor, "batch pos"],
+                mask: Tensor, cache: list[tuple[Tensor, Tensor]], start: int) -> Float[Tensor, "batch vocab"]:
+        """As LeanGPT2.forward; the cache holds the keys after their rotation, so each is rotated once."""
+        batch, n = tokens.shape
+        heads, kv, d_head = self.n_heads, self.n_kv_heads, self.d_head
+        x = self.W_E[tokens]                                                       # [batch, pos, d_model]
+        cos, sin = (t[:, None] for t in self.rotary(x, positions))                # [batch, 1, pos, d_head]
+
+        def rotate(t: Tensor) -> Tensor:                                           # [batch, head, pos, d_head]
+            half = t.shape[-1] // 2
+            return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
+
+        for block, (k_cache, v_cache) in zip(self.blocks, cache):
+            h = F.rms_norm(x, x.shape[-1:], block["ln1"], self.eps)
+            q, k, v = F.linear(h, *block["qkv"]).split([heads * d_head, kv * d_head, kv * d_head], dim=-1)
+            q = rotate(q.view(batch, n, heads, d_head).transpose(1, 2))
+            k_cache[:, :, start:start + n] = rotate(k.view(batch, n, kv, d_head).transpose(1, 2))
+            v_cache[:, :, start:start + n] = v.view(batch, n, kv, d_head).transpose(1, 2)
+            z = F.scaled_dot_product_attention(q, k_cache[:, :, :start + n], v_cache[:, :, :start + n],
+                                               attn_mask=mask, enable_gqa=kv != heads)
+            x = x + F.linear(z.transpose(1, 2).reshape(batch, n, -1), *block["o"])
+            h = F.rms_norm(x, x.shape[-1:], block["ln2"], self.eps)
+            gate, up = F.linear(h, *block["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, *block["down"])
+        last = F.rms_norm(x[:, -1], x.shape[-1:], self.ln_f, self.eps)
+        return F.linear(last, self.W_U, self.b_U)

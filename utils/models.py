@@ -1,7 +1,9 @@
-"""Loading the course's models: the embedded tiny model (no network, seconds) or GPT-2 small (a GPU, Colab).
+"""Loading the course's models: the embedded tiny models (no network, seconds) or GPT-2 small (a GPU, Colab).
 
-Both come back as a TransformerLens 4 `TransformerBridge` wrapping a Hugging Face GPT-2, so every hook name,
-weight name and code path is the same for both; only the size differs.
+Two architectures: GPT-2 ("tiny", "gpt2") and the Llama style that Llama 3, Qwen2.5 and SmolLM2 share
+("tiny-llama"). Every model comes back as a TransformerLens 4 `TransformerBridge` wrapping a Hugging Face model, so
+the hook names are the same for both architectures, where both have the component (a gated MLP's `mlp.gate` is
+Llama-style only; GPT-2's learned position table only GPT-2).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from pathlib import Path
 import torch
 
 TINY_DIR = Path(__file__).resolve().parent / "tiny_model"  # tokenizer + safetensors weights, committed
+TINY_LLAMA_DIR = Path(__file__).resolve().parent / "tiny_llama"  # the same, for the Llama-style tiny model
+# The embedded models, by the name load_model takes: (folder, architecture).
+EMBEDDED = {"tiny": (TINY_DIR, "gpt2"), "tiny-llama": (TINY_LLAMA_DIR, "llama")}
 HUB_HOST = "huggingface.co"
 
 
@@ -51,6 +56,21 @@ def tiny_hf_config(vocab_size: int, eos_id: int, d_model: int = 128, n_layers: i
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: RL wants determinism
 
 
+def tiny_llama_hf_config(vocab_size: int, eos_id: int, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
+                         n_kv_heads: int = 2, d_mlp: int = 352, n_ctx: int = 64):
+    """The Llama-style tiny model: what Llama 3, Qwen2.5 and SmolLM2 share, shrunk (~0.78M parameters). RMSNorm
+    instead of LayerNorm, rotary position embeddings instead of a learned table, a gated MLP (gate, up, down; SiLU),
+    separate q, k, v and o projections without biases, and grouped-query attention: 4 query heads share 2 key/value
+    heads, so k and v are half as wide as q. d_mlp 352 is about 8/3 of d_model, so the three MLP matrices hold as
+    many numbers as GPT-2's two at 4 × d_model."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_mlp, num_hidden_layers=n_layers,
+                       num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=n_ctx,
+                       bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, tie_word_embeddings=True,
+                       attention_dropout=0.0, rms_norm_eps=1e-5)
+
+
 def fuse_gelu(hf_model) -> int:
     """Give a Hugging Face GPT-2 PyTorch's one-kernel GELU. Returns how many activations it replaced.
 
@@ -86,16 +106,22 @@ def bridge_from_hf(hf_model, tokenizer, device: torch.device | str | None = None
 
 
 def load_tiny_hf(path: str | Path = TINY_DIR):
-    """The embedded model as a plain Hugging Face GPT2LMHeadModel, with its tokenizer."""
-    from transformers import AutoTokenizer, GPT2LMHeadModel
+    """An embedded model as a plain Hugging Face model (GPT2LMHeadModel, or LlamaForCausalLM for TINY_LLAMA_DIR),
+    with its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, GPT2LMHeadModel, LlamaForCausalLM
 
     path = Path(path)
     if not (path / "model.safetensors").exists():
+        arch = " --arch llama" if path.name == TINY_LLAMA_DIR.name else ""
         raise ModelUnavailableError(
             f"No embedded model at {path}. It is committed with the repository; if you deleted it, "
-            "rebuild it with `python -m utils.pretrain_tiny` (under two minutes on a laptop CPU).")
+            f"rebuild it with `python -m utils.pretrain_tiny{arch}` (a few minutes on a laptop CPU).")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    hf_model = GPT2LMHeadModel.from_pretrained(str(path), use_safetensors=True)
+    model_type = AutoConfig.from_pretrained(str(path)).model_type
+    classes = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}  # named, never trust_remote_code
+    if model_type not in classes:
+        raise ModelUnavailableError(f"the model at {path} is a {model_type!r}, not one of {sorted(classes)}")
+    hf_model = classes[model_type].from_pretrained(str(path), use_safetensors=True)
     return hf_model, tokenizer
 
 
@@ -164,16 +190,20 @@ def check_device(device: torch.device | str) -> torch.device:
 def load_model(name: str = "tiny", device: torch.device | str | None = None):
     """Load a course model as a TransformerLens `TransformerBridge`; its tokenizer is `model.tokenizer`.
 
-    name: "tiny" for the embedded model (works offline, loads in well under a second once imported), or "gpt2"
-    (or another Hugging Face GPT-2-family name) for GPT-2 small, which needs the Hub or a cached copy.
+    name: "tiny" for the embedded GPT-2-style model, "tiny-llama" for the embedded Llama-style one (both work
+    offline and load in well under a second once imported), or a Hugging Face name ("gpt2"), which needs the Hub or
+    a cached copy.
     device: defaults to CUDA when there is one, else the CPU (with a deliberate thread count).
     """
     device = check_device(device) if device is not None else default_device()
     if device.type == "cpu":
         set_cpu_threads()
-    if name == "tiny":
-        hf_model, tokenizer = load_tiny_hf()
+    if name in EMBEDDED:
+        hf_model, tokenizer = load_tiny_hf(EMBEDDED[name][0])
         return bridge_from_hf(hf_model, tokenizer, device)
+    if name.startswith("tiny"):
+        raise ModelUnavailableError(f"no embedded model is called {name!r}: the embedded ones are "
+                                    f"{', '.join(map(repr, EMBEDDED))}")
 
     require_hub_model(name)
     from transformer_lens.model_bridge import TransformerBridge
@@ -181,6 +211,12 @@ def load_model(name: str = "tiny", device: torch.device | str | None = None):
     model = TransformerBridge.boot_transformers(name, device=device)
     fuse_gelu(model.original_model)
     return model
+
+
+def architecture(model) -> str:
+    """"gpt2" or "llama" (Llama-style: Llama, Qwen2, SmolLM2): the family of the Hugging Face model a bridge wraps."""
+    kind = type(getattr(model, "original_model", model)).__name__
+    return "gpt2" if kind.startswith("GPT2") else "llama" if kind in ("LlamaForCausalLM", "Qwen2ForCausalLM") else kind
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:

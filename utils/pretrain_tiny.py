@@ -1,6 +1,7 @@
 """Pretrain the embedded tiny model on the synthetic corpus of `utils.data`, and save it.
 
     python -m utils.pretrain_tiny                 # rebuilds utils/tiny_model/ (about 85 s on 2 CPU cores)
+    python -m utils.pretrain_tiny --arch llama    # rebuilds utils/tiny_llama/, the Llama-style one
     python -m utils.pretrain_tiny --out /tmp/m --max-steps 5   # a quick smoke run
 
 The checkpoint we ship is deliberately an *early* one: it writes sentences that read like the toy language
@@ -23,13 +24,14 @@ from tqdm.auto import tqdm
 
 from utils.data import (addition_accuracy, addition_pairs, build_tokenizer, make_addition_document,
                         make_text_document)
-from utils.models import TINY_DIR, bridge_from_hf, set_cpu_threads, tiny_hf_config
+from utils.models import EMBEDDED, bridge_from_hf, set_cpu_threads, tiny_hf_config, tiny_llama_hf_config
 from utils.sampling import sample
 
 
 @dataclass
 class PretrainConfig:
     seed: int = 0
+    arch: str = "gpt2"                   # "gpt2", or "llama" (RMSNorm, RoPE, gated MLP, grouped-query attention)
     d_model: int = 128                   # ~0.85M parameters with 4 layers: trains in minutes on a laptop
     n_layers: int = 4
     n_heads: int = 4
@@ -45,7 +47,7 @@ class PretrainConfig:
     eval_pairs: int = 256                # training pairs used by the stopping rule
     target_train_accuracy: float = 0.40  # stop here: an early checkpoint leaves room for RL
     threads: int | None = None           # torch CPU threads (None: one per core, at most 8)
-    out: str = str(TINY_DIR)
+    out: str = ""                        # default: the embedded model's folder for this architecture
 
 
 def make_corpus(cfg: PretrainConfig, tokenizer) -> torch.Tensor:
@@ -70,14 +72,31 @@ def as_bridge(hf_model, tokenizer):
     return bridge_from_hf(copy.deepcopy(hf_model).eval(), tokenizer, "cpu")
 
 
-def pretrain(cfg: PretrainConfig) -> dict:
-    from transformers import GPT2LMHeadModel
+ARCHITECTURES = ("gpt2", "llama")
 
+
+def new_model(cfg: PretrainConfig, tokenizer):
+    """A randomly initialised Hugging Face model of `cfg.arch`."""
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    if cfg.arch == "gpt2":
+        return GPT2LMHeadModel(tiny_hf_config(len(tokenizer), tokenizer.eos_token_id, cfg.d_model, cfg.n_layers,
+                                              cfg.n_heads, cfg.n_ctx))
+    if cfg.arch == "llama":
+        return LlamaForCausalLM(tiny_llama_hf_config(len(tokenizer), tokenizer.eos_token_id, cfg.d_model,
+                                                     cfg.n_layers, cfg.n_heads, n_ctx=cfg.n_ctx))
+    raise ValueError(f"unknown architecture {cfg.arch!r}: choose one of {ARCHITECTURES}")
+
+
+def pretrain(cfg: PretrainConfig) -> dict:
+    if cfg.arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {cfg.arch!r}: choose one of {ARCHITECTURES}")
+    if not cfg.out:
+        cfg.out = str(EMBEDDED["tiny" if cfg.arch == "gpt2" else "tiny-llama"][0])
     torch.manual_seed(cfg.seed)
     threads = set_cpu_threads(cfg.threads)
     tokenizer = build_tokenizer(cfg.out)
-    hf_model = GPT2LMHeadModel(tiny_hf_config(len(tokenizer), tokenizer.eos_token_id, cfg.d_model,
-                                              cfg.n_layers, cfg.n_heads, cfg.n_ctx))
+    hf_model = new_model(cfg, tokenizer)
     corpus = make_corpus(cfg, tokenizer)
     eval_pairs = random.Random(cfg.seed + 1).sample(addition_pairs("train"), cfg.eval_pairs)
 
@@ -124,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for field, value in asdict(PretrainConfig()).items():
         kind = type(value) if value is not None else int
-        parser.add_argument("--" + field.replace("_", "-"), type=kind, default=value)
+        choices = ARCHITECTURES if field == "arch" else None
+        parser.add_argument("--" + field.replace("_", "-"), type=kind, default=value, choices=choices)
     cfg = PretrainConfig(**vars(parser.parse_args(argv)))
     report = pretrain(cfg)
     print(f"saved to {cfg.out}: {report['steps']} steps in {report['seconds']} s, final loss "

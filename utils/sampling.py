@@ -8,7 +8,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from utils.decoder import LeanGPT2, unsupported_reason
+from utils.decoder import lean_decoder, unsupported_reason
 from utils.tokens import tokenize_prompts
 from utils.upstream import require_cached_generate
 
@@ -58,7 +58,7 @@ def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: flo
     still ends at each row's first EOS.
 
     engine: "bridge" decodes with TransformerLens's `generate`, through every hook point, honouring every hook;
-    "lean" with `utils.decoder.LeanGPT2`, the same function in a dozen operations per layer, which reads the
+    "lean" with `utils.decoder`'s LeanGPT2 or LeanLlama, the same function in a dozen operations per layer, which reads the
     bridge's weights (plus a LoRA model's `weight_updates()`, merged) and refuses to run while a hook is active;
     "auto" (the default) takes "lean" whenever it can compute exactly what "bridge" would, else "bridge". Before the
     first decode through the bridge, the installed libraries' cached `generate` is checked against a full recompute
@@ -90,7 +90,7 @@ def sample(model, prompts: list[str], max_new_tokens: int = 16, temperature: flo
         raise ValueError(f"engine='lean' cannot sample from this model: {why_not}. Use engine='bridge' (or 'auto').")
     if why_not is None:
         updates = model.weight_updates() if hasattr(model, "weight_updates") else {}
-        completion = LeanGPT2(base, updates).generate(ids, attn, max_new_tokens, temperature, top_k, eos,
+        completion = lean_decoder(base, updates).generate(ids, attn, max_new_tokens, temperature, top_k, eos,
                                                       stop_at_eos)
         out = torch.cat([ids, completion], dim=1)
     else:

@@ -69,9 +69,22 @@ from utils.sampling import Samples, sample
 # ## 2. LoRA as forward hooks
 #
 # Which activations does a LoRA on, say, the query projection need? Its *input* $x$ (the output of `ln1`, going
-# into $W_Q$) and its *output* (the queries, which we change). TransformerLens 4 names both:
-# `blocks.{L}.attn.q.hook_in` is the input, `[batch, pos, d_model]`, and `blocks.{L}.attn.hook_q` the output,
-# per head: `[batch, pos, head, d_head]`. The table `TARGETS` below lists the pair for each projection we adapt.
+# into $W_Q$) and its *output* (the queries, which we change). TransformerLens 4 wraps every projection with a hook
+# point on each side: `blocks.{L}.attn.q.hook_in` is the input, `[batch, pos, d_model]`, and
+# `blocks.{L}.attn.q.hook_out` the output, per head: `[batch, pos, head, d_head]` (the same hook point as the
+# familiar `attn.hook_q`). The table `TARGETS` below lists the pair for each projection we adapt.
+#
+# **Two architectures.** GPT-2 computes q, k and v with one fused matrix (`c_attn`), which the bridge splits into
+# `attn.q`, `attn.k` and `attn.v` for us; its MLP is `out(gelu(in(x)))`. The Llama-style model (`"tiny-llama"`, and
+# Llama 3, Qwen2.5, SmolLM2) has separate `q_proj`, `k_proj`, `v_proj` and `o_proj` already, and two differences
+# matter here. Grouped-query attention: its 4 query heads share 2 key/value heads, so `k` and `v` write
+# `[batch, pos, 2, d_head]`, half as wide as `q`; `make_adapters` reads each adapter's `d_in` and `d_out` off the
+# weight it updates, so `view(out.shape)` fits. And a gated MLP, `down(silu(gate(x)) * up(x))`: one more projection
+# (`"mlp_gate"`, which GPT-2 lacks: `available_targets(model)` says which a model has), with `"mlp_in"` the up
+# projection and `"mlp_out"` the down one. The rotary position embedding rotates q and k *after* `attn.q.hook_out`
+# and `attn.k.hook_out` (at `attn.hook_rot_q`, `attn.hook_rot_k`), so a LoRA on q changes the projection, as peft's
+# LoRA on `q_proj` does, and RoPE then rotates the adapted queries. Your `lora_hooks` needs no branch for either
+# architecture.
 #
 # So each adapter needs **two hooks**: one on the input that keeps $x$ (return nothing: the activation is left as
 # it is), and one on the output that returns `output + adapter(x)`, reshaped to the output's shape. The output
@@ -83,6 +96,8 @@ from utils.sampling import Samples, sample
 # model. Closures in a loop are a classic trap: bind the loop's variables as default arguments.
 
 # %% [provided] TARGETS
+
+# %% [provided] available_targets
 
 # %% [provided] make_adapters
 

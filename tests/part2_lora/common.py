@@ -8,11 +8,10 @@ import torch.nn as nn
 from solutions import part2_lora as ref
 from tests.support import adapters_with_random_B, aside, assert_close, assert_equal, calling
 
-ALL_TARGETS = tuple(ref.TARGETS)
-
-
-def random_adapters(model, targets=ALL_TARGETS, seed=0, rank=4, alpha=8.0):
-    """Reference adapters with B drawn at random, so that they change the model (as a trained adapter does)."""
+def random_adapters(model, targets=None, seed=0, rank=4, alpha=8.0):
+    """Reference adapters with B drawn at random, so that they change the model (as a trained adapter does); on
+    every projection the model has unless `targets` are given."""
+    targets = ref.available_targets(model) if targets is None else targets
     return adapters_with_random_B(model, seed, rank=rank, alpha=alpha, targets=targets, std=0.05, reseed=True)
 
 

@@ -5,7 +5,7 @@ LoRA "spies" note which hook read which adapter, so that a failure can say where
 import torch
 
 from solutions import part2_lora as ref
-from tests.part2_lora.common import ALL_TARGETS, attempt, error_text, random_adapters, some_tokens
+from tests.part2_lora.common import attempt, error_text, random_adapters, some_tokens
 from tests.support import (CheckFailure, aside, assert_close, assert_equal, assert_gradients_match,
                            assert_hooks_clean, error_seen, exercise, expect, with_finding)
 from utils.sampling import sample
@@ -38,7 +38,8 @@ class _Spy(ref.LoRA):
 SPY_SCALE = 3.0  # rank 4, alpha 12: a scale that no other factor (2, 1/2, a size) is mistaken for
 
 
-def spy_adapters(model, targets=ALL_TARGETS, seed=0, zero_B=False):
+def spy_adapters(model, targets=None, seed=0, zero_B=False):
+    targets = ref.available_targets(model) if targets is None else targets
     adapters = (ref.make_adapters(model, 4, 12.0, targets) if zero_B
                 else random_adapters(model, targets, seed, rank=4, alpha=12.0))
     for key, adapter in adapters.items():
@@ -210,7 +211,7 @@ def test_lora_hooks_match_the_reference(impl, tiny_model):
     """First the update at one projection of the first block (whose input the adapters do not change yet), then
     the logits, for adapters on one target, on two, and on all."""
     tokens = some_tokens(tiny_model)
-    for targets in (("q",), ("o",), ("mlp_in", "mlp_out"), ALL_TARGETS):
+    for targets in (("q",), ("o",), ("mlp_in", "mlp_out"), ref.available_targets(tiny_model)):
         adapters = spy_adapters(tiny_model, targets)
         first = next(iter(adapters))
         point, what = out_point(first), f"logits with random adapters on {targets}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from solutions import part2_lora as ref
-from tests.part2_lora.common import ALL_TARGETS, assert_state_unchanged, attempt, random_adapters, some_tokens, state_of
+from tests.part2_lora.common import assert_state_unchanged, attempt, random_adapters, some_tokens, state_of
 from tests.support import aside, assert_close, exercise, expect
 from utils.models import load_model
 
@@ -78,7 +78,7 @@ def assert_weights_changed_by(model, adapters, before, expected: dict, what: str
 def merge_setup(model, seed, frozen=True):
     if frozen:
         model.requires_grad_(False)  # as after freeze_base, the course's case
-    adapters = random_adapters(model, ALL_TARGETS, seed=seed)
+    adapters = random_adapters(model, seed=seed)
     return adapters, parameters_of(model), state_of(adapters)
 
 

@@ -23,6 +23,8 @@ from utils.checker.diagnosis import MistakeFinder  # noqa: E402
 from utils.checker.layout import part_of  # noqa: E402
 
 UNDER_TEST = pytest.StashKey["UnderTest"]()
+# The embedded models a test marked `both_architectures` runs on, by test id: its `tiny_model` is each in turn.
+ARCHITECTURES = {"gpt2": "tiny", "llama": "tiny-llama"}
 
 
 class UnderTest:
@@ -75,6 +77,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "exercise(name): the test checks the exercise `name` of its part")
     config.addinivalue_line("markers", "slow: takes more than a few seconds (notebook runs, training)")
     config.addinivalue_line("markers", "upstream(*libraries): checks what the course relies on from these libraries")
+    config.addinivalue_line("markers", "both_architectures: the test's tiny_model is the GPT-2-style embedded model, "
+                                       "then the Llama-style one (test ids [gpt2], [llama])")
     try:
         implementations.validate_impl(config.getoption("--impl"))
     except ValueError as error:
@@ -85,6 +89,11 @@ def pytest_configure(config):
         # a run of pytest itself: the finder confirms each failure on the course's solution before naming a mistake
         # (check() passes a finder of its own, and confirms the failures itself: runner.py)
         plugins.register(MistakeFinder(controls=True), "mistake-finder")
+
+
+def pytest_generate_tests(metafunc):
+    if "tiny_model" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_architectures"):
+        metafunc.parametrize("tiny_model", list(ARCHITECTURES.values()), indirect=True, ids=list(ARCHITECTURES))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -118,10 +127,11 @@ def impl(request):
 
 
 @pytest.fixture
-def tiny_model():
+def tiny_model(request):
     """The embedded model, loaded once per process (check() reuses it too); before and after each test it is put
-    back as loaded (no hooks, the original weights), whatever the code under test did to it."""
-    model = pool.tiny_model()
+    back as loaded (no hooks, the original weights), whatever the code under test did to it. The GPT-2-style one,
+    or each architecture in turn for a test marked `both_architectures`."""
+    model = pool.tiny_model(getattr(request, "param", "tiny"))
     pool.restore()
     yield model
     pool.restore()

@@ -1,4 +1,4 @@
-"""The shared model: the embedded tiny model, loaded once per process and shared by every test session in it.
+"""The shared models: the embedded tiny models, each loaded once per process and shared by every test session in it.
 
 check() starts a fresh pytest session each time; keeping the model here spares it a reload. Its weights are
 remembered when it loads, so that `restore()` can undo whatever a learner's code did to it (hooks left on, weights
@@ -10,42 +10,45 @@ from __future__ import annotations
 
 class _Pool:
     def __init__(self):
-        self.model = None
-        self.pristine: list | None = None
+        self.models: dict[str, object] = {}     # by load_model's name: "tiny", "tiny-llama"
+        self.pristine: dict[str, list] = {}
 
 
 _pool = _Pool()
 
 
-def tiny_model():
-    """The embedded model on CPU, loaded on first use."""
-    if _pool.model is None:
+def tiny_model(name: str = "tiny"):
+    """An embedded model on CPU ("tiny": GPT-2-style, "tiny-llama": Llama-style), loaded on first use."""
+    if name not in _pool.models:
         from utils.models import load_model
 
-        model = load_model("tiny", device="cpu")
-        pristine = [(module, table, name, t, t.detach().clone(), t.requires_grad)
+        model = load_model(name, device="cpu")
+        pristine = [(module, table, key, t, t.detach().clone(), t.requires_grad)
                     for module in model.modules() for table in ("_parameters", "_buffers")
-                    for name, t in getattr(module, table).items() if t is not None]
-        # Both at once: an interrupt while loading must leave no model behind without its saved weights.
-        _pool.model, _pool.pristine = model, pristine
-    return _pool.model
+                    for key, t in getattr(module, table).items() if t is not None]
+        # The weights first: an interrupt while loading must leave no model behind without its saved weights.
+        _pool.pristine[name] = pristine
+        _pool.models[name] = model
+    return _pool.models[name]
 
 
-def is_loaded() -> bool:
-    return _pool.model is not None
+def is_loaded(name: str = "tiny") -> bool:
+    return name in _pool.models
 
 
 def forget() -> None:
-    """Drop the shared model (the next use loads it again): for tests of the checker that load it themselves."""
-    _pool.model = _pool.pristine = None
+    """Drop the shared models (the next use loads them again): for tests of the checker that load it themselves."""
+    _pool.models, _pool.pristine = {}, {}
 
 
 def restore() -> None:
-    """Put the shared model back as it was loaded: no hooks, the original weights, gradients and flags, eval mode, no
-    attention pattern kept from the last forward pass."""
-    model = _pool.model
-    if model is None:
-        return
+    """Put every shared model back as it was loaded: no hooks, the original weights, gradients and flags, eval mode,
+    no attention pattern kept from the last forward pass."""
+    for name, model in list(_pool.models.items()):
+        _restore(model, _pool.pristine[name])
+
+
+def _restore(model, pristine: list) -> None:
     import torch
 
     # An interrupt can land inside TransformerLens's HookPoint.clear_context, between `del self.ctx` and
@@ -58,7 +61,7 @@ def restore() -> None:
         if isinstance(vars(module).get("_pattern"), torch.Tensor):  # autograd: no test may inherit it (it cannot be
             module._pattern = None                                   # deep-copied, and it holds that graph alive)
     with torch.no_grad():
-        for module, table, name, tensor, saved, requires_grad in _pool.pristine:
+        for module, table, name, tensor, saved, requires_grad in pristine:
             if getattr(module, table).get(name) is not tensor:  # replaced (module.weight = nn.Parameter(...))
                 getattr(module, table)[name] = tensor
             if not torch.equal(tensor, saved):
