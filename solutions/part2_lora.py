@@ -87,8 +87,7 @@ class LoRA(nn.Module):
 def make_adapters(model, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] = ("q", "k", "v", "o"),
                   ) -> nn.ModuleDict:
     """One LoRA per block and target, keyed "L{layer}_{target}" (e.g. "L0_q"), on the model's device. Each one's
-    d_in and d_out are those of the weight it updates (base_weight): with grouped-query attention k and v are
-    narrower than q."""
+    d_in and d_out are those of the projection it updates: with grouped-query attention k and v are narrower than q."""
     unknown = set(targets) - set(TARGETS)
     if unknown:
         raise ValueError(f"unknown LoRA targets {sorted(unknown)}; choose from {list(available_targets(model))}")
@@ -99,8 +98,10 @@ def make_adapters(model, rank: int = 8, alpha: float = 16.0, targets: tuple[str,
     adapters = nn.ModuleDict()
     for layer in range(model.cfg.n_layers):
         for t in targets:
-            weight, in_out = base_weight(model, f"L{layer}_{t}")
-            d_in, d_out = weight.shape if in_out else weight.shape[::-1]
+            module = model.blocks[layer].get_submodule(TARGETS[t][0].removesuffix(".hook_in")).original_component
+            # nn.Linear stores its weight [d_out, d_in]; GPT-2's Conv1D stores [d_in, d_out]
+            d_in, d_out = ((module.in_features, module.out_features) if isinstance(module, nn.Linear)
+                           else module.weight.shape)
             adapters[f"L{layer}_{t}"] = LoRA(d_in, d_out, rank=rank, alpha=alpha)
     return adapters.to(model.cfg.device)
 

@@ -167,6 +167,7 @@ def meta_test(part: str):
                 f"... rather than a bare assert). Messages: {outcome.failed}")
             outcome.likely = named
             check_message(part, name, wrong, outcome)
+            check_both_architectures(part, name, wrong, outcome)
         check_trace_departures(part, name, entry)
 
     return test_exercise_tests_pass_on_solution_and_fail_on_stub_and_wrong_versions
@@ -184,7 +185,7 @@ class MessageStats:
 
     def __init__(self):
         self.counts = {"messages": 0, "unconfirmed cause": 0, "named by replay": 0, "named by a change of a call": 0,
-                       "placed at a loop's call": 0}
+                       "placed at a loop's call": 0, "caught on both architectures": 0}
         self.lines: list[int] = []
 
     def add(self, text: str, named: bool, unconfirmed: bool) -> None:
@@ -217,7 +218,8 @@ class MessageStats:
         return (f"{n} messages of registered wrong versions: an unconfirmed cause in {c['unconfirmed cause']} "
                 f"({rate:.1%}, the false-hint rate); named by replay {c['named by replay']}, by a change of a call "
                 f"{c['named by a change of a call']}, placed at a loop's call {placed}; lines: median {median}, "
-                f"longest {lines[-1] if lines else 0} (at most {MESSAGE_LINES})")
+                f"longest {lines[-1] if lines else 0} (at most {MESSAGE_LINES}); caught on both architectures "
+                f"{c.get('caught on both architectures', 0)}")
 
 
 MESSAGES = MessageStats()
@@ -243,6 +245,28 @@ def check_message(part: str, name: str, wrong, outcome) -> None:
     full = report(outcome, part, verbose=True)
     for expected, got in PREVIEW.findall(full):
         assert expected != got, f"{label} two previews that look alike ({expected}):\n{full}"
+
+
+ARCHITECTURE_ID = re.compile(r"\[(?:.*-)?(gpt2|llama)(?:-.*)?\]$")  # a test id's architecture (plugin.ARCHITECTURES)
+
+
+def check_both_architectures(part: str, name: str, wrong, outcome) -> None:
+    """A wrong version that fails a test marked `both_architectures` on the GPT-2-style model fails one on the
+    Llama-style model too: each mistake the course registers is caught on both architectures, where the exercise's
+    tests run on both, unless it is marked wrong on one only (registry.only_on). (A stub fails every test, so on
+    both.)"""
+    caught = {m.group(1) for t, _ in outcome.failed if (m := ARCHITECTURE_ID.search(t))}
+    if caught:
+        MESSAGES.counts["caught on both architectures"] += caught == {"gpt2", "llama"}
+    only = getattr(wrong, "only_on", None)
+    if only is not None:  # wrong on one architecture only: caught there, and not blamed on the other
+        assert only[0] in caught and len(caught) == 1, (
+            f"{part}.{name}: the wrong version {wrong.__name__} is marked wrong on {only[0]} only ({only[1]}), but "
+            f"the tests catch it on {sorted(caught) or 'no architecture-specific test'}")
+        return
+    assert "gpt2" not in caught or "llama" in caught, (
+        f"{part}.{name}: the wrong version {wrong.__name__} fails {[t for t, _ in outcome.failed]}: on the GPT-2-style "
+        "model only; a test on the Llama-style model must catch it too")
 
 
 def check_trace_departures(part: str, name: str, entry) -> None:

@@ -25,7 +25,7 @@ from utils.checker.observe import anonymous
 from utils.checker.properties import (assert_defaults_match, assert_gradients_match, assert_hooks_clean,  # noqa
                                       assert_inputs_unchanged, assert_outputs_match, assert_raises,
                                       assert_reproducible)
-from utils.checker.registry import Exercise, Registry, mistake  # noqa: F401
+from utils.checker.registry import Exercise, Registry, mistake, only_on  # noqa: F401
 from utils.checker.trace import (assert_same_trace, course_helpers, namespaces_of, reference_trace,  # noqa: F401
                                  tracing)
 

@@ -1,6 +1,7 @@
 """completion_logprobs: the completion tokens' log-probs with the attention mask, 0 after the first EOS, the same
 whatever the padding, with the gradient reaching the weights, and on a LoRAModel (Part 2 on)."""
 
+import pytest
 import torch
 
 from solutions import part0_warmup as ref
@@ -8,6 +9,8 @@ from tests.part0_warmup import mistakes
 from tests.support import (assert_close, assert_gradients_match, assert_inputs_unchanged, exercise,
                            lora_model_with_random_B)
 from utils.sampling import Samples, completion_mask_from_ids, sample
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 def samples_with_eos_in_the_middle(model) -> Samples:

@@ -1,10 +1,13 @@
 """generate_no_cache: greedy decoding against TransformerLens's generate, and sampling with top-k and a temperature."""
 
+import pytest
 import torch
 
 from solutions import part0_warmup as ref
 from tests.part0_warmup.common import prompt_tokens
 from tests.support import aside, assert_close, assert_inputs_unchanged, exercise, expect
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 @exercise("generate_no_cache")

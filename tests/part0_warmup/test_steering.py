@@ -1,12 +1,15 @@
 """make_steering_hook and steered_logprobs: a hook that adds scale * direction to the residual stream, put after
 the right block for one forward pass only, with the gradient reaching the direction."""
 
+import pytest
 import torch
 
 from solutions import part0_warmup as ref
 from tests.part0_warmup.common import prompt_tokens
 from tests.support import (active_hooks, aside, assert_close, assert_gradients_match, assert_hooks_clean,
                            assert_inputs_unchanged, exercise, expect)
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 # --- make_steering_hook ------------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """completion_slice: the positions that choose the completion tokens, the refusal of a prompt_len out of range, the
 gradient kept, and agreement with Part 0's get_logprobs."""
 
+import pytest
 import torch
 
 from solutions import part1_ppo as ref
 from tests.part1_ppo.common import randn, token_batch
 from tests.support import assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises, exercise
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 @exercise("completion_slice")

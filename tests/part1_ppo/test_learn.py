@@ -3,6 +3,7 @@ statistics it returns, minibatches drawn from the generator, and the memory left
 
 import dataclasses
 
+import pytest
 import torch
 
 from solutions import part1_ppo as ref
@@ -10,6 +11,8 @@ from tests.part1_ppo.common import LOOP_PROMPTS, length_reward, loop_config, loo
 from tests.support import (CheckFailure, assert_close, assert_equal, assert_inputs_unchanged, assert_reproducible,
                            assert_same_trace, calling, course_helpers, describe_difference, exercise, expect,
                            namespaces_of, reference_trace, tracing, with_finding)
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 def learning_setup(tiny_model, **overrides):
@@ -30,7 +33,7 @@ def shared_setup(tiny_model, **overrides):
     global random state that learning_setup leaves (a learn that ignores its generator draws from it)."""
     key = "learn set-up" + (f" {sorted(overrides.items())}" if overrides else "")
     cfg, policy, memory, state, rng = reference_trace(
-        key, lambda: (*learning_setup(tiny_model, **overrides), torch.get_rng_state()))
+        key, lambda: (*learning_setup(tiny_model, **overrides), torch.get_rng_state()), model=tiny_model)
     policy.load_state_dict(state)
     for p in policy.parameters():
         p.grad = None
@@ -45,7 +48,8 @@ def reference_learn(tiny_model, **overrides):
     def run():
         cfg, policy, memory, state = shared_setup(tiny_model, **overrides)
         return run_learn(ref.learn, policy, state, memory, cfg)
-    return reference_trace("learn reference" + (f" {sorted(overrides.items())}" if overrides else ""), run)
+    return reference_trace("learn reference" + (f" {sorted(overrides.items())}" if overrides else ""), run,
+                           model=tiny_model)
 
 
 def run_learn(fn, policy, state, memory, cfg, seed=0):
@@ -106,7 +110,7 @@ def test_learn_does_what_the_reference_does_in_order(impl, tiny_model):
         cfg, policy, memory, state = shared_setup(tiny_model)
         return traced_learn(ref.learn, policy, state, memory, cfg)
 
-    want = reference_trace("learn", reference_run)
+    want = reference_trace("learn", reference_run, model=tiny_model)
     cfg, policy, memory, state = shared_setup(tiny_model)
     got = traced_learn(impl.learn, policy, state, memory, cfg)
     per_epoch = cfg.batch_size // cfg.minibatch_size

@@ -1,11 +1,14 @@
 """make_optimizer: AdamW with two parameter groups (the trainable model, the value head), the warm-up and decay of
 the learning rate, and only the adapters on a LoRAModel with its base frozen."""
 
+import pytest
 import torch
 
 from solutions import part1_ppo as ref
 from tests.part1_ppo.common import make_lora_model
 from tests.support import assert_close, assert_equal, calling, exercise, expect
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 def names_in(group, policy):

@@ -1,12 +1,15 @@
 """rollout: the replay memory filled as the reference fills it (a LoRA policy and a bare one), with one pass of the
 reference model, and no computation graph kept."""
 
+import pytest
 import torch
 
 from solutions import part1_ppo as ref
 from tests.part1_ppo.common import LOOP_PROMPTS, length_reward, loop_config, loop_models, value_head_hooks
 from tests.support import (aside, assert_close, assert_equal, assert_same_trace, calling, exercise, expect,
                            course_helpers, namespaces_of, reference_trace, tracing)
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 MEMORY_HINTS = {
@@ -69,7 +72,8 @@ def test_rollout_does_what_the_reference_does_in_order(impl, tiny_model):
     what compute_advantages is given) against the reference's, from the same random state."""
     cfg = loop_config()
     policy, reference = loop_models(tiny_model, "lora")
-    want = reference_trace("rollout", lambda: traced_rollout(ref.rollout, policy, reference, cfg, seed=3))
+    want = reference_trace("rollout", lambda: traced_rollout(ref.rollout, policy, reference, cfg, seed=3),
+                           model=tiny_model)
     got = traced_rollout(impl.rollout, policy, reference, cfg, seed=3)
     assert_same_trace(got, want, "what rollout does, step by step (a LoRA policy)", hooks=value_head_hooks(policy),
                       masks={"compute_advantages": "completion_mask"},

@@ -1,6 +1,7 @@
 """PolicyWithValueHead: the logits and the values read from the final residual stream in one forward pass, with the
 attention mask, gradients to the head and the model, hooks cleaned up, and on a LoRAModel."""
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -9,6 +10,8 @@ from tests.part1_ppo.common import make_lora_model, token_batch
 from tests.support import (assert_close, assert_equal, assert_gradients_match, assert_hooks_clean,
                            assert_inputs_unchanged, calling, exercise, expect)
 from utils.checker.observe import kind  # what a class is, not the name its author gave it
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 def final_resid(model):

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from solutions import part2_lora as ref
 from solutions.part0_warmup import completion_logprobs
-from tests.support import Exercise, Registry, mistake
+from tests.support import Exercise, Registry, mistake, only_on
 
 
 # --- LoRA ---------------------------------------------------------------------------------------------------------
@@ -392,6 +392,7 @@ def _freeze_counts_tensors(model, adapters):
 # --- merge_lora ---------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
+@only_on("gpt2", "the Llama-style model stores every projection [d_out, d_in] (nn.Linear): nothing to transpose")
 def _merge_no_transpose(model, adapters, sign=1.0):
     """Adds scale · B A to every weight as if all were stored [d_out, d_in]: base_weight says when a weight is stored
     [d_in, d_out] (GPT-2's Conv1D), and then the update goes in transposed."""

@@ -11,6 +11,8 @@ from solutions import part2_lora as ref
 from tests.part2_lora.common import assert_state_unchanged, attempt, error_text, random_adapters, some_tokens, state_of
 from tests.support import aside, assert_close, assert_equal, assert_inputs_unchanged, assert_raises, exercise, expect
 
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
+
 
 def open_safetensors(path, what: str):
     from safetensors import safe_open

@@ -1,9 +1,13 @@
 """freeze_base: the base model frozen, the adapters trainable (even when they come in frozen), and the
 (trainable, total) counts it returns."""
 
+import pytest
+
 from solutions import part2_lora as ref
 from tests.part2_lora.common import attempt, random_adapters, some_tokens
 from tests.support import assert_equal, exercise, expect
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 def frozen_setup(model):

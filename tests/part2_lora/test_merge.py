@@ -8,21 +8,24 @@ import torch
 from solutions import part2_lora as ref
 from tests.part2_lora.common import assert_state_unchanged, attempt, random_adapters, some_tokens, state_of
 from tests.support import aside, assert_close, exercise, expect
+from utils.checker.plugin import ARCHITECTURES
 from utils.models import load_model
 
-_OWN_MODEL: list = []  # [model, {name: pristine tensor}], loaded once per process
+_OWN_MODEL: dict = {}  # {name: [model, {name: pristine tensor}, {name: requires_grad}]}, loaded once per process
 
 
-@pytest.fixture
-def fresh_model():
+@pytest.fixture(params=list(ARCHITECTURES.values()), ids=list(ARCHITECTURES))
+def fresh_model(request):
     """A model of our own, as loaded: these tests change weights, which the shared tiny model must never see. It is
-    loaded once, and put back by name before each test (a weight replaced, or left with a grad_fn, is reset too)."""
-    if not _OWN_MODEL:
-        model = load_model("tiny", device="cpu")
-        _OWN_MODEL[:] = [model, {name: t.detach().clone() for name, t in
-                                 list(model.named_parameters()) + list(model.named_buffers())},
-                         {name: p.requires_grad for name, p in model.named_parameters()}]
-    model, pristine, flags = _OWN_MODEL
+    loaded once, and put back by name before each test (a weight replaced, or left with a grad_fn, is reset too).
+    GPT-2 stores its projections [d_in, d_out] (Conv1D), the Llama-style model [d_out, d_in] (nn.Linear): each test
+    runs on both."""
+    if request.param not in _OWN_MODEL:
+        model = load_model(request.param, device="cpu")
+        _OWN_MODEL[request.param] = [model, {name: t.detach().clone() for name, t in
+                                             list(model.named_parameters()) + list(model.named_buffers())},
+                                     {name: p.requires_grad for name, p in model.named_parameters()}]
+    model, pristine, flags = _OWN_MODEL[request.param]
     model.reset_hooks()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -3,6 +3,7 @@ hooks, the reference (the base) without, their gradients, and what they leave al
 
 import dataclasses
 
+import pytest
 import torch
 
 from solutions import part2_lora as ref
@@ -12,7 +13,9 @@ from tests.support import (aside, assert_close, assert_gradients_match, assert_h
                            exercise, expect)
 from utils.sampling import sample
 
-_SAMPLES: dict[int, object] = {}  # seed -> samples drawn from that LoRA model (sampling is the slow part)
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
+
+_SAMPLES: dict[tuple, object] = {}  # (model, seed) -> samples drawn from that LoRA model (sampling is the slow part)
 
 
 def lora_setup(model, seed=2):
@@ -20,10 +23,10 @@ def lora_setup(model, seed=2):
     model.requires_grad_(False)
     adapters = random_adapters(model, ("q", "v", "o", "mlp_in"), seed=seed)
     lora_model = ref.LoRAModel(model, adapters)
-    if seed not in _SAMPLES:
+    if (id(model), seed) not in _SAMPLES:
         torch.manual_seed(0)
-        _SAMPLES[seed] = sample(lora_model, ["This is", "The", "My friend"], max_new_tokens=12)
-    s = _SAMPLES[seed]  # a copy each time: a wrong version may change its samples in place
+        _SAMPLES[id(model), seed] = sample(lora_model, ["This is", "The", "My friend"], max_new_tokens=12)
+    s = _SAMPLES[id(model), seed]  # a copy each time: a wrong version may change its samples in place
     samples = dataclasses.replace(s, ids=s.ids.clone(), attention_mask=s.attention_mask.clone(),
                                   completion_mask=s.completion_mask.clone(), prompts=list(s.prompts),
                                   texts=list(s.texts))

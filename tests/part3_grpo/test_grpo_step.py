@@ -7,6 +7,7 @@ a wrong gradient shows in the parameters)."""
 import contextlib
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from solutions import part3_grpo as ref
@@ -14,6 +15,8 @@ from solutions.part0_warmup import completion_logprobs
 from tests.part3_grpo.common import async_reward_cause
 from tests.support import (assert_close, assert_equal, assert_same_trace, calling, exercise, expect,
                            course_helpers, lora_model_with_random_B, namespaces_of, reference_trace, tracing)
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 STEP_PROMPTS = ["12+34=", "7+58="]
 
@@ -88,7 +91,7 @@ def checked_step(impl, tiny_model, cfg, what, steps=1):
     same way): the mistake finder replays a failed test with each registered wrong version, and check() runs it again
     with the reference."""
     expected = reference_trace(f"grpo_step reference {cfg!r} {steps}",
-                               lambda: run_step(ref.grpo_step, tiny_model, cfg, steps))
+                               lambda: run_step(ref.grpo_step, tiny_model, cfg, steps), model=tiny_model)
     got = calling(run_step, impl.grpo_step, tiny_model, cfg, steps, what=what, explain=async_reward_cause)
     kind = type(got.out).__name__
     expect(kind == "GRPOStepOutput", f"{what}: the type of the result", f"expected a GRPOStepOutput (what the trainer "
@@ -134,7 +137,8 @@ def test_grpo_step_does_what_the_reference_does_in_order(impl, tiny_model):
                       scale_rewards="batch")
     what = "what grpo_step(beta=0.5, num_iterations=2, ...) does, step by step"
     got = calling(run_step, impl.grpo_step, tiny_model, cfg, traced=True, what=what, explain=async_reward_cause)
-    want = reference_trace("grpo_step", lambda: run_step(ref.grpo_step, tiny_model, cfg, traced=True))
+    want = reference_trace("grpo_step", lambda: run_step(ref.grpo_step, tiny_model, cfg, traced=True),
+                           model=tiny_model)
     assert_same_trace(got.trace, want.trace, what, masks={"grpo_loss": "mask"},
                       hooks=lambda names: "LoRA hooks" if names else "no hooks (the bare base model)",
                       hint="In order: sample, rewards and advantages, `reference(samples)` (beta != 0), the old "

@@ -1,6 +1,7 @@
 """reference_logprobs: the base model's log-probs (no LoRA hooks, no gradient), no forward pass at all when
 beta is 0, and the LoRA model, its hooks and the samples left as they were."""
 
+import pytest
 import torch
 
 from solutions.part0_warmup import completion_logprobs
@@ -8,6 +9,8 @@ from tests.part3_grpo.common import async_reward_cause, lora_model_with_random_B
 from tests.support import (assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged, calling, exercise,
                            expect)
 from utils.sampling import Samples, completion_mask_from_ids, tokenize_prompts
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 def synthetic_samples(model) -> Samples:

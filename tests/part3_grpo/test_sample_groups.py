@@ -3,6 +3,7 @@ length asked for; a group of one refused; the caller's hooks left alone."""
 
 import inspect
 
+import pytest
 import torch
 
 from solutions import part3_grpo as ref
@@ -10,6 +11,8 @@ from tests.part3_grpo.common import async_reward_cause, lora_model_with_random_B
 from tests.support import (aside, assert_close, assert_equal, assert_hooks_clean, assert_raises, calling, exercise,
                            expect)
 from utils.sampling import Samples, sample
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 PROMPTS = ["12+34=", "This is", "The"]
 

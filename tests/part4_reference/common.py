@@ -32,7 +32,7 @@ def padded_samples(model, prompts=("12+34=", "This is", "The", "56+21="), max_ne
     """Completions sampled from the tiny model, with row 0's completion cut by an EOS in the middle (padding after
     it), and prompts of different lengths (left padding): both kinds of padding, whatever was sampled. Sampled once
     per process (the shared model is put back as loaded before each test); each call gets its own copy."""
-    key = (tuple(prompts), max_new_tokens, seed)
+    key = (id(getattr(model, "base", model)), tuple(prompts), max_new_tokens, seed)  # each architecture its own
     if key not in _SAMPLED:
         torch.manual_seed(seed)
         base = getattr(model, "base", model)

@@ -10,7 +10,7 @@ import torch.nn as nn
 from solutions import part4_reference as ref
 from solutions.part0_warmup import completion_logprobs, get_logprobs
 from solutions.part2_lora import LoRA, base_weight, lora_hooks
-from tests.support import Exercise, Registry, mistake
+from tests.support import Exercise, Registry, mistake, only_on
 
 
 # reference_kind
@@ -599,6 +599,7 @@ def _sync_lora_shrinks_first(lora_model, alpha):
 
 @mistake("lora")
 @torch.no_grad()
+@only_on("gpt2", "the Llama-style model stores every projection [d_out, d_in] (nn.Linear): nothing to transpose")
 def _sync_lora_ignores_layout(lora_model, alpha):
     """The update B A ([d_out, d_in]) is added untransposed to every weight, but some base weights are stored
     [d_in, d_out] (base_weight's second answer, True for GPT-2's Conv1D-style weights): transpose it for those."""

@@ -1,6 +1,7 @@
 """frozen_adapter_copy: a copy of the adapters that computes what they compute, is frozen (the live adapters are
 not) and shares no memory with them, so training does not move it."""
 
+import pytest
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -8,6 +9,8 @@ from torch import Tensor
 from tests.part4_reference.common import ALPHA, named_parameters, storage, trained_adapters
 from tests.support import aside, assert_close, assert_equal, assert_inputs_unchanged, exercise, expect
 from utils.checker.observe import observe
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 COPY_FACTORS = {f"{16.0 / ALPHA:.4g} = 16/{ALPHA:g}, LoRA's default alpha (16) over the adapters' alpha ({ALPHA:g})":
                 16.0 / ALPHA}

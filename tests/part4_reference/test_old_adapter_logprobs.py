@@ -1,6 +1,7 @@
 """old_adapter_logprobs: the log-probs of the base with an old (frozen) adapter in place of the live ones, of
 any rank, leaving the LoRAModel, its flags and its hooks as they were."""
 
+import pytest
 import torch
 
 from solutions import part4_reference as ref
@@ -8,6 +9,8 @@ from solutions.part2_lora import LoRAModel
 from tests.part4_reference.common import (RANK, flags_unchanged, padded_rows, padded_samples,
                                           trained_adapters)
 from tests.support import assert_close, assert_hooks_clean, assert_inputs_unchanged, exercise, expect
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 def retraining(tiny_model, seed):

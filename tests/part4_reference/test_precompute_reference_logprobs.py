@@ -12,6 +12,8 @@ from tests.support import (aside, assert_close, assert_equal, assert_hooks_clean
                            assert_raises, exercise, expect)
 from utils.sampling import Samples
 
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
+
 
 def check_table(table, expected: list[Tensor], dataset: list[Samples], what: str):
     expect(isinstance(table, list), f"{what}: the table", f"expected a list with one tensor per batch of the "

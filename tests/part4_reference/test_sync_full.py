@@ -3,11 +3,14 @@ it a frozen leaf, and with alpha = 1 copies the policy without sharing its tenso
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
 from tests.part4_reference.common import call_sync, padded_samples, storage
 from tests.support import CheckFailure, aside, assert_close, assert_inputs_unchanged, exercise, expect, with_finding
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 def policy_and_reference(seed, alpha_gap=1.0):

@@ -3,11 +3,14 @@ in place, so that the policy stays and the reference (the base) moves."""
 
 import copy
 
+import pytest
 import torch
 
 from solutions.part2_lora import LoRAModel, base_weight
 from tests.part4_reference.common import SCALE, call_sync, padded_samples, trained_adapters
 from tests.support import assert_close, exercise, expect
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 
 def B_factors(alpha: float) -> dict[str, float]:

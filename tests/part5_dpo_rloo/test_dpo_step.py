@@ -4,6 +4,7 @@ parameter change as the reference step, the right forward passes and order of op
 import math
 from collections import defaultdict
 
+import pytest
 import torch
 
 from solutions import part5_dpo_rloo as ref
@@ -13,6 +14,8 @@ from tests.support import (aside, assert_close, assert_equal, assert_hooks_clean
                            assert_same_trace, calling, course_helpers, exercise, expect, lora_model_with_random_B,
                            namespaces_of,
                            reference_trace, tracing)
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 STEP_TRIPLES = MIXED_TRIPLES[:4]  # prompts and answers of different lengths
 # (reference form, DPOConfig settings): every setting dpo_step reads is away from its default somewhere, and the
@@ -92,7 +95,8 @@ def reference_step(model, seed, reference, settings, fresh_lora=False):
     with each registered wrong version, and check() runs it again with the reference). Made before the learner's run
     (step_setup seeds both the same way), so that nothing the learner's code leaves behind reaches it."""
     key = f"dpo_step reference {seed} {reference} {sorted(settings.items())} {fresh_lora}"
-    return reference_trace(key, lambda: run_step(ref.dpo_step, model, seed, reference, settings, fresh_lora))
+    return reference_trace(key, lambda: run_step(ref.dpo_step, model, seed, reference, settings, fresh_lora),
+                           model=model)
 
 
 def step_what(reference, settings):
@@ -136,7 +140,8 @@ def test_dpo_step_does_what_the_reference_does_in_order(impl, tiny_model):
     reference, settings = STEP_CONFIGS[0]
     what = f"what {step_what(reference, settings)} does, step by step"
     got = traced_step(impl.dpo_step, tiny_model, 0, reference, settings)
-    want = reference_trace("dpo_step", lambda: traced_step(ref.dpo_step, tiny_model, 0, reference, settings))
+    want = reference_trace("dpo_step", lambda: traced_step(ref.dpo_step, tiny_model, 0, reference, settings),
+                           model=tiny_model)
     assert_same_trace(got, want, what, batch="preference_batch (chosen rows first)",
                       hooks=lambda names: "the LoRA hooks" if names else "no hooks (the base: the reference)",
                       hint=STEP_HINT)

@@ -1,6 +1,7 @@
 """precompute_reference_logps: the reference's (the base without hooks) sequence log-probs of every pair, chosen
 then rejected, scored batch_size pairs at a time, leaving the model, its hooks and the pairs alone."""
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -8,6 +9,8 @@ from solutions import part5_dpo_rloo as ref
 from tests.part5_dpo_rloo.common import LORA_TARGETS, MIXED_TRIPLES
 from tests.support import (aside, assert_close, assert_hooks_clean, assert_inputs_unchanged, exercise, expect,
                            lora_model_with_random_B)
+
+pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 PRECOMPUTE_HINT = ("The reference is lora_model.base (no hooks), run without gradients on preference_batch(...) of "
                    "each batch_size pairs; its rows are [chosen; rejected], scored by completion_logprobs and "

@@ -60,6 +60,18 @@ def mistake(kind: str):
     return mark
 
 
+def only_on(architecture: str, why: str):
+    """Mark a registered wrong version as wrong on one architecture only ("gpt2" or "llama"), and say why: the
+    meta-test then does not ask the tests on the other architecture to catch it (tests/meta.py)."""
+    if architecture not in ("gpt2", "llama"):
+        raise ValueError(f"unknown architecture {architecture!r}: 'gpt2' or 'llama'")
+
+    def mark(fn):
+        fn.only_on = (architecture, why)
+        return fn
+    return mark
+
+
 def kind_of(wrong) -> str:
     """The class of mistake a wrong version stands for ("values" unless marked otherwise)."""
     return getattr(wrong, "mistake_kind", "values")

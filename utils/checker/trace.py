@@ -833,9 +833,11 @@ def namespaces_of(*functions) -> tuple[dict, ...]:
     return tuple(found)
 
 
-def reference_trace(key: str, run: Callable[[], object]) -> object:
-    """run() the first time `key` is asked for, its result from then on: the reference's trace of a fixed set-up does
-    not change, and the mistake finder replays a failed trace test once per registered wrong version."""
+def reference_trace(key: str, run: Callable[[], object], *, model) -> object:
+    """run() the first time `key` is asked for on `model`, its result from then on: the reference's trace of a fixed
+    set-up does not change, and the mistake finder replays a failed trace test once per registered wrong version. Each
+    model (each architecture) has its own."""
+    key = (id(model), key)
     if key not in memory.reference_traces:  # kept for the life of the process, in memory.py
         memory.reference_traces[key] = run()
     return memory.reference_traces[key]
