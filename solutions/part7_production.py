@@ -3,11 +3,13 @@
 The reference solutions of `chapters/part7_production.ipynb`, in the notebook's order:
 
     peft     our hook LoRA written as a peft adapter folder for the Hugging Face model under the bridge, and a
-             peft folder read back into course adapters (GPT-2's fused c_attn included)
+             peft folder read back into course adapters (GPT-2's fused c_attn included; on a Llama-style model
+             each target is its own q_proj, ..., down_proj)
     trl      the main job's task trained with TRL's GRPOTrainer and peft on the same embedded model, with every
              knob of our GRPOConfig mapped to its trl.GRPOConfig name (solutions/production/)
 
     python -m solutions.part7_production          # export the main job's adapter, load it with peft, compare
+    python -m solutions.part7_production --model tiny-llama       # the same on the Llama-style model
     python -m solutions.production.trl_grpo       # the same run in TRL (pip install -r requirements-bench.txt)
 """
 
@@ -23,11 +25,13 @@ PROVIDED: tuple[str, ...] = ()  # each section adds the names its notebook cells
 
 
 # === section: peft =================================================================================================
-# Our hook LoRA, written in peft's adapter format for the Hugging Face GPT-2 under the bridge, and read back.
+# Our hook LoRA, written in peft's adapter format for the Hugging Face model under the bridge, and read back.
 # peft's LoRA on a module computes out + scaling * lora_B(lora_A(x)), scaling = lora_alpha / r (lora_alpha / sqrt(r)
 # with use_rslora); its folder holds adapter_config.json and adapter_model.safetensors, whose keys are
 # "base_model.model.<module>.lora_A.weight" ([r, d_in]) and "...lora_B.weight" ([d_out, r]), also for GPT-2's Conv1D
-# layers: fan_in_fan_out only says that the base weight is [d_in, d_out] when peft merges the update into it.
+# layers: fan_in_fan_out only says that the base weight is [d_in, d_out] when peft merges the update into it. A
+# Llama-style model has one nn.Linear per projection ([d_out, d_in], no bias): there each adapter is one peft LoRA,
+# renamed, and fan_in_fan_out is false (peft sets it so itself on an nn.Linear, with a warning).
 
 import json  # noqa: E402
 import math  # noqa: E402
@@ -41,7 +45,7 @@ from safetensors.torch import save_file  # noqa: E402
 from solutions.part2_lora import TARGETS, LoRA, base_weight  # noqa: E402
 from utils.contracts import above, nonempty  # noqa: E402
 from utils.files import why_unreadable  # noqa: E402
-from utils.models import TINY_DIR  # noqa: E402
+from utils.models import TINY_DIR, architecture  # noqa: E402
 from utils.peft_config import pattern_value, read_peft_config, refuse, targeted  # noqa: E402
 
 PROVIDED += ("hf_model_of", "export_peft_adapter", "import_peft_adapter")
@@ -49,6 +53,13 @@ PROVIDED += ("hf_model_of", "export_peft_adapter", "import_peft_adapter")
 # Where each course target lives in a Hugging Face GPT-2 block (Conv1D layers, their weight stored [d_in, d_out]).
 HF_MODULES = {"q": "attn.c_attn", "k": "attn.c_attn", "v": "attn.c_attn", "o": "attn.c_proj",
               "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
+# ... and in a Llama-style block (LlamaForCausalLM, Qwen2: nn.Linear layers, one per target; the gated MLP's "up"
+# is our mlp_in, its "down" our mlp_out)
+LLAMA_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                 "mlp_gate": "mlp.gate_proj", "mlp_in": "mlp.up_proj", "mlp_out": "mlp.down_proj"}
+# By architecture (utils.models.architecture): where the Hugging Face model keeps its blocks, and the table above
+BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers"}
+MODULES = {"gpt2": HF_MODULES, "llama": LLAMA_MODULES}
 # c_attn's output is [q | k | v], each n_heads * d_head wide and head-major inside: the same order as the course's
 # hook_q [batch, pos, head, d_head] flattened over (head, d_head).
 QKV = ("q", "k", "v")
@@ -56,9 +67,9 @@ PEFT_PREFIX = "base_model.model."  # what peft's PeftModel adds in front of the 
 
 
 def hf_model_of(model):
-    """A plain Hugging Face model (e.g. GPT2LMHeadModel) with the bridge's current weights: a copy, on the bridge's
-    device. The bridge rewires `model.original_model` in place (its blocks become bridge components, its module
-    names gain `_original_component`), so peft, which finds modules by name, needs this plain twin."""
+    """A plain Hugging Face model (GPT2LMHeadModel, LlamaForCausalLM) with the bridge's current weights: a copy, on
+    the bridge's device. The bridge rewires `model.original_model` in place (its blocks become bridge components,
+    its module names gain `_original_component`), so peft, which finds modules by name, needs this plain twin."""
     from utils.models import fuse_gelu
 
     bridged = model.original_model
@@ -152,10 +163,12 @@ def export_peft_adapter(model, adapters: nn.ModuleDict, path: str | Path) -> Pat
     the Hugging Face model under `model` (the bridge): `PeftModel.from_pretrained(hf_model, path)` then computes
     what LoRAModel(model, adapters) computes. Returns the folder (created if needed).
 
-    The tensors are peft_state_dict's, B unscaled; the config carries the scales: `r` and `lora_alpha` are the
-    first adapter's rank and alpha (scale × rank: the course's r and alpha, e.g. 4 and 8 for the main job), and
-    rank_pattern / alpha_pattern name the modules whose rank or alpha differ (a c_attn that fuses n of q, k and v
-    has rank n·r and alpha n·alpha: the same scale alpha / r). The safetensors metadata names the targets of each
+    On GPT-2 the tensors are peft_state_dict's (q, k and v fused into c_attn); on a Llama-style model each adapter is
+    the LoRA of its own module (MODULES), its A and B as they are. B is unscaled; the config carries the scales: `r`
+    and `lora_alpha` are the first adapter's rank and alpha (scale × rank: the course's r and alpha, e.g. 4 and 8
+    for the main job), and rank_pattern / alpha_pattern name the modules whose rank or alpha differ (a c_attn that
+    fuses n of q, k and v has rank n·r and alpha n·alpha: the same scale alpha / r). fan_in_fan_out is true on
+    GPT-2 (Conv1D), false on a Llama-style model (nn.Linear). The safetensors metadata names the targets of each
     c_attn ("qkv_targets"), which peft ignores and import_peft_adapter reads. Raises a ValueError for a key that
     names no weight of this model, and NotADirectoryError when `path` is a file.
     """
@@ -170,11 +183,19 @@ def export_peft_adapter(model, adapters: nn.ModuleDict, path: str | Path) -> Pat
         raise NotADirectoryError(f"{path} is a file; a peft adapter is a folder: pass the folder to write it in")
     for key in adapters:
         base_weight(model, key)  # refuses a key that names no weight of this model
-    tensors = peft_state_dict(adapters)
-    modules: dict[str, dict[str, LoRA]] = {}  # Hugging Face module name -> {target: adapter}, as peft_state_dict
+    arch = architecture(model)
+    if arch not in BLOCKS:
+        raise ValueError(f"export_peft_adapter knows the modules of {sorted(BLOCKS)} models, not of a {arch}")
+    modules: dict[str, dict[str, LoRA]] = {}  # Hugging Face module name -> {target: adapter}
     for key, adapter in adapters.items():
         layer, target = key[1:].split("_", 1)
-        modules.setdefault(f"transformer.h.{layer}.{HF_MODULES[target]}", {})[target] = adapter
+        modules.setdefault(f"{BLOCKS[arch]}.{layer}.{MODULES[arch][target]}", {})[target] = adapter
+    if arch == "gpt2":
+        tensors = peft_state_dict(adapters)  # q, k and v fused into c_attn
+    else:  # one module per adapter: a renaming
+        tensors = {f"{PEFT_PREFIX}{module}.lora_{factor}.weight":
+                   getattr(adapter, factor).detach().cpu().clone(memory_format=torch.contiguous_format)
+                   for module, found in modules.items() for adapter in found.values() for factor in "AB"}
     ranks, alphas, qkv_targets = {}, {}, {}
     for module, found in modules.items():
         names = [t for t in QKV if t in found] or list(found)  # fuse_qkv's order; its scale is the first's
@@ -184,7 +205,7 @@ def export_peft_adapter(model, adapters: nn.ModuleDict, path: str | Path) -> Pat
             qkv_targets[module] = ",".join(names)
     first = next(iter(adapters.values()))
     r, alpha = first.A.shape[0], number(first.scale * first.A.shape[0])  # the course's r and alpha
-    name = str(getattr(model.original_model.config, "_name_or_path", "") or "gpt2")
+    name = str(getattr(model.original_model.config, "_name_or_path", "") or ("gpt2" if arch == "gpt2" else ""))
     root = TINY_DIR.parent.parent  # the repository's root
     if Path(name).is_absolute() and Path(name).is_relative_to(root):
         name = str(Path(name).relative_to(root))  # the embedded model, from the repository's root
@@ -192,7 +213,8 @@ def export_peft_adapter(model, adapters: nn.ModuleDict, path: str | Path) -> Pat
               "r": r, "lora_alpha": alpha,
               "rank_pattern": {m: v for m, v in sorted(ranks.items()) if v != r},
               "alpha_pattern": {m: v for m, v in sorted(alphas.items()) if v != alpha}, "use_rslora": False,
-              "target_modules": sorted(ranks), "fan_in_fan_out": True,  # GPT-2's Conv1D: weight [d_in, d_out]
+              "target_modules": sorted(ranks),
+              "fan_in_fan_out": arch == "gpt2",  # GPT-2's Conv1D: weight [d_in, d_out]; nn.Linear: [d_out, d_in]
               "lora_dropout": 0.0, "bias": "none", "use_dora": False, "modules_to_save": None,
               "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
               "inference_mode": True, "revision": None}
@@ -203,27 +225,38 @@ def export_peft_adapter(model, adapters: nn.ModuleDict, path: str | Path) -> Pat
     return path
 
 
-# Hugging Face GPT-2 module -> (course target, or None for q/k/v together)
-COURSE_TARGET = {"attn.c_attn": None, "attn.c_proj": "o", "mlp.c_fc": "mlp_in", "mlp.c_proj": "mlp_out"}
-NO_HOOK = {"transformer.wte": "the token embedding", "transformer.wpe": "the position embedding",
-           "lm_head": "the unembedding (lm_head)"}
+# By architecture: Hugging Face module in a block -> its course target (None: GPT-2's c_attn, q, k and v together)
+COURSE_TARGET = {"gpt2": {"attn.c_attn": None, "attn.c_proj": "o", "mlp.c_fc": "mlp_in", "mlp.c_proj": "mlp_out"},
+                 "llama": {module: target for target, module in LLAMA_MODULES.items()}}
+# ... and the modules peft can adapt that no course hook does
+NO_HOOK = {"gpt2": {"transformer.wte": "the token embedding", "transformer.wpe": "the position embedding",
+                    "lm_head": "the unembedding (lm_head)"},
+           "llama": {"model.embed_tokens": "the token embedding", "lm_head": "the unembedding (lm_head)"}}
 
 
 def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
-    """Read a peft LoRA adapter folder for this model's Hugging Face GPT-2 into course adapters, keyed
-    "L{layer}_{target}" (on the model's device), such that LoRAModel(model, adapters) computes what peft's model does.
+    """Read a peft LoRA adapter folder for this model's Hugging Face model (GPT-2 or Llama-style) into course
+    adapters, keyed "L{layer}_{target}" (on the model's device), such that LoRAModel(model, adapters) computes what
+    peft's model does.
 
-    A LoRA on attn.c_attn that export_peft_adapter fused (B zero outside each target's rows and its own block of r
-    columns, r the config's r) becomes the adapters it was fused from, at rank r: q and v only for a q + v export;
-    a block of zeros (an untrained B) is named by the file's metadata. Any other c_attn LoRA (peft's own: one A
-    that q, k and v all read) becomes q, k and v adapters of its full rank (split_qkv). One on attn.c_proj,
-    mlp.c_fc or mlp.c_proj becomes o, mlp_in or mlp_out. Each keeps its A, B and peft's scaling (lora_alpha / r,
-    or / sqrt(r) with use_rslora, with rank_pattern and alpha_pattern), so that export_peft_adapter writes the
-    folder it was read from again. Refuses, with a ValueError that says what and what to do, what
-    a course adapter cannot hold: another peft type, DoRA and the other variants, bias other than "none",
-    modules_to_save, a module with no course hook (the embeddings, lm_head), tensors that do not match the config or
-    the model; FileNotFoundError for a missing folder or file.
+    On GPT-2, a LoRA on attn.c_attn that export_peft_adapter fused (B zero outside each target's rows and its own
+    block of r columns, r the config's r) becomes the adapters it was fused from, at rank r: q and v only for a
+    q + v export; a block of zeros (an untrained B) is named by the file's metadata. Any other c_attn LoRA (peft's
+    own: one A that q, k and v all read) becomes q, k and v adapters of its full rank (split_qkv). One on
+    attn.c_proj, mlp.c_fc or mlp.c_proj becomes o, mlp_in or mlp_out. On a Llama-style model each module is one
+    target (COURSE_TARGET: q_proj is q, ..., gate_proj mlp_gate, up_proj mlp_in, down_proj mlp_out). Each keeps its
+    A, B and peft's scaling (lora_alpha / r, or / sqrt(r) with use_rslora, with rank_pattern and alpha_pattern), so
+    that export_peft_adapter writes the folder it was read from again. Refuses, with a ValueError that says what and
+    what to do, what a course adapter cannot hold: another peft type, DoRA and the other variants, bias other than
+    "none", modules_to_save, a module with no course hook (the embeddings, lm_head), tensors that do not match the
+    config or the model; FileNotFoundError for a missing folder or file.
     """
+    arch = architecture(model)
+    if arch not in BLOCKS:
+        raise ValueError(f"import_peft_adapter knows the modules of {sorted(BLOCKS)} models, not of a {arch}")
+    block_list, course_target = BLOCKS[arch], COURSE_TARGET[arch]
+    kinds = "|".join(map(re.escape, course_target))  # the modules in a block that a course hook adapts
+    hooked = ", ".join(f"{m} as {t or 'q, k, v'}" for m, t in course_target.items())  # for the refusals
     path = Path(path)
     config = read_peft_config(path)
     file = path / "adapter_model.safetensors"
@@ -242,12 +275,11 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
                       "Write it again") from error
 
     for key in tensors:  # first, what no course hook can hold, whatever else the file has
-        module = next((m for m in NO_HOOK if key.startswith(f"{PEFT_PREFIX}{m}.")), None)
+        module = next((m for m in NO_HOOK[arch] if key.startswith(f"{PEFT_PREFIX}{m}.")), None)
         if module is not None:
-            raise refuse(path, f"it adapts {NO_HOOK[module]}, which the course has no LoRA hook for (its hooks "
-                          "adapt attn.c_attn as q, k, v, attn.c_proj as o, mlp.c_fc as mlp_in, mlp.c_proj as "
-                          "mlp_out)", f"Train the adapter without {module.split('.')[-1]!r} in target_modules, or "
-                          "use it with peft")
+            raise refuse(path, f"it adapts {NO_HOOK[arch][module]}, which the course has no LoRA hook for (its "
+                          f"hooks adapt {hooked})", f"Train the adapter without {module.split('.')[-1]!r} in "
+                          "target_modules, or use it with peft")
     pairs: dict[str, dict[str, Tensor]] = {}  # module -> {"A": .., "B": ..}
     for key, tensor in tensors.items():
         found = re.fullmatch(rf"{re.escape(PEFT_PREFIX)}(.+)\.lora_(A|B|embedding_A|embedding_B)(?:\.weight)?", key)
@@ -256,17 +288,22 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
                           f"'{PEFT_PREFIX}<module>.lora_A.weight' and '...lora_B.weight')", "A course adapter holds "
                           "only plain LoRA factors: save the adapter without extra trained tensors")
         module, factor = found[1], found[2][-1]
-        if not re.fullmatch(r"transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)", module):
+        if not re.fullmatch(rf"{re.escape(block_list)}\.\d+\.({kinds})", module):
             raise refuse(path, f"it adapts {module!r}, which the course has no LoRA hook for (its hooks adapt "
-                          "attn.c_attn as q, k, v, attn.c_proj as o, mlp.c_fc as mlp_in, mlp.c_proj as mlp_out)",
-                          "Train the adapter without that module in target_modules, or use it with peft")
+                          f"{hooked})", "Train the adapter without that module in target_modules, or use it with peft")
         pairs.setdefault(module, {})[factor] = tensor
 
     cfg = model.cfg
-    d_heads = cfg.n_heads * cfg.d_head
-    shapes = {"attn.c_attn": (cfg.d_model, 3 * d_heads), "attn.c_proj": (d_heads, cfg.d_model),
-              "mlp.c_fc": (cfg.d_model, cfg.d_mlp), "mlp.c_proj": (cfg.d_mlp, cfg.d_model)}
-    every_module = [f"transformer.h.{layer}.{kind}" for layer in range(cfg.n_layers) for kind in shapes]
+
+    def dims(kind: str) -> tuple[int, int]:
+        """(d_in, d_out) of the weight of module `kind` in a block."""
+        if course_target[kind] is None:  # GPT-2's c_attn: q, k and v, each n_heads * d_head wide
+            return cfg.d_model, 3 * cfg.n_heads * cfg.d_head
+        weight, in_out = base_weight(model, f"L0_{course_target[kind]}")
+        return tuple(weight.shape) if in_out else tuple(weight.shape[::-1])
+
+    shapes = {kind: dims(kind) for kind in course_target}  # Llama's k_proj, v_proj: d_model -> n_kv_heads * d_head
+    every_module = [f"{block_list}.{layer}.{kind}" for layer in range(cfg.n_layers) for kind in shapes]
     unkeyed = [m for m in every_module if targeted(config, m) and m not in pairs]
     untargeted = [m for m in pairs if not targeted(config, m)]
     if unkeyed or untargeted:
@@ -298,7 +335,7 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
     named = named if isinstance(named, dict) else {}
     adapters = {}
     for module, factors in pairs.items():
-        layer, kind = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)", module).groups()
+        layer, kind = re.fullmatch(rf"{re.escape(block_list)}\.(\d+)\.(.+)", module).groups()
         if int(layer) >= cfg.n_layers:
             raise refuse(path, f"it adapts {module}, but this model has {cfg.n_layers} blocks", "Was it trained "
                           f"for another model ({config.get('base_model_name_or_path')})? Load it into that one")
@@ -313,7 +350,7 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
                           f"({config.get('base_model_name_or_path')}), or is the file from another config? Write "
                           "the folder again")
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        if COURSE_TARGET[kind] is None:
+        if course_target[kind] is None:
             r = config["r"]
             fused = fused_targets(B, r, named.get(module, ""))
             if fused is None:  # one A that q, k and v all read: split it whole
@@ -333,7 +370,7 @@ def import_peft_adapter(model, path: str | Path) -> nn.ModuleDict:
                 lora.A.copy_(A)
                 lora.B.copy_(B)
             lora.scale = scale
-            adapters[f"L{layer}_{COURSE_TARGET[kind]}"] = lora
+            adapters[f"L{layer}_{course_target[kind]}"] = lora
     order = {target: i for i, target in enumerate(TARGETS)}
     keys = sorted(adapters, key=lambda k: (int(k[1:].split("_", 1)[0]), order[k[1:].split("_", 1)[1]]))
     return nn.ModuleDict({key: adapters[key] for key in keys}).to(cfg.device)
@@ -393,18 +430,28 @@ def to_trl_config(cfg: GRPOConfig, output_dir: str, world_size: int = 1) -> dict
 
 
 def to_lora_config(cfg: GRPOConfig) -> dict:
-    """The keyword arguments of `peft.LoraConfig` for cfg's LoRA on Hugging Face's GPT-2: the same rank and alpha,
-    and the modules that hold our targets. q, k and v are one fused module there (attn.c_attn), so any of them adapts
-    all three through one shared A: the same number of parameters as our q and v at the same rank
-    (r × d_model + 3·d_model × r against 2 × (r × d_model + d_model × r)), but not the same function.
+    """The keyword arguments of `peft.LoraConfig` for cfg's LoRA on the Hugging Face model cfg.model names (GPT-2,
+    or the embedded Llama-style "tiny-llama"): the same rank and alpha, and the modules that hold our targets. On
+    GPT-2, q, k and v are one fused module (attn.c_attn), so any of them adapts all three through one shared A: the
+    same number of parameters as our q and v at the same rank (r × d_model + 3·d_model × r against 2 × (r × d_model
+    + d_model × r)), but not the same function. On a Llama-style model each target is its own nn.Linear (q_proj,
+    ..., down_proj), so peft adapts exactly what ours does; fan_in_fan_out is false there (no Conv1D).
 
-    Raises a ValueError for a target that Hugging Face's GPT-2 has no module for."""
-    unknown = sorted(set(cfg.lora_targets) - set(HF_MODULES))
+    Raises a ValueError for a model whose module names this does not know, and for a target that model has no
+    module for."""
+    from utils.models import EMBEDDED
+
+    arch = EMBEDDED[cfg.model][1] if cfg.model in EMBEDDED else "gpt2" if "gpt2" in cfg.model else None
+    if arch not in MODULES:
+        raise ValueError(f"cfg.model must be GPT-2 or an embedded model ({', '.join(EMBEDDED)}) for its module "
+                         f"names to be known, got {cfg.model!r}: write LoraConfig's target_modules yourself")
+    unknown = sorted(set(cfg.lora_targets) - set(MODULES[arch]))
     if unknown:
-        raise ValueError(f"cfg.lora_targets must be among {sorted(HF_MODULES)}, got {unknown}")
-    modules = sorted({HF_MODULES[target] for target in cfg.lora_targets})
+        raise ValueError(f"cfg.lora_targets must be among {sorted(MODULES[arch])} on {cfg.model!r}, got {unknown}")
+    modules = sorted({MODULES[arch][target] for target in cfg.lora_targets})
     return {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": modules,
-            **{name: value for name, (value, _) in PEFT_SETTINGS.items()}}
+            **{name: value for name, (value, _) in PEFT_SETTINGS.items()},
+            "fan_in_fan_out": arch == "gpt2"}  # GPT-2's Conv1D: weight [d_in, d_out]; nn.Linear: [d_out, d_in]
 # === end: trl ======================================================================================================
 
 
@@ -434,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
     import time
 
     from solutions.part2_lora import LoRAModel
-    from solutions.part3_grpo import GRPOConfig, GRPOTrainer
+    from solutions.part3_grpo import PRESETS, GRPOTrainer
     from utils import cli
     from utils.data import addition_accuracy, addition_pairs, addition_prompt
     from utils.logger import print_figures
@@ -442,14 +489,18 @@ def main(argv: list[str] | None = None) -> dict:
     from utils.sampling import tokenize_prompts
 
     parser = cli.ArgumentParser(
-        description="Train the main job's adapter (GRPO + LoRA on q and v), or load one, write it as a peft adapter "
-                    "folder, load that with peft on the Hugging Face model, and compare: logits and held-out "
-                    "accuracy, and the folder read back into course adapters.")
+        description="Train the main job's adapter (GRPO + LoRA on q and v; on tiny-llama, its preset's: every "
+                    "projection), or load one, write it as a peft adapter folder, load that with peft on the "
+                    "Hugging Face model, and compare: logits and held-out accuracy, and the folder read back into "
+                    "course adapters.")
+    parser.add_argument("--model", choices=["tiny", "tiny-llama"], default="tiny",
+                        help="the embedded model, with its preset (tiny-llama: LoRA on every projection, 200 steps)")
     parser.add_argument("--steps", type=cli.at_least(0, "0 exports the untrained adapter (B = 0)"),
-                        help="GRPO steps (default 150, the main job's; 3 with RLHF_SMOKE=1)")
+                        help="GRPO steps (default: the preset's, 150 on tiny; 3 with RLHF_SMOKE=1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--adapter", default="", help="instead of training, load this file written by Part 2's "
-                        "save_adapter (the main job's settings: rank 4, alpha 8, q and v)")
+                        "save_adapter (the preset's settings: rank 4, alpha 8; on q and v for tiny, on every "
+                        "projection for tiny-llama)")
     parser.add_argument("--out", default="", help="the folder to write the peft adapter in (default: a new "
                         "temporary folder)")
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
@@ -459,10 +510,11 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:
         parser.exit(1, "peft is not installed: pip install -r requirements.txt\n")
 
-    steps = args.steps if args.steps is not None else 3 if os.environ.get("RLHF_SMOKE") else 150
-    # the main job's run, exactly (python -m solutions.part3_grpo); or the file, loaded and not trained
-    cfg = GRPOConfig(steps=0 if args.adapter else steps, seed=args.seed,
-                     **({"eval_every": 3} if os.environ.get("RLHF_SMOKE") else {}))
+    preset = PRESETS[args.model]
+    steps = args.steps if args.steps is not None else 3 if os.environ.get("RLHF_SMOKE") else preset().steps
+    # the main job's run, exactly (python -m solutions.part3_grpo --model ...); or the file, loaded and not trained
+    cfg = preset(steps=0 if args.adapter else steps, seed=args.seed,
+                 **({"eval_every": 3} if os.environ.get("RLHF_SMOKE") else {}))
     start = time.perf_counter()
     trainer = GRPOTrainer(cfg, adapters=args.adapter or None)
     trainer.train()

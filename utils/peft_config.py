@@ -95,10 +95,17 @@ def read_peft_config(path: Path) -> dict:
     return config
 
 
+# The linear layers in the blocks of the models the course reads ("all-linear" adapts them all, lm_head excepted):
+# GPT-2's Conv1D layers (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj) and a Llama-style model's nn.Linear
+# projections (self_attn.q_proj ... o_proj, mlp.gate_proj, up_proj, down_proj)
+LINEAR_LAYERS = r"transformer\.h\.\d+\.(attn|mlp)\.c_\w+|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj"
+
+
 def targeted(config: dict, module: str) -> bool:
     """Whether peft would put a LoRA on `module` (a Hugging Face module name) under `config`: peft's rules for a
     list of names (exact or a dotted suffix), a regular expression (a full match), "all-linear" (every linear layer
-    but the output layer), exclude_modules, and layers_to_transform."""
+    but the output layer), exclude_modules, and layers_to_transform (the layer is the first number in the name, or
+    the one after layers_pattern)."""
     def matches(patterns) -> bool:
         if not patterns:
             return False
@@ -110,11 +117,16 @@ def targeted(config: dict, module: str) -> bool:
     if matches(config.get("exclude_modules")):
         return False
     if targets == "all-linear" or targets == ["all-linear"]:
-        return module != "lm_head" and re.fullmatch(r"transformer\.h\.\d+\.(attn|mlp)\.c_\w+", module) is not None
+        return module != "lm_head" and re.fullmatch(LINEAR_LAYERS, module) is not None
     found = matches(targets)
     layers = config.get("layers_to_transform")
     if found and not isinstance(targets, str) and layers not in (None, []):
-        layer = re.match(r"transformer\.h\.(\d+)\.", module)
+        names = config.get("layers_pattern")
+        names = [names] if isinstance(names, str) else names or []
+        if names:  # the number after one of these names ("h" in transformer.h.3, "layers" in model.layers.3)
+            layer = next(filter(None, (re.match(rf"(?:^|.*?\.){n}\.(\d+)\.", module) for n in names)), None)
+        else:  # the first number in the name
+            layer = re.match(r".*?\.[^.]*\.(\d+)\.", module)
         found = layer is not None and int(layer[1]) in ([layers] if isinstance(layers, int) else layers)
     return found
 

@@ -36,6 +36,13 @@ from utils.models import load_model
 # layers, `[d_in, d_out]`, the transpose of `nn.Linear`'s; peft's `lora_A` and `lora_B` are `nn.Linear` all the
 # same, and `fan_in_fan_out: true` only tells peft to transpose the update when it merges it into the weight.
 #
+# On the Llama-style model (`load_model("tiny-llama")`, a `LlamaForCausalLM` under the bridge) every target is a
+# renaming. Each projection is its own `nn.Linear` without bias, under `model.layers.{i}`: q, k, v and o are
+# `self_attn.q_proj`, `k_proj`, `v_proj`, `o_proj`, and the gated MLP's `mlp_gate`, `mlp_in`, `mlp_out` are
+# `mlp.gate_proj`, `up_proj`, `down_proj`. k and v are narrower than q there (2 key/value heads for 4 query heads:
+# 64 outputs, not 128), and so are their adapters and peft's `lora_B`. `fan_in_fan_out` is false (peft itself turns
+# it off, with a warning, on an `nn.Linear`). The exercises below are GPT-2's: only GPT-2 fuses anything.
+#
 # One thing is not a renaming. GPT-2 computes q, k and v with **one** matrix, `attn.c_attn`, whose output is
 # `[q | k | v]` (each `n_heads × d_head` wide, head after head — the order of our `hook_q`'s `[head, d_head]`
 # flattened). The main job trains two adapters there, q and v; peft wants one LoRA on `c_attn`. Stack the A's and
@@ -66,11 +73,13 @@ from solutions.part2_lora import TARGETS, LoRA, LoRAModel, base_weight, make_ada
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer                              # Part 3, solved
 # where each target lives in GPT-2 (solutions/part7_production.py), and how import_peft_adapter reads a peft folder's
 # adapter_config.json: refused unless it is a plain LoRA, and peft's rules for what it adapts (utils/peft_config.py)
-from solutions.part7_production import COURSE_TARGET, HF_MODULES, NO_HOOK, PEFT_PREFIX, QKV
+# and in a Llama-style model (LLAMA_MODULES), by architecture (BLOCKS, MODULES, COURSE_TARGET, NO_HOOK)
+from solutions.part7_production import (BLOCKS, COURSE_TARGET, HF_MODULES, LLAMA_MODULES, MODULES, NO_HOOK,
+                                        PEFT_PREFIX, QKV)
 from utils.peft_config import pattern_value, read_peft_config, refuse, targeted
 from utils.data import addition_accuracy, addition_pairs, addition_prompt
 from utils.files import why_unreadable
-from utils.models import TINY_DIR
+from utils.models import TINY_DIR, architecture
 from utils.sampling import tokenize_prompts
 
 # %% [markdown]
@@ -131,6 +140,10 @@ from utils.sampling import tokenize_prompts
 # safetensors metadata (which peft ignores), the targets each `c_attn` fuses. peft needs a plain Hugging Face model to
 # find its modules by name, and the bridge has rewired `model.original_model` in place, so `hf_model_of` builds its
 # plain twin.
+#
+# Both read the architecture from the model (`architecture(model)`). On the Llama-style model there is nothing to
+# fuse: `export_peft_adapter` writes each adapter's A and B under its own module's name, with `fan_in_fan_out: false`
+# and the course's r and alpha for every module, and `import_peft_adapter` reads each module back as its one target.
 #
 # `import_peft_adapter` reads a `c_attn` LoRA back as the adapters it was fused from when its B has the zero blocks that
 # `fuse_qkv` writes (blocks of r columns, each writing one target's rows; a block of zeros, an untrained B, is named by
@@ -196,6 +209,28 @@ print(f"held-out accuracy with our hooks: {addition_accuracy(trainer.model, held
 # `fuse_qkv` wrote. A `c_attn` that peft trained has none (its one A is read by q, k and v alike), so `split_qkv`
 # gives each of q, k and v the whole rank.
 #
+# The same two calls on the Llama-style model, with an adapter on each of its seven projections (B random: an
+# untrained B = 0 would show nothing). There, peft's LoRA is ours module for module; on a CPU the printed difference
+# was exactly 0 when this was written.
+
+# %%
+llama = load_model("tiny-llama")
+llama_adapters = make_adapters(llama, rank=4, alpha=8.0,
+                               targets=("q", "k", "v", "o", "mlp_gate", "mlp_in", "mlp_out"))
+for adapter in llama_adapters.values():
+    nn.init.normal_(adapter.B, std=0.5)
+llama_folder = export_peft_adapter(llama, llama_adapters, Path(tempfile.mkdtemp()) / "llama_adapter")
+llama_config = json.loads((llama_folder / "adapter_config.json").read_text())
+print("block 0:", [m for m in llama_config["target_modules"] if ".layers.0." in m])
+print("fan_in_fan_out:", llama_config["fan_in_fan_out"])
+llama_peft = PeftModel.from_pretrained(hf_model_of(llama), str(llama_folder)).eval()
+with torch.no_grad():   # the same tokenizer as GPT-2's tiny model: the same ids
+    ours = LoRAModel(llama, llama_adapters)(ids, attention_mask=mask)
+    theirs = llama_peft(input_ids=ids, attention_mask=mask).logits
+print(f"peft's Llama against our hooks: max |logit difference| {(ours - theirs).abs().max():.2e}")
+print(f"read back: {list(import_peft_adapter(llama, llama_folder))[:7]}")
+
+# %% [markdown]
 # What a course adapter cannot hold is refused, not approximated. DoRA, for instance:
 
 # %%
@@ -239,7 +274,10 @@ except ValueError as error:
 # is shared and whose B writes all three. It trains as many parameters as ours (8,192: 4 × 128 + 384 × 4 per block,
 # against 2 × (4 × 128 + 128 × 4)), but not the same function: k is adapted too, and q and v share their A.
 # (Section 1 shows how separate adapters still *export* exactly, as one LoRA of rank 8 on `c_attn` with a
-# block-structured B; peft cannot keep B block-structured while it trains.)
+# block-structured B; peft cannot keep B block-structured while it trains.) On the Llama-style model the LoRA is the
+# same: `python -m solutions.production.trl_grpo --model tiny-llama` trains its preset (a LoRA on all seven
+# projections) in both, and peft adapts `q_proj`, ..., `down_proj` one by one, as ours does: 37,376 parameters on
+# each side.
 
 # %% [setup]
 from dataclasses import replace
@@ -269,7 +307,8 @@ Markdown(tabulate(knob_rows(), headers="keys", tablefmt="github"))
 # hint: End the dict with every fixed setting: `**{name: value for name, (value, _) in TRL_SETTINGS.items()}`.
 
 # %% [markdown]
-# peft's side is shorter: the same rank and alpha, and the modules that hold our targets.
+# peft's side is shorter: the same rank and alpha, and the modules that hold our targets (GPT-2's names, or the
+# Llama-style model's, as `cfg.model` says).
 
 # %% [provided] to_lora_config
 

@@ -42,7 +42,9 @@ GRPO_TO_TRL: dict[str, Knob] = {
                        peft="lora_alpha"),
     "lora_targets": Knob(None, "peft: LoraConfig(target_modules=...), GPT-2's module names: q, k, v -> attn.c_attn "
                                "(fused: one LoRA for all three, whose A is shared and which adapts k too), o -> "
-                               "attn.c_proj, mlp_in -> mlp.c_fc, mlp_out -> mlp.c_proj", peft="target_modules"),
+                               "attn.c_proj, mlp_in -> mlp.c_fc, mlp_out -> mlp.c_proj; a Llama-style model's: "
+                               "q_proj, k_proj, v_proj, o_proj, gate_proj (mlp_gate), up_proj (mlp_in), down_proj "
+                               "(mlp_out), one module each, as ours", peft="target_modules"),
     "beta": Knob("beta", "the same weight, not yet the same term: TRL's default is 0 too (no reference model is "
                          "loaded), but with beta > 0 TRL 1.16 multiplies each token's k3 by the ratio π/π_old by "
                          "default (use_bias_correction_kl=True: the per-token reverse KL's gradient); ours adds k3 "
@@ -178,14 +180,15 @@ def reference_to_trl(settings, num_iterations: int = 1) -> dict:
                 "ref_model_mixup_alpha": settings.sync_alpha}
     return out
 
-# Our LoRA targets -> the module each adapts in Hugging Face's GPT-2: HF_MODULES in solutions/part7_production.py.
-# (q, k and v share one fused matrix there, attn.c_attn, so peft adapts the three together through one shared A.)
+# Our LoRA targets -> the module each adapts in the Hugging Face model: MODULES in solutions/part7_production.py.
+# (In GPT-2, q, k and v share one fused matrix, attn.c_attn, so peft adapts the three together through one shared A;
+# a Llama-style model has one nn.Linear per target. to_lora_config also sets fan_in_fan_out, true for GPT-2's Conv1D
+# only, which stores its weight as [in, out], the transpose of nn.Linear's.)
 
-# peft settings with no knob of ours: (value, why)
+# peft settings with no knob of ours, the same on every model: (value, why)
 PEFT_SETTINGS: dict[str, tuple[object, str]] = {
     "lora_dropout": (0.0, "our LoRA has no dropout"),
     "bias": ("none", "our LoRA trains no bias"),
-    "fan_in_fan_out": (True, "GPT-2's Conv1D stores its weight as [in, out], the transpose of nn.Linear's"),
     "task_type": ("CAUSAL_LM", "a causal language model"),
 }
 

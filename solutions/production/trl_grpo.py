@@ -3,6 +3,8 @@
     python -m solutions.production.trl_grpo                       # TRL's run, then ours: held-out accuracy of both
     python -m solutions.production.trl_grpo --steps 30 --seed 1 --json
     python -m solutions.production.trl_grpo --trl-only            # TRL's run alone
+    python -m solutions.production.trl_grpo --model tiny-llama    # on the Llama-style model (its preset: LoRA on
+                                                                  # every projection, 200 steps)
     accelerate launch --config_file solutions/production/accelerate_configs/cpu_1proc.yaml \\
         -m solutions.production.trl_grpo --trl-only --steps 5    # the same, under accelerate
     accelerate launch --config_file solutions/production/accelerate_configs/cpu_2proc.yaml \\
@@ -17,20 +19,22 @@ optimizer took, the weights after it), and `--replay FOLDER` trains on such a re
 with both, tests/part7_production/test_data_parallel.py checks that 2 processes × b completions make the update that
 1 process × 2b makes.
 
-Needs `pip install -r requirements-bench.txt` (TRL, peft, accelerate); offline, on the embedded tiny model.
+Needs `pip install -r requirements-bench.txt` (TRL, peft, accelerate); offline, on an embedded tiny model.
 
-What is the same on both sides: the model (the embedded tiny model; TRL gets it as the plain Hugging Face
-GPT2LMHeadModel it is stored as), the prompts (the training additions our GRPOTrainer draws for this seed, in its
-order), the reward functions (Part 3's reward_exact_answer and reward_format, weights 1 and format_weight), and every
-knob of our GRPOConfig, translated by `solutions.part7_production.to_trl_config` (the table:
-solutions/production/knobs.py). Held-out accuracy is measured for both by the same function,
+What is the same on both sides: the model (an embedded tiny model; TRL gets it as the plain Hugging Face
+GPT2LMHeadModel or LlamaForCausalLM it is stored as), the prompts (the training additions our GRPOTrainer draws for
+this seed, in its order), the reward functions (Part 3's reward_exact_answer and reward_format, weights 1 and
+format_weight), and every knob of our GRPOConfig, translated by `solutions.part7_production.to_trl_config` (the
+table: solutions/production/knobs.py). Held-out accuracy is measured for both by the same function,
 `utils.data.addition_accuracy` (greedy, the 810 additions never trained on): for TRL, on a copy of its model with
 the LoRA merged by peft (`merge_and_unload`), wrapped in a TransformerBridge.
 
 What differs, and cannot be made the same:
-- the LoRA. Ours adapts q and v separately; GPT-2 computes q, k and v with one fused matrix (attn.c_attn), so peft
-  adapts the three together: one shared A of rank 4 and one B for all three outputs. Same number of trainable
-  parameters (8,192), not the same function: k is adapted too, and q and v share their input projection.
+- the LoRA, on GPT-2. Ours adapts q and v separately; GPT-2 computes q, k and v with one fused matrix
+  (attn.c_attn), so peft adapts the three together: one shared A of rank 4 and one B for all three outputs. Same
+  number of trainable parameters (8,192), not the same function: k is adapted too, and q and v share their input
+  projection. On the Llama-style model (--model tiny-llama) every target is its own nn.Linear (q_proj, k_proj,
+  v_proj, o_proj, gate_proj, up_proj, down_proj): there peft's LoRA is ours, module for module.
 - the random numbers: TRL's sampling and peft's initial A draw their own, from the same seed.
 - the sampler and the kernels: TRL samples with Hugging Face's `generate`, ours with its own decoder.
 """
@@ -47,13 +51,13 @@ from pathlib import Path
 
 import torch
 
-from solutions.part3_grpo import GRPOConfig, GRPOTrainer, reward_exact_answer, reward_format
+from solutions.part3_grpo import PRESETS, GRPOConfig, GRPOTrainer, reward_exact_answer, reward_format
 from solutions.part1_ppo import reward_char_count
 from solutions.part7_production import to_lora_config, to_trl_config
 from utils.data import addition_accuracy, addition_pairs, addition_prompt
 from utils import cli
 from utils.logger import RunLogger, print_figures
-from utils.models import bridge_from_hf, count_parameters, load_tiny_hf, set_cpu_threads
+from utils.models import EMBEDDED, bridge_from_hf, count_parameters, load_tiny_hf, set_cpu_threads
 from utils.plotting import pyplot_for
 
 MISSING = "TRL is not installed: pip install -r requirements-bench.txt (trl, peft, accelerate)"
@@ -138,9 +142,9 @@ def replayed_rollouts(folder: str | Path) -> list[tuple[list, list]]:
 
 def run_trl(cfg: GRPOConfig, save: str | Path | None = None, translate=to_trl_config, *,
             record: str | Path | None = None, replay: str | Path | None = None, **trl_settings) -> dict:
-    """Train cfg's run with TRL's GRPOTrainer and a peft LoRA. `translate(cfg, output_dir, world_size)` makes
-    trl.GRPOConfig's arguments (the notebook passes yours); `trl_settings` are more of them (e.g. use_vllm=True),
-    and `save` a folder for the trained adapter.
+    """Train cfg's run with TRL's GRPOTrainer and a peft LoRA, on the embedded model cfg.model names ("tiny" or
+    "tiny-llama"). `translate(cfg, output_dir, world_size)` makes trl.GRPOConfig's arguments (the notebook passes
+    yours); `trl_settings` are more of them (e.g. use_vllm=True), and `save` a folder for the trained adapter.
 
     record: a folder where each process writes rank<r>.pt: {"rank", "world_size", "initial": the LoRA's weights
         before training, "rollouts": per generation, this process's "prompts" (text), "prompt_ids" and
@@ -160,9 +164,12 @@ def run_trl(cfg: GRPOConfig, save: str | Path | None = None, translate=to_trl_co
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
+    if cfg.model not in EMBEDDED:
+        raise ValueError(f"run_trl trains an embedded model (cfg.model one of {', '.join(EMBEDDED)}), got "
+                         f"{cfg.model!r}")
     world_size, rank = world()
     torch.manual_seed(cfg.seed)  # peft's initial A
-    hf_model, tokenizer = load_tiny_hf()
+    hf_model, tokenizer = load_tiny_hf(EMBEDDED[cfg.model][0])
     bos = tokenizer.bos_token
     dataset = Dataset.from_dict({"prompt": [bos + p for p in training_prompts(cfg)]})
     logger = RunLogger()  # no wandb here: TRL reports to it itself (report_to)
@@ -320,15 +327,20 @@ def plot_runs(runs: dict[str, dict], path: str | Path | None = None, title: str 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = cli.ArgumentParser(description="The main job in TRL's GRPOTrainer with peft, next to ours.")
+    parser.add_argument("--model", choices=["tiny", "tiny-llama"], default="tiny",
+                        help="the embedded model, with its preset of solutions/part3_grpo.py (tiny-llama: LoRA on "
+                             "every projection, 200 steps)")
     parser.add_argument("--steps", type=cli.at_least(1, "TRL reads max_steps 0 as 'not set' and trains by epochs"))
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--targets", help="comma-separated LoRA targets (default: q,v). o, mlp_in and mlp_out are "
-                                           "unfused in GPT-2 too, so there peft adapts exactly what ours does")
+    parser.add_argument("--targets", help="comma-separated LoRA targets (default: the preset's, q,v on tiny). o, "
+                                           "mlp_in and mlp_out are unfused in GPT-2 too, so there peft adapts "
+                                           "exactly what ours does; on tiny-llama no target is fused")
     parser.add_argument("--trl-only", action="store_true", help="train with TRL only (not ours)")
     parser.add_argument("--save", help="save TRL's trained adapter to this folder (peft's format)")
     parser.add_argument("--vllm", choices=["colocate", "server"],
                         help="generate with vLLM (GPU only, pip install vllm): in the training processes, or on a "
-                             "server started first with `trl vllm-serve --model utils/tiny_model`")
+                             "server started first with `trl vllm-serve --model utils/tiny_model` (utils/tiny_llama "
+                             "with --model tiny-llama)")
     parser.add_argument("--vllm-server-url", help="with --vllm server: its address (default: TRL's, port 8000)")
     parser.add_argument("--record", metavar="FOLDER",
                         help="each process writes FOLDER/rank<r>.pt: its prompts and completions every step, the "
@@ -348,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     if os.environ.get("RLHF_SMOKE"):
         overrides.setdefault("steps", 2)
         overrides["eval_every"] = 2
-    cfg = replace(GRPOConfig(), **overrides)
+    cfg = replace(PRESETS[args.model](), **overrides)
     world_size, rank = world()
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # on this machine, as torch.distributed.run sets it
     if local_processes > 1 and not os.environ.get("RLHF_THREADS"):  # share the cores out: no oversubscription
@@ -379,12 +391,13 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if not args.trl_only and world_size == 1:
         runs["ours"] = run_ours(cfg)
-    figures = {"steps": cfg.steps, "seed": cfg.seed, "processes": world_size, "threads": threads,
+    figures = {"model": cfg.model, "steps": cfg.steps, "seed": cfg.seed, "processes": world_size, "threads": threads,
                "lora": to_lora_config(cfg)["target_modules"]}
     for name, run in runs.items():
         figures |= figures_of("trl" if name.startswith("TRL") else "ours", run)
     if args.plot:
-        plot_runs(runs, args.plot, title=f"GRPO on 2-digit additions, seed {cfg.seed}: TRL + peft against ours")
+        plot_runs(runs, args.plot, title=f"GRPO on 2-digit additions, {cfg.model}, seed {cfg.seed}: TRL + peft "
+                                         "against ours")
     print_figures(figures, args.json)
     return figures
 

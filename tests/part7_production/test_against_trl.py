@@ -229,9 +229,15 @@ def test_the_chapter_names_only_real_trl_settings_and_launch_flags():
 
 
 @pytest.mark.slow
-def test_script_trains_both_and_prints_json_figures(tmp_path):
-    """Smoke setting: two steps of TRL's GRPOTrainer, two of ours, the same held-out accuracy at the start."""
-    _, figures = run_script("solutions.production.trl_grpo", "--json", "--plot", str(tmp_path / "c.png"))
+@pytest.mark.parametrize("model, modules", [("tiny", ["attn.c_attn"]),
+                                            ("tiny-llama", sorted(ref.LLAMA_MODULES.values()))],
+                         ids=["gpt2", "llama"])
+def test_script_trains_both_and_prints_json_figures(tmp_path, model, modules):
+    """Smoke setting: two steps of TRL's GRPOTrainer, two of ours, the same held-out accuracy at the start, on each
+    embedded model with its preset's LoRA (on the Llama-style model, peft's modules are Llama's own projections)."""
+    _, figures = run_script("solutions.production.trl_grpo", "--json", "--model", model, "--plot",
+                            str(tmp_path / "c.png"))
+    assert_equal((figures["model"], figures["lora"]), (model, modules), "the run's model and peft's LoRA modules")
     assert_equal(figures["trl_accuracy_start"], figures["ours_accuracy_start"], "both runs' starting accuracy")
     assert_equal(figures["trl_trainable_params"], figures["ours_trainable_params"], "both runs' LoRA sizes")
     expect((tmp_path / "c.png").exists(), "the curves", "were not saved to --plot's path")

@@ -45,3 +45,33 @@ def test_lora_config_matches_ours_in_parameter_count():
                  ["attn.c_proj", "mlp.c_fc", "mlp.c_proj"], f"peft's modules for {targets}")
     with pytest.raises(ValueError, match="lora_targets"):
         ref.to_lora_config(GRPOConfig(lora_targets=("q", "embed")))
+
+
+@needs("peft")
+@pytest.mark.parametrize("tiny_model", ["tiny-llama"], indirect=True, ids=["llama"])
+def test_lora_config_on_the_llama_style_model_is_ours_module_for_module(tiny_model):
+    """On the Llama-style model every target is its own nn.Linear: peft's LoRA for the tiny-llama preset (all seven
+    targets) has our adapters' shapes, module for module, and fan_in_fan_out is False (no Conv1D)."""
+    from peft import LoraConfig, get_peft_model
+
+    from solutions.part2_lora import make_adapters
+    from utils.models import EMBEDDED, load_tiny_hf
+
+    cfg = GRPOConfig.tiny_llama()
+    kwargs = ref.to_lora_config(cfg)
+    assert_equal((kwargs["target_modules"], kwargs["fan_in_fan_out"]), (sorted(ref.LLAMA_MODULES.values()), False),
+                 "peft's modules and fan_in_fan_out for the tiny-llama preset")
+    peft_model = get_peft_model(load_tiny_hf(EMBEDDED["tiny-llama"][0])[0], LoraConfig(**kwargs))
+    theirs = {n.removeprefix("base_model.model.").replace(".default", ""): tuple(p.shape)
+              for n, p in peft_model.named_parameters() if ".lora_" in n}
+    ours = {}
+    for key, adapter in make_adapters(tiny_model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets).items():
+        layer, target = key[1:].split("_", 1)
+        for factor in "AB":
+            ours[f"model.layers.{layer}.{ref.LLAMA_MODULES[target]}.lora_{factor}.weight"] = \
+                tuple(getattr(adapter, factor).shape)
+    assert_equal(theirs, ours, "peft's LoRA factors and their shapes against our adapters'")
+    with pytest.raises(ValueError, match="lora_targets must be among"):
+        ref.to_lora_config(GRPOConfig(lora_targets=("q", "mlp_gate")))  # GPT-2's MLP is not gated
+    with pytest.raises(ValueError, match="cfg.model must be GPT-2 or an embedded model"):
+        ref.to_lora_config(GRPOConfig(model="some-org/another-model"))

@@ -1,5 +1,6 @@
 """The provided export_peft_adapter, against peft itself: PeftModel and AutoPeftModelForCausalLM on the Hugging Face
-twin of the bridge compute what our hooks compute; the folder is in peft's format; the script that runs it."""
+twin of the bridge compute what our hooks compute, on GPT-2 and on the Llama-style model; the folder is in peft's
+format, with each architecture's module names; the script that runs it."""
 
 import json
 
@@ -8,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from solutions import part7_production as ref
-from solutions.part2_lora import LoRAModel
+from solutions.part2_lora import LoRAModel, available_targets
 from tests.part7_production.common import peft_or_skip, random_tokens
 from tests.support import adapters_with_random_B, assert_close, assert_equal, expect, run_script
 from utils.checker.layout import ROOT
@@ -21,21 +22,26 @@ def peft_logits(model, folder, tokens):
         return peft_model(input_ids=tokens).logits
 
 
+@pytest.mark.both_architectures
 def test_hf_model_of_computes_what_the_bridge_does(tiny_model):
     tokens = random_tokens()
     hf = ref.hf_model_of(tiny_model)
     with torch.no_grad():
         assert_close(hf(input_ids=tokens).logits, tiny_model(tokens), "the plain Hugging Face twin's logits",
                      atol=1e-4)
-    expect(hf is not tiny_model.original_model and type(hf).__name__ == "GPT2LMHeadModel", "hf_model_of(model)",
-           "expected a separate GPT2LMHeadModel")
+    kind = type(tiny_model.original_model).__name__  # GPT2LMHeadModel, LlamaForCausalLM
+    expect(hf is not tiny_model.original_model and type(hf).__name__ == kind, "hf_model_of(model)",
+           f"expected a separate {kind}")
 
 
+@pytest.mark.both_architectures
 @pytest.mark.parametrize("targets", [("q",), ("k",), ("v",), ("o",), ("mlp_in",), ("mlp_out",), ("q", "v"),
-                                     ("q", "k", "v", "o", "mlp_in", "mlp_out")], ids="+".join)
+                                     "every target"], ids=lambda t: t if isinstance(t, str) else "+".join(t))
 def test_export_then_peft_computes_what_the_hooks_compute(tiny_model, tmp_path, targets):
     """PeftModel.from_pretrained(Hugging Face model, exported folder) gives our hooked model's logits, for every
-    target the course has, the main job's q and v included (k's rows of c_attn then stay 0)."""
+    target the model has, the main job's q and v included (on GPT-2, k's rows of c_attn then stay 0; on the
+    Llama-style model, k and v are narrower than q: 2 key/value heads for 4 query heads)."""
+    targets = available_targets(tiny_model) if targets == "every target" else targets
     adapters = adapters_with_random_B(tiny_model, targets=targets, std=0.5)
     tokens = random_tokens()
     ref.export_peft_adapter(tiny_model, adapters, tmp_path / "adapter")
@@ -79,6 +85,39 @@ def test_export_writes_peft_s_format(tiny_model, tmp_path):
                  "peft's reading of the config")
 
 
+# Block 0's modules in the Llama-style model, and (d_in, d_out) of each: 4 query heads and 2 key/value heads of 32,
+# d_model 128, d_mlp 352
+LLAMA_BLOCK_0 = {"self_attn.q_proj": (128, 128), "self_attn.k_proj": (128, 64), "self_attn.v_proj": (128, 64),
+                 "self_attn.o_proj": (128, 128), "mlp.gate_proj": (128, 352), "mlp.up_proj": (128, 352),
+                 "mlp.down_proj": (352, 128)}
+
+
+@pytest.mark.parametrize("tiny_model", ["tiny-llama"], indirect=True, ids=["llama"])
+def test_export_writes_llama_module_names(tiny_model, tmp_path):
+    """On the Llama-style model each adapter is one peft LoRA on its own nn.Linear: the module names are Llama's
+    (q_proj ... down_proj, under model.layers), no pattern (every module has the course's r and alpha), no
+    fan_in_fan_out; and the tensors' keys and shapes are those peft itself saves for a LoraConfig on those modules."""
+    peft_lib = peft_or_skip()
+    adapters = adapters_with_random_B(tiny_model, rank=4, alpha=8.0, targets=available_targets(tiny_model), std=0.5)
+    folder = ref.export_peft_adapter(tiny_model, adapters, tmp_path / "adapter")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert_equal({k: config[k] for k in ("r", "lora_alpha", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
+                                         "base_model_name_or_path")},
+                 {"r": 4, "lora_alpha": 8, "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+                  "base_model_name_or_path": "utils/tiny_llama"}, "the exported config on the Llama-style model")
+    assert_equal(config["target_modules"], sorted(f"model.layers.{i}.{m}" for i in range(tiny_model.cfg.n_layers)
+                                                  for m in LLAMA_BLOCK_0), "the exported target_modules")
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    assert_equal(sorted((k, tuple(t.shape)) for k, t in tensors.items() if ".layers.0." in k),
+                 sorted((f"base_model.model.model.layers.0.{m}.lora_{f}.weight", (4, d_in) if f == "A" else (d_out, 4))
+                        for m, (d_in, d_out) in LLAMA_BLOCK_0.items() for f in "AB"), "the tensors of block 0")
+    short = sorted({m.split(".")[-1] for m in LLAMA_BLOCK_0})  # q_proj, ..., down_proj: what a peft user writes
+    theirs = peft_lib.get_peft_model(ref.hf_model_of(tiny_model), peft_lib.LoraConfig(r=4, target_modules=short))
+    assert_equal(sorted(tensors), sorted(peft_lib.get_peft_model_state_dict(theirs)), "our tensors' keys against "
+                 "the keys peft saves for LoraConfig(target_modules=[q_proj, ..., down_proj])")
+
+
+@pytest.mark.both_architectures
 def test_auto_peft_model_loads_the_export_with_its_base_model(tiny_model, tmp_path, monkeypatch):
     """AutoPeftModelForCausalLM loads the base model from base_model_name_or_path (the embedded model's folder,
     relative to the repository's root) and the adapter on top: the hooked model's logits again."""
@@ -107,6 +146,10 @@ def test_export_refuses_what_the_model_lacks(tiny_model, tmp_path):
     adapters["L9_q"] = adapters["L0_q"]
     with pytest.raises(ValueError, match="names no weight of this model"):
         ref.export_peft_adapter(tiny_model, adapters, tmp_path / "a")
+    del adapters["L9_q"]
+    adapters["L0_mlp_gate"] = adapters["L0_q"]  # GPT-2's MLP is not gated
+    with pytest.raises(ValueError, match="names a mlp_gate projection, which this model does not have"):
+        ref.export_peft_adapter(tiny_model, adapters, tmp_path / "a")
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError, match="a peft adapter is a folder"):
         ref.export_peft_adapter(tiny_model, adapters_with_random_B(tiny_model, targets=("q",), std=0.5),
@@ -114,16 +157,20 @@ def test_export_refuses_what_the_model_lacks(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.both_architectures
 def test_script_exports_an_adapter_and_peft_agrees(tiny_model, tmp_path):
-    """The script on a file written by Part 2's save_adapter with the main job's settings, B random (a 3-step
-    smoke run would barely move B, and show nothing)."""
+    """The script on a file written by Part 2's save_adapter with the main job's settings (on the Llama-style
+    model, its preset's: every projection), B random (a 3-step smoke run would barely move B, and show nothing)."""
     from solutions.part2_lora import save_adapter
+    from solutions.part3_grpo import PRESETS
+    from utils.models import architecture
 
     peft_or_skip()
-    save_adapter(adapters_with_random_B(tiny_model, rank=4, alpha=8.0, targets=("q", "v"), std=0.5),
-                 tmp_path / "main.safetensors")
-    _, figures = run_script("solutions.part7_production", "--json", "--adapter", str(tmp_path / "main.safetensors"),
-                            "--out", str(tmp_path / "adapter"))
+    name = "tiny-llama" if architecture(tiny_model) == "llama" else "tiny"
+    save_adapter(adapters_with_random_B(tiny_model, rank=4, alpha=8.0, targets=PRESETS[name]().lora_targets,
+                                        std=0.5), tmp_path / "main.safetensors")
+    _, figures = run_script("solutions.part7_production", "--json", "--model", name, "--adapter",
+                            str(tmp_path / "main.safetensors"), "--out", str(tmp_path / "adapter"))
     expect(figures["max_logit_change_from_the_adapter"] > 0.1, "the script's adapter", "it barely changes the logits")
     expect(figures["max_logit_difference_peft_vs_hooks"] < 1e-4, "the script's peft-vs-hooks difference",
            f"got {figures['max_logit_difference_peft_vs_hooks']}")

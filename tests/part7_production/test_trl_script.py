@@ -21,17 +21,20 @@ def test_training_prompts_are_the_prompts_our_trainer_draws():
 
 
 @needs("peft")
-def test_held_out_accuracy_of_a_fresh_peft_model_is_the_base_models():
-    """B = 0: the merged copy is the base model, whose held-out accuracy is 346 / 810."""
+@pytest.mark.parametrize("model, correct", [("tiny", 346), ("tiny-llama", 336)], ids=["gpt2", "llama"])
+def test_held_out_accuracy_of_a_fresh_peft_model_is_the_base_models(model, correct):
+    """B = 0: the merged copy is the base model, whose held-out accuracy is 346 / 810 (GPT-2) or 336 / 810
+    (Llama-style), with the LoRA of the model's preset."""
     from peft import LoraConfig, get_peft_model
 
+    from solutions.part3_grpo import PRESETS
     from solutions.production.trl_grpo import held_out_accuracy
-    from utils.models import load_tiny_hf
+    from utils.models import EMBEDDED, load_tiny_hf
 
-    hf_model, tokenizer = load_tiny_hf()
-    peft_model = get_peft_model(hf_model, LoraConfig(**ref.to_lora_config(GRPOConfig())))
-    assert_close(torch.tensor(held_out_accuracy(peft_model, tokenizer)), torch.tensor(346 / 810),
-                 "held-out accuracy of the embedded model through peft's merge")
+    hf_model, tokenizer = load_tiny_hf(EMBEDDED[model][0])
+    peft_model = get_peft_model(hf_model, LoraConfig(**ref.to_lora_config(PRESETS[model]())))
+    assert_close(torch.tensor(held_out_accuracy(peft_model, tokenizer)), torch.tensor(correct / 810),
+                 f"held-out accuracy of the embedded model {model!r} through peft's merge")
     expect(any(".lora_" in n for n, _ in peft_model.named_parameters()), "the peft model after held_out_accuracy",
            "lost its LoRA: the accuracy must be measured on a merged copy, not by merging the model in training")
 
@@ -55,7 +58,8 @@ def test_accelerate_configs_are_read_by_accelerate(name, kind, processes):
         assert_equal(config.deepspeed_config["zero_stage"], 3, "deepspeed_zero3.yaml's ZeRO stage")
 
 
-@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--steps", "ten"), ("--vllm", "offline")])
+@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--steps", "ten"), ("--vllm", "offline"),
+                                         ("--model", "gpt2")])
 def test_the_trl_script_refuses_a_meaningless_flag_in_one_line(flag, value, capsys):
     from solutions.production import trl_grpo
 
