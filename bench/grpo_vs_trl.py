@@ -52,6 +52,7 @@ from utils.data import addition_accuracy, addition_pairs, addition_prompt  # noq
 import solutions.part3_grpo  # noqa: E402
 from utils.models import (bridge_from_hf, fuse_gelu, load_tiny_hf, require_hub_model, set_cpu_threads,  # noqa: E402
                           tiny_hf_config)
+from utils.real_configs import padded_tokenizer  # noqa: E402
 from utils.sampling import sample  # noqa: E402
 
 # Our LoRA target -> the Hugging Face GPT-2 module peft adapts (the end of its name inside each block).
@@ -94,29 +95,14 @@ class Setting:
 
 # --- the model, handed to both ----------------------------------------------------------------------------------
 
-def padded_tokenizer(tokenizer, vocab_size: int):
-    """The tiny tokenizer grown to `vocab_size` entries (placeholders "<t123>"), for a GPT-2-small-shaped model with
-    random weights when GPT-2's own tokenizer cannot be downloaded. Only the timing of such a run means anything."""
-    from tokenizers import Tokenizer
-    from transformers import AutoTokenizer
-
-    inner = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-    inner.add_tokens([f"<t{i}>" for i in range(len(tokenizer), vocab_size)])
-    directory = tempfile.mkdtemp(prefix="padded_tokenizer_")  # kept: the bridge reads the tokenizer's path later
-    tokenizer.save_pretrained(directory)
-    inner.save(str(Path(directory) / "tokenizer.json"))
-    return AutoTokenizer.from_pretrained(directory)
-
-
 def load_hf(setting: Setting, random_weights: bool):
     """(Hugging Face causal LM, tokenizer) for the preset."""
     if setting.preset == "tiny":
         return load_tiny_hf()
     if random_weights:  # GPT-2 small's shapes with random weights: for timing only
-        hf_model, tokenizer = load_tiny_hf()
         torch.manual_seed(setting.seed)
         from transformers import GPT2LMHeadModel
-        tokenizer = padded_tokenizer(tokenizer, 50257)
+        tokenizer = padded_tokenizer(50257)  # the embedded tokenizer, grown to GPT-2's vocabulary
         config = tiny_hf_config(50257, tokenizer.eos_token_id, d_model=768, n_layers=12, n_heads=12, n_ctx=1024)
         return GPT2LMHeadModel(config), tokenizer
     require_hub_model("gpt2", offline_choice="--random-weights (GPT-2 small's shapes, random weights)")

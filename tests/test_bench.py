@@ -1,6 +1,7 @@
 """The benchmark scripts still run (a few steps each, on the tiny model; TRL is not needed for these).
 
 They measure speed, so nothing here asserts a time: only that each script runs and prints its figures.
+(bench/gpu_presets.py's cases of the real Llama-style models run on two random layers in tests/test_real_configs.py.)
 """
 
 import pytest
@@ -30,3 +31,13 @@ def test_shape_check_benchmark_measures_both_ways():
     _, figures = run_script("bench.shape_checks", "--steps", "2", "--repeats", "1", "--json", smoke=False)
     assert figures["step_s_checked"] > 0 and figures["step_s_unchecked"] > 0 and figures["step_ratio"] > 0
     assert figures["grpo_loss_us_checked"] > 0
+
+
+def test_gpu_presets_of_a_real_model_offline_propose_random_weights(monkeypatch):
+    from bench import gpu_presets
+    from utils.models import ModelUnavailableError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("utils.models._is_cached", lambda name: False)
+    with pytest.raises(ModelUnavailableError, match="Qwen2.5-0.5B-Instruct.*--random-weights"):
+        gpu_presets.main(["--cases", "grpo_qwen"])

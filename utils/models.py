@@ -1,9 +1,12 @@
-"""Loading the course's models: the embedded tiny models (no network, seconds) or GPT-2 small (a GPU, Colab).
+"""Loading the course's models: the embedded tiny models (no network, seconds), or GPT-2 small, Qwen2.5-0.5B-Instruct
+and SmolLM2-135M from the Hugging Face Hub (a GPU, Colab).
 
 Two architectures: GPT-2 ("tiny", "gpt2") and the Llama style that Llama 3, Qwen2.5 and SmolLM2 share
-("tiny-llama"). Every model comes back as a TransformerLens 4 `TransformerBridge` wrapping a Hugging Face model, so
-the hook names are the same for both architectures, where both have the component (a gated MLP's `mlp.gate` is
-Llama-style only; GPT-2's learned position table only GPT-2).
+("tiny-llama", "Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M"). Every model comes back as a
+TransformerLens 4 `TransformerBridge` wrapping a Hugging Face model, so the hook names are the same for both
+architectures, where both have the component (a gated MLP's `mlp.gate` is Llama-style only; GPT-2's learned
+position table only GPT-2). The real Llama-style models' shapes are also written down as data
+(`utils/real_configs.py`), for random-weight stand-ins where the Hub cannot be reached.
 """
 
 from __future__ import annotations
@@ -151,7 +154,21 @@ def _is_cached(name: str) -> bool:
     return isinstance(hit, str) and os.path.exists(hit)
 
 
-def require_hub_model(name: str, offline_choice: str = "load_model('tiny'), the embedded model that needs no network,") -> None:
+# What to use instead of a Hub model that cannot be loaded: the embedded model of the same architecture.
+OFFLINE_CHOICE = "load_model('tiny'), the embedded model that needs no network,"
+OFFLINE_LLAMA_CHOICE = "load_model('tiny-llama'), the embedded Llama-style model that needs no network,"
+LLAMA_STYLE_FAMILIES = ("llama", "qwen2", "smollm")  # in a Hub name, lower-cased: a Llama-style model, most likely
+
+
+def llama_style_name(name: str) -> bool:
+    """Whether the Hub name `name` is one of the Llama-style models the course knows, or looks like one (by its
+    family's name: it may not be downloadable to check)."""
+    from utils.real_configs import REAL_CONFIGS
+
+    return name in REAL_CONFIGS or any(family in name.lower() for family in LLAMA_STYLE_FAMILIES)
+
+
+def require_hub_model(name: str, offline_choice: str = OFFLINE_CHOICE) -> None:
     """Fail within seconds, with a message that says what to do, if `name` can be neither found in the local
     Hugging Face cache nor downloaded (instead of minutes of retries)."""
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
@@ -187,28 +204,66 @@ def check_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def load_model(name: str = "tiny", device: torch.device | str | None = None):
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def load_hub_hf(name: str, dtype: torch.dtype | None = None, offline_choice: str = OFFLINE_LLAMA_CHOICE):
+    """A Llama-style model of the Hub (LlamaForCausalLM or Qwen2ForCausalLM) as a plain Hugging Face model in eval
+    mode, its weights in `dtype` (None: float32, see load_model), with its tokenizer. Needs the Hub or a cached copy:
+    ModelUnavailableError within seconds otherwise, proposing `offline_choice` (the embedded Llama-style model)."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM, Qwen2ForCausalLM
+
+    require_hub_model(name, offline_choice=offline_choice)
+    model_type = AutoConfig.from_pretrained(name).model_type  # never trust_remote_code: no code from the Hub runs
+    classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
+    if model_type not in classes:
+        raise ModelUnavailableError(f"{name!r} is a {model_type!r} model, not one of the Llama-style types "
+                                    f"{sorted(classes)}; load it with load_model({name!r}) through TransformerLens")
+    hf_model = classes[model_type].from_pretrained(name, dtype=dtype or torch.float32, use_safetensors=True)
+    return hf_model.eval(), AutoTokenizer.from_pretrained(name)
+
+
+def load_model(name: str = "tiny", device: torch.device | str | None = None, dtype: torch.dtype | None = None):
     """Load a course model as a TransformerLens `TransformerBridge`; its tokenizer is `model.tokenizer`.
 
     name: "tiny" for the embedded GPT-2-style model, "tiny-llama" for the embedded Llama-style one (both work
-    offline and load in well under a second once imported), or a Hugging Face name ("gpt2"), which needs the Hub or
-    a cached copy.
+    offline and load in well under a second once imported), or a Hugging Face name ("gpt2",
+    "Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M"), which needs the Hub or a cached copy, and fails
+    within seconds without either, naming the embedded model of the same architecture. The Llama-style models of
+    utils/real_configs.py load as plain Hugging Face models (load_hub_hf, named classes, never remote code) and are
+    wrapped by bridge_from_hf, as their random-weight stand-ins are in the tests and benchmarks.
     device: defaults to CUDA when there is one, else the CPU (with a deliberate thread count).
+    dtype: the weights' dtype; None means float32, for every model and device. Why not float16 on a GPU without
+    bfloat16 (Colab's free T4)? The course trains LoRA adapters that hooks add to the model's activations, and the
+    adapters are float32, as is their optimizer's state: with float16 weights the activations are float16, and the
+    hook's matmul of a float16 activation by a float32 adapter stops with "expected m1 and m2 to have the same
+    dtype". Float16 would also need what the course's step does not have: a loss scale (its smallest
+    positive number is 6e-8, below which gradients vanish) and activations below 65,504. What float32 costs is small
+    on a T4's 16 GB: Qwen2.5-0.5B's 494M weights take 1.98 GB (0.99 GB in float16); what fills the GPU is a training
+    step's activations and its [batch, seq, 151,936] log-probs. float16 suits sampling and evaluation without
+    adapters (the lean decoder runs in the weights' dtype); bfloat16 needs an Ampere GPU or newer.
     """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(str, DTYPES))} (or None: float32), got {dtype!r}")
     device = check_device(device) if device is not None else default_device()
     if device.type == "cpu":
         set_cpu_threads()
     if name in EMBEDDED:
         hf_model, tokenizer = load_tiny_hf(EMBEDDED[name][0])
-        return bridge_from_hf(hf_model, tokenizer, device)
+        return bridge_from_hf(hf_model.to(dtype or torch.float32), tokenizer, device)
     if name.startswith("tiny"):
         raise ModelUnavailableError(f"no embedded model is called {name!r}: the embedded ones are "
                                     f"{', '.join(map(repr, EMBEDDED))}")
 
-    require_hub_model(name)
+    from utils.real_configs import REAL_CONFIGS
+
+    if name in REAL_CONFIGS:
+        return bridge_from_hf(*load_hub_hf(name, dtype), device)
+    require_hub_model(name, OFFLINE_LLAMA_CHOICE if llama_style_name(name) else OFFLINE_CHOICE)
     from transformer_lens.model_bridge import TransformerBridge
 
-    model = TransformerBridge.boot_transformers(name, device=device)
+    model = TransformerBridge.boot_transformers(name, device=device, dtype=dtype or torch.float32,
+                                                trust_remote_code=False)
     fuse_gelu(model.original_model)
     return model
 
