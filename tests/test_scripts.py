@@ -78,6 +78,18 @@ def test_ppo_with_0_phases_measures_the_starting_reward(tmp_path):
 
 
 @pytest.mark.slow
+def test_grpo_on_the_llama_style_model_takes_its_preset():
+    """`--model tiny-llama` trains the embedded Llama-style model with its preset: rank 4 on all seven projections."""
+    _, figures = run_script("solutions.part3_grpo", "--model", "tiny-llama", "--steps", "1", "--json", "--plot", "")
+    rank, layers, d, d_kv, d_mlp = 4, 4, 128, 64, 352  # utils/tiny_llama/config.json
+    per_layer = {"q": (d, d), "k": (d, d_kv), "v": (d, d_kv), "o": (d, d), "mlp_gate": (d, d_mlp),
+                 "mlp_in": (d, d_mlp), "mlp_out": (d_mlp, d)}
+    assert figures["model"] == "tiny-llama" and figures["steps"] == 1
+    assert figures["trainable_params"] == layers * rank * sum(i + o for i, o in per_layer.values())
+    assert figures["accuracy_start"] == 0.4148, "the shipped checkpoint's greedy held-out accuracy (training.json)"
+
+
+@pytest.mark.slow
 def test_grpo_with_0_steps_evaluates_the_starting_model():
     _, figures = run_script("solutions.part3_grpo", "--steps", "0", "--json", "--plot", "")
     assert figures["steps"] == 0

@@ -132,7 +132,11 @@ from torch import Tensor
 from utils.contracts import *  # the value contracts (@contract, RULES) of the code below: utils/contracts.py
 from utils.checker.notebook import check, check_all
 
-SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps training runs and experiments short"""
+SMOKE = bool(os.environ.get("RLHF_SMOKE"))  # set by the test suite: keeps training runs and experiments short
+# The model the cells below load: "tiny" (the embedded GPT-2-style model) or "tiny-llama" (the embedded Llama-style
+# one: RMSNorm, rotary positions, a gated MLP, grouped-query attention, as Llama 3, Qwen2.5 and SmolLM2 have); on a
+# GPU with network, a Hub name ("gpt2"). check() tests the exercises that use a model on both, whichever you pick.
+MODEL = os.environ.get("RLHF_MODEL", "tiny")"""
 
 MARKER = re.compile(r"^# %%(?: \[(?P<kind>\w+)\](?: (?P<arg>\w+))?)?\s*$")
 

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+# The embedded models' tokenizer: utils.models.TINY_DIR, written out because utils.models imports this module
+TOKENIZER_DIR = Path(__file__).resolve().parent / "tiny_model"
+
 
 @dataclass(frozen=True)
 class RealConfig:
@@ -107,9 +110,7 @@ def padded_tokenizer(vocab_size: int, bos: str | None = "<|endoftext|>", eos: st
     when the real tokenizer cannot be downloaded: only the timing of such a run means anything."""
     from transformers import AutoTokenizer
 
-    from utils.models import TINY_DIR
-
-    tiny = AutoTokenizer.from_pretrained(str(TINY_DIR))
+    tiny = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     data = json.loads(tiny.backend_tokenizer.to_str())
     vocab = data["model"]["vocab"]  # a WordLevel model: {word: id}, ids 0..len-1
     for token in dict.fromkeys(t for t in (bos, eos, pad) if t is not None):

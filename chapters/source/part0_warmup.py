@@ -38,16 +38,26 @@ from utils.logger import samples_table
 from utils.models import load_model
 
 torch.manual_seed(0)
-model = load_model("tiny")  # "gpt2" on a GPU with network (e.g. Colab); the tests always use "tiny"
+model = load_model(MODEL)  # MODEL is set in the first cell: "tiny" or "tiny-llama" (or "gpt2" on a GPU)
 print(model.cfg.n_layers, "layers, d_model =", model.cfg.d_model, ", vocabulary of", model.cfg.d_vocab, "tokens")
 
 # %% [markdown]
 # ## 0. Meet the model
 #
 # `load_model` returns a TransformerLens `TransformerBridge` — the class that replaced `HookedTransformer` in
-# TransformerLens 4 — wrapping a Hugging Face GPT-2. Calling it on a `[batch, pos]` tensor of token ids returns logits
+# TransformerLens 4 — wrapping a Hugging Face model. Calling it on a `[batch, pos]` tensor of token ids returns logits
 # `[batch, pos, vocab]`. The tokenizer is `model.tokenizer`; its `<|endoftext|>` token (the last id) serves as
 # beginning-of-sequence (BOS), end-of-sequence (EOS) and padding, as in GPT-2.
+#
+# Two embedded models share that tokenizer and corpus, and the first cell's `MODEL` picks one. `"tiny"` is a GPT-2:
+# LayerNorm, a learned table of position embeddings added to the token embeddings, q, k and v from one fused matrix,
+# and an MLP `out(gelu(in(x)))`. `"tiny-llama"` has the architecture of the models people fine-tune with RL today
+# (Llama 3, Qwen2.5, SmolLM2): RMSNorm (no mean subtracted, no bias), no position table (rotary embeddings turn q and
+# k by an angle that grows with the position, inside attention), separate q, k, v and o projections, grouped-query
+# attention (its 4 query heads share 2 key/value heads) and a gated MLP `down(silu(gate(x)) * up(x))`. The
+# TransformerLens hook names are the same where both models have the part (`blocks.L.hook_resid_post`,
+# `blocks.L.attn.hook_q`); what one lacks it has no hook for (`mlp.gate` on GPT-2). Everything you write in this
+# course runs on both, and `check()` tests it on both.
 #
 # The tiny model was pretrained (by `python -m utils.pretrain_tiny`) on a synthetic corpus: simple sentences, and
 # 2-digit additions such as `23+45=68`. We stopped it early, on purpose: it writes plausible sentences but gets only

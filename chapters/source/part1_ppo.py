@@ -51,7 +51,7 @@ from utils.sampling import sample
 
 # %%
 torch.manual_seed(0)
-model = load_model("tiny")  # "gpt2" on a GPU; see the preset at the end
+model = load_model(MODEL)  # "tiny" or "tiny-llama" (the first cell); "gpt2" on a GPU: see the preset at the end
 samples = sample(model, ["This is", "The", "My friend", "We"], max_new_tokens=32)
 print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prompts, samples.texts)]))
 
@@ -568,7 +568,7 @@ print(samples_table([{"loss term": name, **{f"d/d logit {i}": round(v, 4) for i,
 # (`PPOConfig(table_rows=..., table_every=...)` for more or fewer).
 
 # %%
-cfg = PPOConfig(phases=3 if SMOKE else 60)
+cfg = PPOConfig(model=MODEL, phases=3 if SMOKE else 60)
 trainer = PPOTrainer(cfg)
 logger = trainer.train()
 plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction", "explained_variance"],

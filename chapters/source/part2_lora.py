@@ -124,7 +124,7 @@ from utils.sampling import Samples, sample
 # used here, they move by up to about 9, and all three completions change.
 
 # %%
-model = load_model("tiny")
+model = load_model(MODEL)
 torch.manual_seed(0)
 adapters = make_adapters(model, rank=8, alpha=16.0)
 tokens = sample(model, ["This is"], max_new_tokens=8).ids
@@ -264,7 +264,7 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 # %% [provided] ppo_with_lora
 
 # %%
-cfg = PPOConfig(phases=3 if SMOKE else 60, lr_model=3e-3, table_every=20)
+cfg = PPOConfig(model=MODEL, phases=3 if SMOKE else 60, lr_model=3e-3, table_every=20)
 trainer, lora_model = ppo_with_lora(cfg, rank=8, alpha=16.0)
 logger = trainer.train()
 plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction"], title="PPO with LoRA, rank 8",
@@ -276,7 +276,7 @@ plot_curves(logger.history, ["reward", "kl", "entropy", "clip_fraction"], title=
 # reference owns no weights the policy doesn't.
 
 # %%
-untouched = load_model("tiny", device=lora_model.cfg.device)
+untouched = load_model(MODEL, device=lora_model.cfg.device)
 torch.manual_seed(0)
 samples = sample(lora_model, ["This is", "The", "We"], max_new_tokens=16)
 with torch.no_grad():

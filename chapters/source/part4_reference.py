@@ -193,7 +193,7 @@ from utils.sampling import Samples, sample
 # %% [provided] kl_to_original
 
 # %%
-model = load_model("tiny")
+model = load_model(MODEL)
 torch.manual_seed(0)
 adapters = make_adapters(model, rank=4, alpha=8.0)
 with torch.no_grad():
@@ -231,7 +231,7 @@ for lora_sync in ("reference_only", "merge"):
     Reference(ReferenceSettings(beta=0.1, sync_every=1, sync_alpha=0.5, lora_sync=lora_sync), policy).maybe_sync(0)
     with tempfile.TemporaryDirectory() as folder:
         save_adapter(policy.adapters, Path(folder) / "adapter.safetensors")
-        fresh = load_model("tiny")
+        fresh = load_model(MODEL)
         reloaded = LoRAModel(fresh, load_adapter(make_adapters(fresh, rank=4, alpha=8.0),
                                                  Path(folder) / "adapter.safetensors"))
     with torch.no_grad():

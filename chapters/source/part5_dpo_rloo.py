@@ -61,7 +61,7 @@ from utils.sampling import Samples, completion_mask_from_ids, sample, tokenize_p
 # %% [provided] preference_batch
 
 # %%
-model = load_model("tiny")
+model = load_model(MODEL)
 triples = preference_pairs(random.Random(0).sample(addition_pairs("train"), 8), model)
 print(samples_table([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in triples]))
 
@@ -182,7 +182,7 @@ plot_curves(curves, list(DPO_LOSS_TYPES), title="loss against the margin d (beta
 # %% [provided] DPOTrainer
 
 # %%
-base = load_model("tiny")
+base = load_model(MODEL)
 cfg = DPOConfig(steps=3 if SMOKE else 60, n_pairs=64 if SMOKE else 512)
 pairs = random.Random(cfg.seed).sample(addition_pairs("train"), cfg.n_pairs)
 triples = preference_pairs(pairs, base)  # built once, shared by the runs below
