@@ -61,6 +61,25 @@ def adapters_with_random_B(model, seed: int = 0, *, rank: int = 4, alpha: float 
     return adapters
 
 
+def assert_lean_decoder_matches_the_bridge(model, prompts: list[str], steps: int, monkeypatch, label: str = "") -> None:
+    """Greedy sampling on the lean decoder (utils/decoder.py): the logits it hands to pick() at every decoding step
+    equal the bridge's (model(...), hooks and all) on the finished rows, at the positions still live."""
+    from utils.decoder import LeanDecoder
+    from utils.sampling import sample
+
+    seen = []  # the logits of every decoding step, as the decoder hands them to pick()
+    monkeypatch.setattr(LeanDecoder, "pick", staticmethod(lambda logits, t, k: seen.append(logits) or logits.argmax(-1)))
+    out = sample(model, prompts, max_new_tokens=steps, temperature=0, engine="lean", stop_at_eos=False)
+    with torch.no_grad():
+        expected = model(out.ids, attention_mask=out.attention_mask)
+    assert len(seen) == steps
+    for step, logits in enumerate(seen):
+        position = out.prompt_len - 1 + step
+        live = out.attention_mask[:, position].bool()  # a row past its EOS has no meaningful next token
+        torch.testing.assert_close(logits[live], expected[live, position], atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"{label}decoding step {step}: {m}")
+
+
 def lora_model_with_random_B(model, seed: int = 0, **options):
     """A LoRAModel of `model` whose adapters have a random B (see adapters_with_random_B for the options): a policy
     that differs from its reference."""

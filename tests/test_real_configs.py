@@ -12,11 +12,10 @@ import torch
 
 from bench.gpu_presets import CASES, run_case, saved_for_backward
 from solutions.part3_grpo import PRESETS, GRPOConfig
-from tests.support import lora_model_with_random_B
-from utils.decoder import LeanDecoder, unsupported_reason
+from tests.support import assert_lean_decoder_matches_the_bridge, lora_model_with_random_B
+from utils.decoder import unsupported_reason
 from utils.models import ModelUnavailableError, bridge_from_hf, load_model
 from utils.real_configs import REAL_CONFIGS, hf_config, random_model
-from utils.sampling import sample
 
 QWEN, SMOLLM2 = "Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M"
 SMALL_VOCAB = 512
@@ -119,18 +118,7 @@ def test_the_lean_decoder_computes_the_bridge_logits_with_the_preset_lora(two_la
 
     lora = lora_model_with_random_B(model, 0, rank=16, alpha=32.0, targets=GRPOConfig.qwen().lora_targets,
                                     std=0.05, reseed=True)
-    seen = []  # the logits of every decoding step, as the decoder hands them to pick()
-    monkeypatch.setattr(LeanDecoder, "pick",
-                        staticmethod(lambda logits, t, k: seen.append(logits) or logits.argmax(-1)))
-    out = sample(lora, PROMPTS, max_new_tokens=6, temperature=0, engine="lean", stop_at_eos=False)
-    with torch.no_grad():
-        expected = lora(out.ids, attention_mask=out.attention_mask)  # the bridge, with the LoRA hooks
-    assert len(seen) == 6
-    for step, logits in enumerate(seen):
-        position = out.prompt_len - 1 + step
-        live = out.attention_mask[:, position].bool()
-        torch.testing.assert_close(logits[live], expected[live, position], atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"{name}, decoding step {step}: {m}")
+    assert_lean_decoder_matches_the_bridge(lora, PROMPTS, 6, monkeypatch, label=f"{name}, ")
 
 
 def test_one_grpo_step_of_the_benchmark_case_runs_with_the_lean_decoder(two_layers, monkeypatch):

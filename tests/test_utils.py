@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from tests.support import lora_model_with_random_B, run_script
+from tests.support import assert_lean_decoder_matches_the_bridge, lora_model_with_random_B, run_script
 from utils import data
 from utils.logger import RunLogger, samples_table
 from utils.models import EMBEDDED, ModelUnavailableError, architecture, load_model, load_tiny_hf
@@ -167,20 +167,8 @@ def adapted_model(model, seed: int = 0):
 @pytest.mark.both_architectures
 @pytest.mark.parametrize("adapted", [False, True], ids=["base", "lora"])
 def test_lean_decoder_computes_the_bridge_logits_at_every_step(tiny_model, adapted, monkeypatch):
-    from utils.decoder import LeanDecoder
-
     model = adapted_model(tiny_model) if adapted else tiny_model
-    seen = []  # the logits of every decoding step, as the decoder hands them to pick()
-    monkeypatch.setattr(LeanDecoder, "pick", staticmethod(lambda logits, t, k: seen.append(logits) or logits.argmax(-1)))
-    out = sample(model, PADDED_PROMPTS, max_new_tokens=8, temperature=0, engine="lean", stop_at_eos=False)
-    with torch.no_grad():
-        expected = model(out.ids, attention_mask=out.attention_mask)  # the bridge, on the finished rows
-    assert len(seen) == 8
-    for step, logits in enumerate(seen):
-        position = out.prompt_len - 1 + step
-        live = out.attention_mask[:, position].bool()  # a row past its EOS has no meaningful next token
-        torch.testing.assert_close(logits[live], expected[live, position], atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"decoding step {step}: {m}")
+    assert_lean_decoder_matches_the_bridge(model, PADDED_PROMPTS, 8, monkeypatch)
 
 
 @pytest.mark.both_architectures
