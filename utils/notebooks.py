@@ -217,7 +217,7 @@ def stub_source(part: str, name: str) -> str:
 # --- an exercise's marks and hints --------------------------------------------------------------------------
 
 MARKS = re.compile(r"^# marks: difficulty (?P<difficulty>[1-3]) · importance (?P<importance>[1-3]) · "
-                   r"(?P<minutes>[1-9]\d*) minutes$")
+                   r"(?P<minutes>[1-9]\d*) minutes(?: · points [1-9]\d*)?$")  # points: the grader's (layout.py)
 MARKS_EXAMPLE = "# marks: difficulty 2 · importance 3 · 15 minutes"
 # What the notebook says the minutes are: the README's size model ("How the minutes are made"), no timing of people
 MINUTES_ARE = "a size estimate, not timed on learners"

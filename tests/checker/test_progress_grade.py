@@ -20,7 +20,7 @@ from utils.checker import summary
 from utils.checker.grading import grade_notebook
 from utils.checker.layout import ROOT, defined_names, exercise_names, notebook_of
 from utils.checker.notebook import check_all
-from utils.grade import learner_names, mistake_ranking
+from utils.grade import failure_groups, learner_names
 
 PART = "part0_warmup"
 X = mistakes._sample_no_greedy         # two learners make this one
@@ -163,13 +163,17 @@ def test_grade_writes_one_csv_row_per_learner_and_exercise(class_report):
 
 
 @pytest.mark.slow
-def test_grade_ranks_the_mistakes_by_how_many_learners_made_them(class_report):
+def test_grade_groups_every_failure_with_its_learners_the_most_common_first(class_report):
     _, out, _ = class_report
     text = (out / "summary.md").read_text()
     assert "| sample_next_token | 1/4 |" in text and "| get_logprobs | 2/4 |" in text, text
-    ranked = re.findall(r"^\| (\d+) \| part0_warmup \| (\w+) \| (.*) \|$", text, flags=re.MULTILINE)
-    assert [(n, name) for n, name, _ in ranked] == [("2", "sample_next_token"), ("1", "get_logprobs")], text
+    ranked = re.findall(r"^\| (\d+) \| part0_warmup \| (\w+) \| (.*) \| (.*) \|$", text, flags=re.MULTILINE)
+    assert [(n, name, who) for n, name, _, who in ranked] == [
+        ("2", "sample_next_token", "a/lee, b/lee"), ("1", "get_logprobs", "b/lee"),
+        ("1", "completion_logprobs", "frank"), ("1", "make_steering_hook", "grace")], text
     assert ranked[0][2].startswith("temperature 0 is not treated as greedy")
+    assert ranked[2][2].startswith("⏱️ code cell") and "ran past 10 s" in ranked[2][2]
+    assert ranked[3][2].startswith("code cell") and "raised RuntimeError" in ranked[3][2]
     assert "notes: it defines no exercise" in text
     assert "| frank | part0_warmup | 2/6 |" in text and "| notes | - | 0/0 |" in text
 
@@ -202,15 +206,16 @@ def test_learners_are_named_by_file_and_told_apart_by_folder(tmp_path):
     assert list(learner_names(paths).values()) == ["x/a/lee", "y/a/lee", "kim"]
 
 
-def test_mistakes_are_ranked_by_learners_then_in_course_order():
+def test_failures_are_grouped_with_their_learners_and_ranked_by_how_many_then_in_course_order():
     def graded(*mistakes_by_exercise):
         rows = [summary.Row(PART, exercise, "failed", 1, 2, mistakes=[m], explanations=[m])
                 for exercise, m in mistakes_by_exercise]
         return type("G", (), {"rows": rows})()
 
-    ranking = mistake_ranking({"a": graded(("get_logprobs", "y")), "b": graded(("sample_next_token", "x")),
-                               "c": graded(("sample_next_token", "x"), ("get_logprobs", "z"))})
-    assert [(n, row.mistakes[0]) for n, row in ranking] == [(2, "x"), (1, "y"), (1, "z")]
+    groups = failure_groups({"a": graded(("get_logprobs", "y")), "b": graded(("sample_next_token", "x")),
+                             "c": graded(("sample_next_token", "x"), ("get_logprobs", "z"))})
+    assert [(who, row.mistakes[0], found) for who, row, found in groups] == [
+        (["b", "c"], "x", "x"), (["a"], "y", "y"), (["c"], "z", "z")]
 
 
 def test_progress_and_grade_refuse_bad_arguments_before_running_anything(tmp_path, capsys):

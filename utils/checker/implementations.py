@@ -95,7 +95,9 @@ def _line_in_cell(error: BaseException, filename: str) -> str:
 
 
 def exec_notebook(path: Path, exercises: list[str] | None = None, cell_timeout: float | None = None,
-                  before_cell: Callable[[int, list[str]], None] | None = None) -> tuple[dict, dict[str, CellFailure]]:
+                  before_cell: Callable[[int, list[str]], None] | None = None,
+                  on_failure: Callable[[CellFailure, set[str]], None] | None = None
+                  ) -> tuple[dict, dict[str, CellFailure]]:
     """Run a saved notebook's definitions (the cells that `runs`), in order, in a fresh module of this process.
 
     Returns (the module's namespace, {exercise: CellFailure}). A cell that does not compile, raises, or calls exit()
@@ -103,7 +105,8 @@ def exec_notebook(path: Path, exercises: list[str] | None = None, cell_timeout: 
     cell that runs past it is interrupted (stopping.Stop, which delivers the interrupt again if the cell swallows it)
     and costs the same. A failed setup cell costs every exercise in `exercises` (None: the names that the notebook's
     exercise cells define). A KeyboardInterrupt other than the time limit's is raised. `before_cell(index, defines)`
-    is called before each cell runs (the worker writes it down, in case the cell never returns).
+    is called before each cell runs (the worker writes it down, in case the cell never returns); `on_failure(failure,
+    tags)` after each cell that failed, those that define no exercise among them (the grader reports them).
     """
     # A real module in sys.modules, so that dataclasses and pickling defined in the notebook work as in Jupyter.
     module = types.ModuleType("notebook_" + re.sub(r"\W", "_", path.stem))
@@ -145,6 +148,8 @@ def exec_notebook(path: Path, exercises: list[str] | None = None, cell_timeout: 
             note = f"code cell {index} raised {type(error).__name__}{_line_in_cell(error, filename)}: {error}"
         if status is None:
             continue
+        if on_failure is not None:
+            on_failure(CellFailure(status, note, index, in_setup="setup" in tags), tags)
         if "setup" in tags and setup_failure is None:
             setup_failure = CellFailure(status, f"the notebook's setup failed, so no exercise can run: {note}", index,
                                         in_setup=True)

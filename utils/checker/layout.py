@@ -91,6 +91,26 @@ def exercise_names(part: str) -> list[str]:
             for name in defined_names(src)]
 
 
+POINTS = re.compile(r"^# marks: .* · points (?P<points>[1-9]\d*)$")  # the optional end of an exercise's marks line
+
+
+def exercise_points(part: str) -> dict[str, int]:
+    """The points each exercise of `part` is worth in the grader's gradebook: the `· points N` that may end the marks
+    line of its `# %% [exercise] NAME` cell in chapters/source/<part>.py, else 1 (all exercises equal)."""
+    points = dict.fromkeys(exercise_names(part), 1)
+    source = ROOT / "chapters" / "source" / f"{part}.py"
+    name = None
+    for line in (source.read_text(encoding="utf-8").splitlines() if source.exists() else []):
+        if line.startswith("# %% [exercise] "):
+            name = line.split("] ", 1)[1].strip()
+        elif name and line.startswith("# marks"):
+            found = POINTS.match(line.rstrip())
+            if found and name in points:
+                points[name] = int(found["points"])
+            name = None
+    return points
+
+
 def provided_names(part: str) -> list[str]:
     """What a part's notebook shows as provided code (cells tagged "provided")."""
     return [name for tags, src in notebook_cells(notebook_of(part)) if "provided" in tags

@@ -12,6 +12,7 @@ by a worker without importing pytest or torch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
@@ -33,6 +34,7 @@ class Row:
     explanations: list[str] = field(default_factory=list)   # their explanations, in the same order
     note: str = ""                                          # why there are no results, where that is the case
     message: str = ""                                       # what check() prints for it
+    flag: str = ""                                          # how it uses the course's reference, if it does
 
     def __post_init__(self):
         if self.status not in SYMBOLS:
@@ -69,7 +71,11 @@ def from_outcome(outcome, part: str, message: str, named: list | None = None) ->
         status = "failed"
     named = list(outcome.likely if named is None else named) if status == "failed" else []
     note = ""
-    if status == "not judged":
+    if status == "timed out":  # the tests after the one that hung never ran: how many there are is not known
+        note = (f"its tests ran past the time limit, in the test {outcome.timed_out} ({len(outcome.passed)} passed "
+                "before it)")
+        total = None
+    elif status == "not judged":
         note = ("no test ran" if total == 0 else
                 "the course's own solution fails here too: this machine is at fault" if outcome.not_judged else
                 "the course's own solution had no time to confirm the failures")
@@ -95,12 +101,15 @@ def shorten(text: str, width: int = SHORT, first_clause: bool = True) -> str:
 
 
 def why(row: Row) -> str:
-    """The last column of a table: the named mistake, shortened, else the note."""
+    """The last column of a table: the named mistake, shortened, else the note, else how it uses the course's
+    reference (integrity.py), if it does."""
     if len(row.explanations) == 1:
         return shorten(row.explanations[0])
     if row.explanations:
         return f"one of {len(row.explanations)} known mistakes: " + " / ".join(
             shorten(e, SHORT // len(row.explanations)) for e in row.explanations)
+    if row.flag and not row.note:
+        return shorten(f"the course's reference: {row.flag}", SHORT + 20, first_clause=False)
     return shorten(row.note, SHORT + 20, first_clause=False)
 
 
@@ -108,6 +117,28 @@ def table(rows: list[Row]) -> str:
     """The rows as a table: exercise, status, tests passed, likely mistake (or why there is no result)."""
     body = [[row.exercise, row.symbol, row.tests, why(row)] for row in rows]
     return tabulate(body, headers=["exercise", "", "tests", "likely mistake / note"], tablefmt="simple")
+
+
+FIRST_FAILURE = re.compile(r"^  (test_\w+)(?:\[[^\]]*\])?:$")  # a failed test's heading in check()'s message
+
+
+def finding(row: Row) -> str:
+    """What the checker found wrong with a failed or stopped row, in the same words for every learner whose version
+    fails the same way: the named mistake's explanation; else the note (the cell that raised, the callee that fails,
+    the test that ran past the time limit); else the first failed test and the first line of what it found there
+    (check()'s message, utils/checker/notebook.py), e.g. "test_merge_adds_each_update_to_its_weight: ... every value
+    is the expected one times 0.25."; else the message's first line."""
+    if row.explanations:
+        return " / or: ".join(" ".join(e.split()) for e in row.explanations)
+    if row.note:
+        return " ".join(row.note.split())
+    lines = row.message.splitlines()
+    for i, line in enumerate(lines):
+        heading = FIRST_FAILURE.match(line)
+        if heading:
+            found = next((ln.strip() for ln in lines[i + 1:] if ln.strip()), "")
+            return f"{heading[1]}: {found}" if found else heading[1]
+    return " ".join(lines[0].split()) if lines else row.status
 
 
 def count_passed(rows: list[Row]) -> tuple[int, int]:

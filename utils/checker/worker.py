@@ -3,7 +3,9 @@ definitions, then checks each exercise, and writes what happens to an events fil
 JSON object a line, so that the parent knows how far it got even if this process hangs or dies:
 
     {"event": "cell", "index": 7, "defines": ["get_logprobs"]}    about to run code cell 7
-    {"event": "row", "row": {...}}                                one exercise's row (summary.Row's fields)
+    {"event": "cell_failed", "index": 7, "status": ..., "note": ..., "setup": false}   code cell 7 raised or hung
+    {"event": "row", "row": {...}}                                one exercise's row (summary.Row's fields, with the
+                                                                  flag of integrity.py: how it uses the reference)
     {"event": "done"}
 
     python -m utils.checker.worker NOTEBOOK --part part0_warmup --events FILE --cell-timeout S --check-timeout S
@@ -28,6 +30,7 @@ import utils  # noqa: F401  (before torch: the course's CPU wait policy, utils/c
 
 from utils.checker import summary  # noqa: E402
 from utils.checker.implementations import exec_notebook  # noqa: E402
+from utils.checker.integrity import reference_uses  # noqa: E402
 from utils.checker.layout import exercise_names  # noqa: E402
 
 
@@ -48,7 +51,10 @@ def run_cells(path: Path, part: str, cell_timeout: float | None, events: Events)
     or hung, or all of them when a setup cell did)."""
     namespace, failures = exec_notebook(path, exercise_names(part), cell_timeout,
                                         before_cell=lambda index, defines: events.write("cell", index=index,
-                                                                                        defines=defines))
+                                                                                        defines=defines),
+                                        on_failure=lambda failure, tags: events.write(
+                                            "cell_failed", index=failure.cell, status=failure.status,
+                                            note=failure.note, setup="setup" in tags))
     rows = {}
     for name, failure in failures.items():
         message = None if failure.in_setup else (f"{summary.SYMBOLS[failure.status]} {name}: {failure.note}. Fix the "
@@ -73,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     importlib.import_module(f"solutions.{args.part}")
     importlib.import_module(f"tests.{args.part}")
     namespace, failed = run_cells(args.notebook, args.part, args.cell_timeout, events)
+    flags = reference_uses(args.notebook, args.part, namespace)  # the grader scores these 0 (grade.py)
     for row in exercise_rows(args.part, namespace, args.check_timeout, known=failed):
+        row.flag = flags.get(row.exercise, "")
         events.write("row", row=row.asdict())
     events.write("done")
     return 0
