@@ -209,3 +209,15 @@ def test_a_definition_that_calls_this_parts_reference_is_flagged_and_one_that_ca
     assert set(found) == {"freeze_base", "merge_lora"}, found
     assert found["freeze_base"] == "freeze_base uses the course's reference module solutions.part2_lora (_ref)"
     assert found["merge_lora"] == "merge_lora calls the course's reference of freeze_base (given_freeze)"
+
+
+def test_an_exercise_cell_that_imports_an_earlier_part_is_not_flagged_and_one_that_imports_this_part_is():
+    from utils.checker.integrity import _cell_imports
+
+    assert _cell_imports("from solutions.part0_warmup import completion_logprobs\n", PART) == ""
+    assert _cell_imports("from solutions.part2_lora import LoRA\n", PART) == (
+        "its cell imports solutions.part2_lora (line 1)")
+    assert _cell_imports("import solutions.part2_lora as s\n", PART) == "its cell imports solutions.part2_lora (line 1)"
+    assert _cell_imports("from solutions import part2_lora\n", PART) == "its cell imports solutions (line 1)"
+    assert _cell_imports("x = __import__('solutions.part2_lora')\n", PART) == (
+        "its cell imports solutions.part2_lora (line 1)")

@@ -40,8 +40,8 @@ def reference_uses(path: Path, part: str, namespace: dict) -> dict[str, str]:
     found = {}
     for name in exercise_names(part):
         obj = namespace.get(name)
-        why = (_is_reference(name, obj) or _cell_imports(cells.get(name, "")) or _uses(obj, part, exercises)
-               if obj is not None else _cell_imports(cells.get(name, "")))
+        why = (_is_reference(name, obj) or _cell_imports(cells.get(name, ""), part) or _uses(obj, part, exercises)
+               if obj is not None else _cell_imports(cells.get(name, ""), part))
         if why:
             found[name] = why
     return found
@@ -74,8 +74,9 @@ def _imported_names(source: str) -> list[str]:
             ast.ImportFrom)) for alias in node.names]
 
 
-def _cell_imports(source: str) -> str:
-    """Whether an exercise's cell imports the reference (an import statement, or a module named in a string)."""
+def _cell_imports(source: str, part: str) -> str:
+    """Whether an exercise's cell imports this part's reference, or the reference package itself (an import statement,
+    or a module named in a string). An earlier part's solved module may be imported, as the setup cells do."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -84,8 +85,9 @@ def _cell_imports(source: str) -> str:
         modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
                    [node.module or ""] if isinstance(node, ast.ImportFrom) else
                    [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else [])
+        own = f"{REFERENCE}.{part}"
         for module in modules:
-            if module == REFERENCE or module.startswith(REFERENCE + "."):
+            if module in (REFERENCE, own) or module.startswith(own + "."):
                 return f"its cell imports {module} (line {node.lineno})"
     return ""
 
