@@ -330,3 +330,26 @@ def test_a_loop_mistake_is_named_replaying_only_the_wrong_versions_of_its_depart
     trace_test = next(node for node, r in outcome.diagnosis.results.items() if r.compares_traces)
     replayed = sorted(w.__name__ for (node, w) in fresh_memory.wrong_runs if node == trace_test)
     assert replayed == sorted(n for n, found in recorded.items() if found == "skipped scheduler"), replayed
+
+
+# --- a hook point's other name --------------------------------------------------------------------------------------
+
+def test_a_hook_that_raises_at_an_alias_of_a_target_says_which_point_that_is_on_this_model():
+    """TransformerLens's short names resolve to one hook point each, and which one depends on the architecture: on the
+    Llama-style model `mlp.hook_pre` is the gate's output, on GPT-2 the MLP's input projection's. Part 2's message on a
+    hook that raised says so when the learner named a target's point by another name: a fact about the model, read off
+    the hook points themselves."""
+    from tests.part2_lora.test_lora_hooks import alias_of_a_target
+    from utils.checker import pool
+
+    llama, gpt2 = pool.tiny_model("tiny-llama"), pool.tiny_model("tiny")
+    assert alias_of_a_target(llama, "blocks.2.mlp.hook_pre") == (
+        ", which on this model is the hook point blocks.2.mlp.gate.hook_out, the output of TARGETS['mlp_gate']")
+    assert alias_of_a_target(gpt2, "blocks.2.mlp.hook_pre") == (
+        ", which on this model is the hook point blocks.2.mlp.in.hook_out, the output of TARGETS['mlp_in']")
+    assert alias_of_a_target(gpt2, "blocks.0.attn.hook_z") == (
+        ", which on this model is the hook point blocks.0.attn.o.hook_in, the input of TARGETS['o']")
+    for model in (llama, gpt2):  # a target's own point, or one that is no target's, is no alias
+        assert alias_of_a_target(model, "blocks.0.attn.q.hook_out") == ""
+        assert alias_of_a_target(model, "blocks.0.hook_resid_post") == ""
+        assert alias_of_a_target(model, "unembed.hook_out") == ""

@@ -134,8 +134,24 @@ def hooks_error(what: str, error: Exception, calls: list, model, adapters) -> No
              else "")
     cause = f"; {said}" if said else aside(usual) if usual else ""  # what the spies saw, else the usual causes
     expect(False, what, f"the forward pass with your hooks raised {error_text(error)}"
-           + (f" in the hook at {where}" if where else "") + cause,
+           + (f" in the hook at {where}{alias_of_a_target(model, where)}" if where else "") + cause,
            observed=(error_seen(error), where, seen))
+
+
+def alias_of_a_target(model, name: str) -> str:
+    """A fact about the model, when `name` is another name of a TARGETS hook point (an alias resolves to one hook
+    point, and which one depends on the architecture: on the Llama-style model mlp.hook_pre is the gate's output):
+    ", which on this model is <that point>, TARGETS[<target>]'s output (or input)"; else ""."""
+    layer, _, rest = name.removeprefix("blocks.").partition(".")
+    point = model.hook_dict.get(name)
+    if not layer.isdigit() or point is None:
+        return ""
+    for target in ref.available_targets(model):
+        for side, suffix in zip(("input", "output"), ref.TARGETS[target]):
+            if suffix != rest and model.hook_dict.get(f"blocks.{layer}.{suffix}") is point:
+                return (f", which on this model is the hook point blocks.{layer}.{suffix}, the {side} of "
+                        f"TARGETS[{target!r}]")
+    return ""
 
 
 def hook_counts(model) -> dict[str, int]:
