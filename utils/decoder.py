@@ -108,11 +108,13 @@ def linear_weight(module: nn.Module) -> tuple[Float[Tensor, "d_out d_in"], Tenso
     return weight, module.bias
 
 
-def _bias_cat(parts: list[tuple[Tensor, Tensor | None]]) -> Tensor | None:
-    """The biases of weights concatenated along d_out (zeros for a part without one), or None if none has one."""
+def _fused(parts: list[tuple[Tensor, Tensor | None]]) -> tuple[Tensor, Tensor | None]:
+    """Several projections of the same input as one: their (weight, bias) pairs concatenated along d_out (a part
+    without a bias gets zeros; None if none has one), so that one matrix multiplication computes them all."""
+    weight = torch.cat([w for w, _ in parts])
     if all(b is None for _, b in parts):
-        return None
-    return torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
 
 
 class LeanDecoder:
@@ -244,7 +246,7 @@ class LeanGPT2(LeanDecoder):
         qkv = [projection(name) for name in ("attn.q", "attn.k", "attn.v")]
         ln1, ln2 = block.ln1.original_component, block.ln2.original_component
         return {"ln1": (ln1.weight, ln1.bias), "ln2": (ln2.weight, ln2.bias),
-                "qkv": (torch.cat([w for w, _ in qkv]), _bias_cat(qkv)),  # one matmul for all three
+                "qkv": _fused(qkv),  # one matmul for all three
                 "o": projection("attn.o"), "mlp_in": projection("mlp.in"), "mlp_out": projection("mlp.out")}
 
     def forward(self, tokens: Int[Tensor, "batch pos"], positions: Int[Tensor, "batch pos"],
@@ -283,8 +285,7 @@ class LeanLlama(LeanDecoder):
         qkv = [projection(name) for name in ("attn.q", "attn.k", "attn.v")]
         gate_up = [projection(name) for name in ("mlp.gate", "mlp.in")]
         return {"ln1": block.ln1.original_component.weight, "ln2": block.ln2.original_component.weight,
-                "qkv": (torch.cat([w for w, _ in qkv]), _bias_cat(qkv)),
-                "o": projection("attn.o"), "gate_up": (torch.cat([w for w, _ in gate_up]), _bias_cat(gate_up)),
+                "qkv": _fused(qkv), "o": projection("attn.o"), "gate_up": _fused(gate_up),
                 "down": projection("mlp.out")}
 
     def forward(self, tokens: Int[Tensor, "batch pos"], positions: Int[Tensor, "batch pos"],

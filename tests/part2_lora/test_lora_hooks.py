@@ -7,26 +7,13 @@ import torch
 
 from solutions import part2_lora as ref
 from tests.part2_lora.common import attempt, error_text, random_adapters, some_tokens
-from tests.support import (CheckFailure, aside, assert_close, assert_equal, assert_gradients_match,
-                           assert_hooks_clean, error_seen, exercise, expect, with_finding)
+from tests.support import (CheckFailure, aside, assert_close, assert_equal, assert_gradients_match, assert_hooks_clean,
+                           error_seen, exercise, expect, reference_trace, with_finding)
 from utils.sampling import sample
 
 pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
 SHAPE_WORDS = ("shape", "size", "mat1", "mat2", "dimension", "broadcast")
-
-_REFERENCE_RUNS: dict = {}  # what the reference computes in a test, the same in every run of it
-
-
-def reference_run(model, key, compute):
-    """compute() the first time for this model (each architecture has its own), its cached result afterwards: the
-    mistakes plugin runs a failed test once per registered wrong version, and the reference's part of it need not be
-    computed again each time."""
-    key = (id(model), key)
-    if key not in _REFERENCE_RUNS:
-        _REFERENCE_RUNS[key] = compute()
-    return _REFERENCE_RUNS[key]
-
 
 class _Spy(ref.LoRA):
     """A reference LoRA that notes which hook reads its A or B (see traced), so that a failure can say which adapter
@@ -222,7 +209,7 @@ def test_lora_hooks_with_zero_B_leave_the_model_unchanged(impl, tiny_model):
             return tiny_model(tokens)
 
     got, (seen, why) = with_learners_hooks(impl, tiny_model, adapters, run, "logits with fresh adapters (B = 0)")
-    base = reference_run(tiny_model, "base logits", lambda: tiny_model(tokens).detach())
+    base = reference_trace("lora_hooks: base logits", lambda: tiny_model(tokens).detach(), model=tiny_model)
     assert_close(got, base, "logits with fresh adapters (B = 0) on every target", atol=1e-5, finding=seen, hint=why or
                  "with B = 0 every update is 0, so the hooks must give back each output unchanged (output + update)")
 
@@ -243,9 +230,9 @@ def test_lora_hooks_match_the_reference(impl, tiny_model):
                 return tiny_model(tokens), kept.get(point)
 
         (got, got_out), (seen, why) = with_learners_hooks(impl, tiny_model, adapters, run, what)
-        expected, expected_out = reference_run(tiny_model, ("logits", targets),
-                                               lambda: run(ref.lora_hooks(tiny_model, adapters)))
-        plain_out = reference_run(tiny_model, ("plain", point), lambda: run([])[1])
+        expected, expected_out = reference_trace(f"lora_hooks: logits with adapters on {targets}",
+                                                 lambda: run(ref.lora_hooks(tiny_model, adapters)), model=tiny_model)
+        plain_out = reference_trace(f"lora_hooks: {point} without hooks", lambda: run([])[1], model=tiny_model)
         assert_close(got_out - plain_out, expected_out - plain_out, f"the update your hooks add at {point} (adapter "
                      f"{first}, on the first block's unchanged input)", atol=1e-5, finding=seen, hint=why,
                      factors={f"{SPY_SCALE:g} = the adapter's scale alpha / rank (so the scale was applied twice)":
@@ -276,7 +263,7 @@ def test_lora_hooks_gradients_reach_the_adapters_and_the_earlier_layers(impl, ti
     try:
         with torch.no_grad():
             got = yours(offset)
-        expected = reference_run(tiny_model, "logits, seed 5", lambda: reference(offset).detach())
+        expected = reference_trace("lora_hooks: logits, seed 5", lambda: reference(offset).detach(), model=tiny_model)
         assert_close(got, expected, "logits with random adapters on q, o and mlp_out", atol=1e-4)
         checks = [("the adapters' A and B", lambda: assert_gradients_match(
                       lambda: yours(offset), lambda: reference(offset), what="the logits with LoRA hooks",
@@ -339,7 +326,8 @@ def test_lora_hooks_on_the_notebooks_lora_model_with_a_value_head_hook(impl, tin
         raise
     except Exception as error:  # noqa: BLE001
         hooks_error("LoRAModel(model, adapters)(tokens), with your lora_hooks", error, calls, tiny_model, adapters)
-    expected = reference_run(tiny_model, "notebook LoRAModel", lambda: run(ref.LoRAModel(tiny_model, adapters)))
+    expected = reference_trace("lora_hooks: notebook LoRAModel", lambda: run(ref.LoRAModel(tiny_model, adapters)),
+                               model=tiny_model)
     assert_equal(len(got[2]), 2, "calls of the value head's hook during two forward passes of the LoRA model",
                  hint="a hook the caller entered must stay on while the LoRA model runs: lora_hooks only returns "
                       "pairs and removes nothing (model.reset_hooks() removes every hook, the caller's too)")
@@ -358,9 +346,9 @@ def test_lora_hooks_act_in_generate_under_the_context_manager_only(impl, tiny_mo
         with tiny_model.hooks(fwd_hooks=pairs):
             return sample(tiny_model, prompts, max_new_tokens=8, temperature=0).ids
 
-    plain = reference_run(tiny_model, "plain samples", lambda: greedy([]))
+    plain = reference_trace("lora_hooks: plain samples", lambda: greedy([]), model=tiny_model)
 
-    def grown(factor: float):
+    def grown(adapters, factor: float):
         with torch.no_grad():
             for adapter in adapters.values():
                 adapter.B.mul_(factor)
@@ -369,16 +357,15 @@ def test_lora_hooks_act_in_generate_under_the_context_manager_only(impl, tiny_mo
     def factor_that_changes_the_samples() -> float:
         """B drawn with std 0.05 moves the Llama-style model's greedy tokens less than the GPT-2-style model's."""
         for factor in (1.0, 4.0, 16.0):
-            trial = random_adapters(tiny_model, seed=1)
-            with torch.no_grad():
-                for adapter in trial.values():
-                    adapter.B.mul_(factor)
+            trial = grown(random_adapters(tiny_model, seed=1), factor)
             if not torch.equal(greedy(ref.lora_hooks(tiny_model, trial)), plain):
                 return factor
         raise RuntimeError("test set-up: these adapters should change greedy samples")
 
-    adapters = grown(reference_run(tiny_model, "B factor", factor_that_changes_the_samples))
-    expected = reference_run(tiny_model, "adapted samples", lambda: greedy(ref.lora_hooks(tiny_model, adapters)))
+    adapters = grown(adapters, reference_trace("lora_hooks: B factor", factor_that_changes_the_samples,
+                                                    model=tiny_model))
+    expected = reference_trace("lora_hooks: adapted samples", lambda: greedy(ref.lora_hooks(tiny_model, adapters)),
+                               model=tiny_model)
     got, (seen, why) = with_learners_hooks(impl, tiny_model, adapters, greedy, "greedy samples with your hooks on "
                                            "(generate uses the KV cache: one new position per step)")
     assert_close(got, expected, "token ids sampled greedily with your hooks on", finding=seen, hint=why or (
