@@ -10,23 +10,23 @@ from solutions import part2_lora as ref
 from solutions.part0_warmup import completion_logprobs
 from tests.part2_lora.common import attempt, random_adapters
 from tests.support import (aside, assert_close, assert_gradients_match, assert_hooks_clean, assert_inputs_unchanged,
-                           exercise, expect)
+                           exercise, expect, reference_trace)
 from utils.sampling import sample
 
 pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
-
-_SAMPLES: dict[tuple, object] = {}  # (model, seed) -> samples drawn from that LoRA model (sampling is the slow part)
-
 
 def lora_setup(model, seed=2):
     """A LoRA model as training has it: the base frozen, random (trained) adapters, and samples drawn from it."""
     model.requires_grad_(False)
     adapters = random_adapters(model, ("q", "v", "o", "mlp_in"), seed=seed)
     lora_model = ref.LoRAModel(model, adapters)
-    if (id(model), seed) not in _SAMPLES:
+    def draw():
         torch.manual_seed(0)
-        _SAMPLES[id(model), seed] = sample(lora_model, ["This is", "The", "My friend"], max_new_tokens=12)
-    s = _SAMPLES[id(model), seed]  # a copy each time: a wrong version may change its samples in place
+        return sample(lora_model, ["This is", "The", "My friend"], max_new_tokens=12)
+
+    # drawn once per process, model and seed (sampling is the slow part); a copy each time: a wrong version may change
+    # its samples in place
+    s = reference_trace(f"policy_and_reference_logprobs samples, seed {seed}", draw, model=model)
     samples = dataclasses.replace(s, ids=s.ids.clone(), attention_mask=s.attention_mask.clone(),
                                   completion_mask=s.completion_mask.clone(), prompts=list(s.prompts),
                                   texts=list(s.texts))

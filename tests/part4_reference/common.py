@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from solutions import part4_reference as ref
-from tests.support import adapters_with_random_B, aside, expect
+from tests.support import adapters_with_random_B, aside, expect, reference_trace
 from utils.sampling import Samples, completion_mask_from_ids, sample
 
 S = ref.ReferenceSettings
@@ -25,26 +25,25 @@ def trained_adapters(model, seed=0, targets=("q", "o")) -> nn.ModuleDict:
     return adapters_with_random_B(model, seed, rank=RANK, alpha=ALPHA, targets=targets, std=0.1, seed_A=seed)
 
 
-_SAMPLED: dict[tuple, Samples] = {}
-
-
 def padded_samples(model, prompts=("12+34=", "This is", "The", "56+21="), max_new_tokens=8, seed=0) -> Samples:
     """Completions sampled from the tiny model, with row 0's completion cut by an EOS in the middle (padding after
     it), and prompts of different lengths (left padding): both kinds of padding, whatever was sampled. Sampled once
-    per process (the shared model is put back as loaded before each test); each call gets its own copy."""
-    key = (id(getattr(model, "base", model)), tuple(prompts), max_new_tokens, seed)  # each architecture its own
-    if key not in _SAMPLED:
+    per process and model (the shared model is put back as loaded before each test); each call gets its own copy."""
+    base = getattr(model, "base", model)
+
+    def make() -> Samples:
         torch.manual_seed(seed)
-        base = getattr(model, "base", model)
         s = sample(base, list(prompts), max_new_tokens=max_new_tokens)
         completion = s.completion_ids.clone()
         completion[0, 2:] = s.eos_id
         cmask = completion_mask_from_ids(completion, s.eos_id)
         ids = torch.cat([s.ids[:, :s.prompt_len], completion], dim=1)
         attention = torch.cat([s.attention_mask[:, :s.prompt_len], cmask.long()], dim=1)
-        _SAMPLED[key] = Samples(ids=ids, attention_mask=attention, completion_mask=cmask, prompt_len=s.prompt_len,
-                                prompts=list(s.prompts), texts=list(s.texts), eos_id=s.eos_id)
-    return copy.deepcopy(_SAMPLED[key])
+        return Samples(ids=ids, attention_mask=attention, completion_mask=cmask, prompt_len=s.prompt_len,
+                       prompts=list(s.prompts), texts=list(s.texts), eos_id=s.eos_id)
+
+    key = f"part4 padded samples {tuple(prompts)} {max_new_tokens} {seed}"
+    return copy.deepcopy(reference_trace(key, make, model=base))
 
 
 def padded_rows(got, expected: Tensor, samples: Samples) -> tuple[str | None, str | None]:
