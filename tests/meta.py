@@ -18,10 +18,11 @@ import re
 
 import pytest
 
+from tests import generated
 from utils.checker import implementations
 from utils.checker.compare import GUESS
 from utils.checker.memory import memory
-from utils.checker.layout import exercise_names, marked_in_source, provided_names, tests_of
+from utils.checker.layout import exercise_names, makes_tests, marked_in_source, provided_names, tests_of
 from utils.checker.notebook import report
 from utils.checker.registry import KINDS, explanation_line, kind_of, registry_of
 from utils.checker.runner import run_exercise_tests
@@ -103,6 +104,8 @@ def consistency_tests(part: str):
             # runner.py collects only the modules whose source marks the exercise: that must be every module
             # whose tests pytest sees marked for it (a mark written another way would drop tests silently)
             for module, marked in marks_by_module(part).items():
+                if makes_tests(tests_of(part) / module):
+                    continue  # collected for every exercise (layout.MAKES_TESTS)
                 in_source = marked_in_source(tests_of(part) / module)
                 assert marked == in_source, (f"tests/{part}/{module}: pytest sees marks for {sorted(marked)}, its "
                                              f"source names {sorted(in_source)} in @exercise(\"...\") decorators: "
@@ -156,7 +159,8 @@ def meta_test(part: str):
 
         # Each wrong version's own runs are the fingerprints: all of them run first, then each is named from them
         # by the rule check() applies (diagnosis.py), with no replay of one wrong version in another's session.
-        outcomes = [(wrong, run_exercise_tests(part, name, wrong, replays=False)) for wrong in entry.wrong]
+        with generated.without_model_draws():  # the wrong versions are caught by the other tests (see there)
+            outcomes = [(wrong, run_exercise_tests(part, name, wrong, replays=False)) for wrong in entry.wrong]
         for wrong, outcome in outcomes:
             assert outcome.failed, (f"{part}.{name}: the wrong version {wrong.__name__} ({inspect.getdoc(wrong)}) "
                                     "passes every test")

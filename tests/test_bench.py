@@ -4,6 +4,8 @@ They measure speed, so nothing here asserts a time: only that each script runs a
 (bench/gpu_presets.py's cases of the real Llama-style models run on two random layers in tests/test_real_configs.py.)
 """
 
+import json
+
 import pytest
 
 from tests.support import run_script
@@ -41,3 +43,16 @@ def test_gpu_presets_of_a_real_model_offline_propose_random_weights(monkeypatch)
     monkeypatch.setattr("utils.models._is_cached", lambda name: False)
     with pytest.raises(ModelUnavailableError, match="Qwen2.5-0.5B-Instruct.*--random-weights"):
         gpu_presets.main(["--cases", "grpo_qwen"])
+
+
+def test_mutation_benchmark_kills_a_mutant_of_get_logprobs(tmp_path):
+    pytest.importorskip("mutmut")  # requirements-bench.txt
+    out = tmp_path / "mutation.json"
+    run_script("bench.mutation", "part0_warmup", "--exercise", "get_logprobs", "--limit", "3", "--no-progress",
+               "--json", str(out))
+    figures = json.loads(out.read_text())
+    (exercise,) = figures["exercises"]
+    assert exercise["skipped"] is None and exercise["mutants"] == 3
+    assert exercise["killed"] >= 1
+    assert exercise["killed"] + exercise["survived"] + exercise["timed_out"] + exercise["equivalent"] == 3
+    assert len(figures["survivors"]) == exercise["survived"]

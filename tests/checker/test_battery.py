@@ -71,7 +71,19 @@ def test_aliases_finds_views_of_model_weights_and_tensors_in_containers():
     x = torch.randn(3)
     assert aliases((x.view(1, 3), x + 1), {"x": x}) == [("the result[0]", "x")]
     assert aliases(torch.randn(3), {"x": x}) == []
-    assert aliases(layer, {"x": x}) == []  # a returned model is not looked into
+    assert aliases(layer, {"x": x}) == []  # a returned model that owns its parameters
+
+
+def test_a_module_built_from_a_given_tensor_must_own_its_parameters_but_a_given_module_may_be_returned():
+    x = torch.randn(2, 3)
+    built = nn.Linear(3, 2)
+    built.weight = nn.Parameter(x)  # the argument itself, as a parameter of a new module
+    assert aliases({"q": built}, {"x": x}) == [("the result['q'].weight", "x")]
+    given = nn.Linear(3, 2)
+    wrapper = nn.Sequential(given, nn.ReLU())  # a wrapper around the module it was given shares it on purpose
+    assert aliases(wrapper, {"model": given}) == [] and aliases(given, {"model": given}) == []
+    with pytest.raises(CheckFailure, match=r"`the result\['q'\].weight` shares its memory with the argument `x`"):
+        assert_inputs_unchanged(lambda x: {"q": built}, x, what="build(x)")
 
 
 # --- defaults -------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from solutions.part6_lab import kl_gradients as part6_reference
 from utils.checker import callees
 from utils.checker.layout import ROOT
 from utils.checker.notebook import check, no_progress_bars
+from utils.contracts import contract
 
 
 # --- no progress bars -----------------------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def test_a_callee_checked_before_is_tested_again_only_once_something_it_uses_cha
     same object), the callee's tests run again and it is no longer blamed."""
     notebook = {"__name__": "__main__"}
     exec(LEARNERS_CELLS, notebook)
-    token_kl_estimate = notebook["token_kl_estimate"]
+    token_kl_estimate = contract(**part6_reference.token_kl_estimate.contract)(notebook["token_kl_estimate"])  # as the stub
 
     def estimator_surrogate(*args):  # wrong itself too, so that check() looks at its callees
         return -_reference_code_calling("estimator_surrogate", "token_kl_estimate", token_kl_estimate)(*args)

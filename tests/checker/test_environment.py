@@ -64,7 +64,7 @@ def test_a_test_the_course_fails_here_blames_the_environment_not_the_learner(mon
     break_generate(monkeypatch)
     check(ref0.generate_no_cache)
     out = capsys.readouterr().out
-    assert out.startswith("⚠️ generate_no_cache: 2 of 6 tests failed, and not because of your code"), out
+    assert out.startswith("⚠️ generate_no_cache: 2 of 7 tests failed, and not because of your code"), out
     assert "test_generate_no_cache_greedy_matches_generate[gpt2]: (not your code" in out, out
     assert "on the course's own solution on this machine too" in out and says_what_to_install(out), out
     assert names_no_mistake(out, "generate_no_cache"), out
@@ -77,7 +77,7 @@ def test_a_wrong_version_where_a_test_cannot_be_judged_is_not_named(monkeypatch,
     break_generate(monkeypatch)
     check(a_learners(part0._generate_drops_prompt, "generate_no_cache"))
     out = capsys.readouterr().out
-    assert out.startswith("❌ generate_no_cache: 4 of 6 tests failed."), out
+    assert out.startswith("❌ generate_no_cache: 4 of 7 tests failed."), out
     assert "test_generate_no_cache_greedy_matches_generate[gpt2] (not your code" in out, out
     assert "test_generate_no_cache_samples_with_top_k[gpt2]:\n" in out, out
     assert "No likely mistake is named" in out and says_what_to_install(out), out
@@ -105,13 +105,13 @@ def test_an_environment_mismatch_is_the_environment_not_the_learner(monkeypatch,
     monkeypatch.setattr(completion_tests, "sample", refusing_sample)
     check(ref0.completion_logprobs)
     out = capsys.readouterr().out
-    assert out.startswith("⚠️ completion_logprobs: 4 of 10 tests failed, and not because of your code"), out
+    assert out.startswith("⚠️ completion_logprobs: 4 of 11 tests failed, and not because of your code"), out
     assert "EnvironmentMismatch" in out and says_what_to_install(out), out
     assert names_no_mistake(out, "completion_logprobs"), out
 
     check(a_learners(part0._completion_logprobs_no_grad, "completion_logprobs"))
     out = capsys.readouterr().out
-    assert out.startswith("❌ completion_logprobs: 6 of 10 tests failed."), out
+    assert out.startswith("❌ completion_logprobs: 6 of 11 tests failed."), out
     assert "test_completion_logprobs_gradient_reaches_the_weights[gpt2]:\n" in out, out
     assert "No likely mistake is named" in out and names_no_mistake(out, "completion_logprobs"), out
 
@@ -139,8 +139,9 @@ def test_a_failure_the_course_had_no_time_to_confirm_names_no_mistake(monkeypatc
     monkeypatch.setattr(implementations.resolve("solutions", "part0_warmup"), "get_logprobs", slow_reference)
     check(a_learners(part0._get_logprobs_no_refusal, "get_logprobs"), timeout=5)
     out = capsys.readouterr().out
-    assert out.startswith("❌ get_logprobs: 1 of 5 tests failed."), out  # 5: with the property battery's
-    assert "there was no time left to run `test_get_logprobs_refuses_a_prefix_that_scores_nothing`" in out, out
+    assert out.startswith("❌ get_logprobs: 2 of 6 tests failed."), out  # 6: the battery's and the drawn inputs'
+    assert "there was no time left to run `test_get_logprobs_on_generated_inputs` and " \
+           "`test_get_logprobs_refuses_a_prefix_that_scores_nothing`" in out, out
     assert names_no_mistake(out, "get_logprobs"), out
 
 

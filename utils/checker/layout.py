@@ -55,10 +55,22 @@ def marked_in_source(path: Path) -> set[str]:
             and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)}
 
 
+# A test module whose source calls this makes its tests per exercise when imported (tests/generated.py: one for each
+# exercise whose arguments can be drawn); a session collects it for every exercise, and keeps the tests marked for
+# the one it checks.
+MAKES_TESTS = "generated_tests_of"
+
+
+def makes_tests(path: Path) -> bool:
+    """Whether a test module's source calls MAKES_TESTS (its marks are made when it is imported)."""
+    return any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == MAKES_TESTS
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
 def test_modules_of(part: str, exercise: str) -> list[Path]:
     """The modules of a part's test package that have tests of `exercise` (a session collects only those; the
-    meta-test checks that this agrees with the marks pytest sees)."""
-    return sorted(p for p in tests_of(part).glob("test_*.py") if exercise in marked_in_source(p))
+    meta-test checks that this agrees with the marks pytest sees), and those that make their tests when imported."""
+    return sorted(p for p in tests_of(part).glob("test_*.py") if exercise in marked_in_source(p) or makes_tests(p))
 
 
 def notebook_of(part: str) -> Path:

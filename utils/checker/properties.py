@@ -178,26 +178,45 @@ def _snapshot(value: object, path: str, out: dict[str, object], depth: int = 0) 
             _snapshot(v, f"{path}[{k!r}]", out, depth + 1)
 
 
-def _tensors_in(value: object, path: str, out: dict[str, Tensor], modules: bool, depth: int = 0) -> None:
+def _tensors_in(value: object, path: str, out: dict[str, Tensor], modules: bool, depth: int = 0,
+                skip: frozenset[int] = frozenset()) -> None:
     """{path: tensor} for the tensors in a value: itself, inside lists, tuples, dicts and dataclasses, and (with
-    `modules`) the parameters and buffers of a model."""
+    `modules`) the parameters and buffers of a model, but those of the modules whose id is in `skip` (and of their
+    submodules)."""
     if depth > 4:
         return
     if isinstance(value, Tensor):
         out[path] = value
     elif isinstance(value, nn.Module):
-        if modules:
-            for name, t in list(value.named_parameters()) + list(value.named_buffers()):
+        if modules and id(value) not in skip:
+            for name, t in value.named_parameters(recurse=False):
                 out[f"{path}.{name}"] = t
+            for name, t in value.named_buffers(recurse=False):
+                out[f"{path}.{name}"] = t
+            for name, child in value.named_children():
+                _tensors_in(child, f"{path}.{name}", out, modules, depth, skip)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            _tensors_in(getattr(value, f.name), f"{path}.{f.name}", out, modules, depth + 1)
+            _tensors_in(getattr(value, f.name), f"{path}.{f.name}", out, modules, depth + 1, skip)
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value[:64]):
-            _tensors_in(v, f"{path}[{i}]", out, modules, depth + 1)
+            _tensors_in(v, f"{path}[{i}]", out, modules, depth + 1, skip)
     elif isinstance(value, dict):
         for k, v in value.items():
-            _tensors_in(v, f"{path}[{k!r}]", out, modules, depth + 1)
+            _tensors_in(v, f"{path}[{k!r}]", out, modules, depth + 1, skip)
+
+
+def _modules_in(value: object, depth: int = 0) -> set[int]:
+    """The ids of the modules in a value, and of all their submodules."""
+    if isinstance(value, nn.Module):
+        return {id(m) for m in value.modules()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and depth <= 4:
+        return set().union(*(_modules_in(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)))
+    if isinstance(value, (list, tuple)) and depth <= 4:
+        return set().union(*(_modules_in(v, depth + 1) for v in value[:64]))
+    if isinstance(value, dict) and depth <= 4:
+        return set().union(*(_modules_in(v, depth + 1) for v in value.values()))
+    return set()
 
 
 def _memory(t: Tensor) -> tuple[int, int] | None:
@@ -210,14 +229,15 @@ def _memory(t: Tensor) -> tuple[int, int] | None:
 
 def aliases(result: object, arguments: dict[str, object]) -> list[tuple[str, str]]:
     """(a tensor in `result`, an argument it shares memory with): the tensor itself, a view of it (a slice, a
-    reshape, .detach(), .T), or a view of a model's weight. Tensors in a returned model are not looked at (a wrapper
-    around the model it was given shares its weights on purpose)."""
+    reshape, .detach(), .T), or a view of a model's weight. The parameters and buffers of a returned module count
+    too, but those of the modules it was given (a wrapper around the model it was given shares its weights on
+    purpose; a module built from a given tensor owns its parameters)."""
     given: dict[str, Tensor] = {}
     for name, value in arguments.items():
         _tensors_in(value, name, given, modules=True)
     spans = [(path, _memory(t)) for path, t in given.items()]
     returned: dict[str, Tensor] = {}
-    _tensors_in(result, "the result", returned, modules=False)
+    _tensors_in(result, "the result", returned, modules=True, skip=frozenset(_modules_in(list(arguments.values()))))
     found = []
     for out_path, t in returned.items():
         span = _memory(t)
@@ -236,8 +256,9 @@ def assert_inputs_unchanged(fn: Callable, *args, what: str, may_alias: bool | No
 
     Tensors, the fields of dataclasses such as Samples, lists and dicts, and the weights of models are compared
     before and after the call. may_alias: True where the reference itself returns an argument or a view of one (say
-    so only where it does): then the learner's may too. None (the default) checks every result but a dict, which is
-    a record of values (a training step's logs, a state dict) where the reference hands back the caller's tensors.
+    so only where it does): then the learner's may too. None (the default) checks every result but a dict of values
+    (a record: a training step's logs, a state dict) where the reference hands back the caller's tensors; a dict of
+    modules (adapters built from the arguments) is checked.
     """
     try:
         signature = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
@@ -263,9 +284,11 @@ def assert_inputs_unchanged(fn: Callable, *args, what: str, may_alias: bool | No
     observe(f"{what} leaves its inputs unchanged", changed)
     if flags and len(flags) == len(changed):
         turned = sorted(set(before[flags[0]]) ^ set(after[flags[0]]))
+        shared = aliases(result, named)
+        why = (f"; `{shared[0][0]}` is the argument's own `{shared[0][1]}` (the same memory), so what was done to the "
+               "result was done to the argument" if shared else "")
         raise CheckFailure(f"{what} changed which parameters of `{flags[0].split(' ')[0]}` require grad ({turned[:3]}"
-                           f"{'...' if len(turned) > 3 else ''}): it must leave the model as it found it (to avoid "
-                           "gradients here, compute under torch.no_grad() instead of freezing the weights)")
+                           f"{'...' if len(turned) > 3 else ''}): it must leave its arguments as it found them{why}")
     if weights and len(weights) == len(changed):
         raise CheckFailure(f"{what} changed the model's weights ({', '.join(weights[:3])}"
                            f"{', ...' if len(weights) > 3 else ''}): this function must only read them")
@@ -275,7 +298,8 @@ def assert_inputs_unchanged(fn: Callable, *args, what: str, may_alias: bool | No
                            "needs it as it was: compute a new value instead of writing into the one you were given "
                            "(x = x * m rather than x *= m; mask = mask & keep rather than mask &= keep; no "
                            "masked_fill_ or other trailing-underscore methods on an input)")
-    if may_alias is False or may_alias is None and not isinstance(result, dict):
+    record = isinstance(result, dict) and not any(isinstance(v, nn.Module) for v in result.values())
+    if may_alias is False or may_alias is None and not record:
         assert_no_aliases(result, named, what)
     return result
 

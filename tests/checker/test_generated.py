@@ -1,0 +1,178 @@
+"""Inputs drawn from each exercise's contract (tests/generated.py): each kind of mistake that no fixed input shows is
+caught and said with the smallest input that shows it; the references pass; every refusal the references write is
+reached by the drawn inputs; the same examples are drawn on every run, and nothing is written to disk."""
+
+import inspect
+import os
+import textwrap
+import ast
+import types
+
+import pytest
+import torch
+
+from solutions import part0_warmup, part1_ppo, part3_grpo
+
+from tests.generated import compared_constants, drawable, on_generated_inputs
+from utils.checker import implementations, layout
+from utils.checker.compare import CheckFailure
+from utils.contracts import contract
+
+pytestmark = pytest.mark.usefixtures("only_solutions")
+
+
+@pytest.fixture
+def only_solutions(request):
+    if request.config.getoption("--impl") != "solutions":
+        pytest.skip("the checker's own tests run with --impl solutions only")
+
+
+def failure(part: str, fn) -> str:
+    with pytest.raises(CheckFailure) as raised:
+        on_generated_inputs(types.SimpleNamespace(**{fn.__name__: fn}), part, fn.__name__)
+    return str(raised.value).split("\n")[0]
+
+
+# --- the four kinds, each written here for an exercise of its own ---------------------------------------------------
+
+def test_a_squeeze_that_drops_a_batch_of_one_is_caught_at_batch_one():
+    @contract(**part0_warmup.get_logprobs.contract)
+    def get_logprobs(logits, tokens, prefix_len=1):
+        if not 1 <= prefix_len < tokens.shape[1]:
+            raise ValueError(f"prefix_len must be in [1, seq), got {prefix_len}")
+        logprobs = logits[:, prefix_len - 1:-1].log_softmax(dim=-1)
+        return logprobs.gather(dim=-1, index=tokens[:, prefix_len:, None]).squeeze()  # squeezes batch 1 away too
+
+    message = failure("part0_warmup", get_logprobs)
+    assert "with batch = 1" in message and "expected (1, 1)" in message, message
+
+
+def test_a_log_of_an_underflowed_probability_is_caught_where_logits_are_far_apart():
+    @contract(**part1_ppo.entropy.contract)
+    def entropy(logits, completion_mask):
+        p = logits.softmax(-1)
+        return -(p * p.log()).sum(dim=-1) * completion_mask  # 0 * log 0 = NaN where p underflows
+
+    message = failure("part1_ppo", entropy)
+    assert "underflow to 0 in float32" in message and "NaN at" in message, message
+
+
+def test_a_float32_result_for_float64_inputs_is_caught():
+    @contract(**part1_ppo.normalize_rewards.contract)
+    def normalize_rewards(rewards, eps=1e-5):
+        if not torch.isfinite(rewards).all():
+            raise ValueError("rewards contain NaN or inf")
+        out = torch.zeros(rewards.shape)  # float32 on the CPU, whatever the rewards are
+        out[:] = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
+        return out
+
+    message = failure("part1_ppo", normalize_rewards)
+    assert "float64 inputs" in message and "your result is float32" in message, message
+
+
+def test_a_refusal_skipped_on_one_path_is_caught():
+    @contract(**part3_grpo.group_advantages.contract)
+    def group_advantages(rewards, group_size, scale="group", eps=1e-4):
+        # an unknown scale is taken for "group": the documented ValueError is raised on no path
+        return part3_grpo.group_advantages(rewards, group_size, scale if scale in ("batch", "none") else "group", eps)
+
+    message = failure("part3_grpo", group_advantages)
+    assert "should raise a ValueError" in message and "scale=" in message, message
+
+
+def test_a_right_answer_written_another_way_passes():
+    @contract(**part1_ppo.entropy.contract)
+    def entropy(logits, completion_mask):
+        dist = torch.distributions.Categorical(logits=logits)
+        return torch.where(completion_mask, dist.entropy(), torch.zeros((), dtype=logits.dtype))
+
+    on_generated_inputs(types.SimpleNamespace(entropy=entropy), "part1_ppo", "entropy")
+
+
+# --- the references, the reach of the drawn inputs, and their determinism ------------------------------------------
+
+def _exercises():
+    return [(part, name) for part in layout.parts() for name in drawable(part)]
+
+
+def _raise_lines(function) -> tuple[object, set[int]]:
+    code = inspect.unwrap(function).__code__
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
+    first = code.co_firstlineno
+    lines = {first + node.lineno - 1 for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Raise)}
+    return code, lines
+
+
+# Refusals that the shape annotations make first: tensors whose dimensions share a name must agree (jaxtyping, at
+# every call of the reference and of the learner's version alike), so the body's own shape check is a second line.
+BEHIND_THE_ANNOTATIONS = {("part5_dpo_rloo", "dpo_loss"): 1, ("part6_lab", "bradley_terry_loss"): 1}
+
+
+@pytest.mark.parametrize("part, name", _exercises())
+def test_the_drawn_inputs_reach_every_refusal_the_reference_writes(part, name):
+    """Each `raise` in the reference's own body is reached by some drawn input: the refusals are tried on the paths
+    the reference's branches lead to, not on a list kept by hand (but the first `raise` of the exercises whose shape
+    check the annotations make first)."""
+    reference = getattr(implementations.solutions_module(part), name)
+    code, raises = _raise_lines(reference)
+    raises = set(sorted(raises)[BEHIND_THE_ANNOTATIONS.get((part, name), 0):])
+    reached: set[int] = set()
+
+    def traced(*args, **kwargs):  # the reference, its refusals recorded: the learner's side of every comparison
+        try:
+            return reference(*args, **kwargs)
+        except Exception as error:
+            tb = error.__traceback__
+            while tb is not None:  # the line of the reference's own body that raised (no tracing: read afterwards)
+                if tb.tb_frame.f_code is code:
+                    reached.add(tb.tb_lineno)
+                tb = tb.tb_next
+            raise
+
+    on_generated_inputs(types.SimpleNamespace(**{name: traced}), part, name)
+    assert raises <= reached, f"{part}.{name}: no drawn input reaches the raise on line(s) {sorted(raises - reached)}"
+
+
+def test_the_constants_a_reference_branches_on_are_read_from_its_source():
+    assert compared_constants(part3_grpo.group_advantages)["scale"] == ["group", "batch", "none"]
+
+
+def _written(folder) -> set[str]:
+    return {str(p) for p in folder.rglob("*")} if folder.exists() else set()
+
+
+def test_the_same_examples_every_run_and_nothing_written(tmp_path, monkeypatch):
+    from hypothesis.configuration import storage_directory
+
+    home = storage_directory(intent_to_write=False).path  # where hypothesis would write: the folder it started in
+    before = _written(home)
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    @contract(**part1_ppo.kl_k1.contract)
+    def kl_k1(logprobs, ref_logprobs, completion_mask):
+        seen.append((tuple(logprobs.shape), logprobs.dtype, float(logprobs.double().sum())))
+        return part1_ppo.kl_k1(logprobs, ref_logprobs, completion_mask)
+
+    impl = types.SimpleNamespace(kl_k1=kl_k1)
+    on_generated_inputs(impl, "part1_ppo", "kl_k1")
+    first, seen[:] = list(seen), []
+    on_generated_inputs(impl, "part1_ppo", "kl_k1")
+    assert seen == first and len(first) > 10
+    assert {shape[0] for shape, _, _ in first} >= {1} and {dtype for _, dtype, _ in first} >= {torch.float64}
+    assert not os.listdir(tmp_path), os.listdir(tmp_path)  # no .hypothesis folder where the learner works
+    assert _written(home) == before  # no example database, no cache of constants
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here: the tensors are drawn on the CPU alone")
+def test_a_result_built_on_the_cpu_for_inputs_on_the_gpu_is_caught():
+    @contract(**part1_ppo.normalize_rewards.contract)
+    def normalize_rewards(rewards, eps=1e-5):
+        if not torch.isfinite(rewards).all():
+            raise ValueError("rewards contain NaN or inf")
+        out = torch.zeros(rewards.shape, dtype=rewards.dtype)  # on the CPU, wherever the rewards are
+        out[:] = ((rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)).cpu()
+        return out
+
+    message = failure("part1_ppo", normalize_rewards)
+    assert "inputs on cuda" in message and "on cpu" in message, message
