@@ -694,7 +694,7 @@ def _no_local_constants():
         providers._get_local_constants = original
 
 
-def on_generated_inputs(impl, part: str, name: str) -> None:
+def on_generated_inputs(impl, part: str, name: str, examples: int | None = None) -> None:
     """The learner's `name` against the reference's on inputs drawn from its contract (see the module's docstring)."""
     reference = _reference_of(part, name)
     fn = getattr(impl, name)
@@ -705,8 +705,9 @@ def on_generated_inputs(impl, part: str, name: str) -> None:
     start = len(log) if log is not None else 0
     state: dict[str, object] = {"stub": None}
 
-    @settings(SETTINGS, max_examples=EXAMPLES_WITH_MODEL if {"model", "lora_model"} & set(spec.kinds.values())
-              else EXAMPLES)
+    uses_model = bool({"model", "lora_model"} & set(spec.kinds.values()))
+
+    @settings(SETTINGS, max_examples=examples or (EXAMPLES_WITH_MODEL if uses_model else EXAMPLES))
     @given(st.data())
     def example(data):
         if log is not None:
