@@ -20,7 +20,9 @@ through the checker's own runner (utils.checker.runner.run_exercise_tests, the p
     survived   every test passed: either a change no input of the exercise's contract can tell apart (an equivalent
                mutant) or a gap in the tests
     equivalent the mutated source parses to the same syntax tree as the reference (a conservative screen: only an
-               exact match after normalisation, everything else goes through the tests); never run
+               exact match after normalisation; never run), or it survived every test and bench/equivalent_mutants.py
+               says why no input of the contract tells it apart (a rule on the syntax tree, or an entry triaged by
+               hand), with the reason in --json's "equivalents"
 
 Mutants that are identical to an earlier mutant of the same exercise (two operators that make the same change) are
 run once and counted once. The reference is run first: an exercise whose reference fails its own tests here is
@@ -264,12 +266,16 @@ class ExerciseResult:
     reference_s: float = 0.0
     seconds: float = 0.0
     skipped: str | None = None  # why the exercise was not mutated (its reference fails, no source)
-    survivors: list[dict] = field(default_factory=list)
+    survivors: list[dict] = field(default_factory=list)    # the gaps: no test kills them, none known equivalent
+    equivalents: list[dict] = field(default_factory=list)  # survivors known equivalent, each with the reason
 
 
 def run_exercise(part: str, name: str, limit: int | None = None, factor: float = DEFAULT_TIMEOUT_FACTOR,
                  min_timeout: float = DEFAULT_MIN_TIMEOUT, progress=None, first_failure: bool = True
                  ) -> ExerciseResult:
+    import torch
+
+    from bench.equivalent_mutants import equivalent_reason
     from utils.checker.implementations import solutions_module
     from utils.checker.runner import run_exercise_tests
 
@@ -310,9 +316,16 @@ def run_exercise(part: str, name: str, limit: int | None = None, factor: float =
         else:
             verdict = _verdict(part, name, target, mutant, timeout, run_exercise_tests, first_failure)
             if verdict == "survived":
-                result.survivors.append({"part": part, "exercise": name, "file": str(target.path.relative_to(ROOT)),
-                                         "line": mutant.line, "operator": mutant.operator,
-                                         "original": mutant.original, "mutated": mutant.mutated})
+                seen = {"part": part, "exercise": name, "file": str(target.path.relative_to(ROOT)),
+                        "line": mutant.line, "operator": mutant.operator, "original": mutant.original,
+                        "mutated": mutant.mutated}
+                why = equivalent_reason(name, target.original, mutant.code, mutant.original, mutant.mutated,
+                                        gpu=torch.cuda.is_available())
+                if why is not None:  # every test let it through, and no input of the contract tells it apart
+                    verdict = "equivalent"
+                    result.equivalents.append(seen | {"why": why})
+                else:
+                    result.survivors.append(seen)
             setattr(result, verdict, getattr(result, verdict) + 1)
         if bar is not None:
             bar.update()
@@ -458,8 +471,9 @@ def main(argv: list[str] | None = None) -> dict:
     figures = {
         "seconds": round(total, 1),
         "parts": {part: _row(part, rs, part_seconds[part]) for part, rs in results.items()},
-        "exercises": [{k: v for k, v in asdict(r).items() if k != "survivors"} for r in every],
+        "exercises": [{k: v for k, v in asdict(r).items() if k not in ("survivors", "equivalents")} for r in every],
         "survivors": [s for r in every for s in r.survivors],
+        "equivalents": [s for r in every for s in r.equivalents],
         "options": {"limit": args.limit, "all_tests": args.all_tests, "timeout_factor": args.timeout_factor, "min_timeout": args.min_timeout},
         "digest": digest,  # of the code measured: solutions/ and tests/ as they were at the start of the run
         "changed_during_run": _digest() != digest,

@@ -118,7 +118,8 @@ def reward_classifier(
     tokenizer,
     positive_label: int = 1,
 ) -> Float[Tensor, "batch"]:
-    """The texts go in as one padded batch, with its attention mask, on the classifier's device.
+    """The texts go in as one padded batch, with its attention mask, on the classifier's device; a text longer than
+    the tokenizer's limit (tokenizer.model_max_length) is cut to it.
 
     Returns: the probability the classifier gives `positive_label` to each text, as a float tensor on the CPU.
     """
@@ -349,7 +350,8 @@ def make_optimizer(
     """The schedule's multiplier rises linearly from ~0 to 1 over `warmup_steps` steps, then decays linearly to
     `final_lr_fraction` at `total_steps`. Parameters with requires_grad=False are left out.
 
-    Returns: (AdamW with two parameter groups, the model at lr_model and the value head at lr_head; its LambdaLR).
+    Returns: (AdamW with two parameter groups, the model at lr_model and the value head at lr_head, and no weight
+    decay (weight_decay=0, as transformers' TrainingArguments default it; AdamW's own default is 0.01); its LambdaLR).
     """
     groups = [
         {"params": [p for p in policy.model.parameters() if p.requires_grad], "lr": lr_model},

@@ -345,8 +345,8 @@ def _number(data, pname: str, p: inspect.Parameter, rule, case: Case, branches: 
     else:
         base = default if default is not inspect.Parameter.empty else VALUES.get(pname)
         options = [base]
-        if base is None:
-            options += [0.2, 1, 3]
+        if base is None:  # None, or a number: 0 too, which `x or default` would take for None
+            options += [0 if "int" in str(p.annotation) else 0.0, 0.05, 0.2, 1, 3]
         elif isinstance(base, bool) or not isinstance(base, (int, float)):
             return base
         elif isinstance(base, int):
@@ -521,12 +521,25 @@ def _config(data, cls, branches: dict[str, list], case: Case):
 FORMS = ("12", " 46", "46 ", "-3", "007", "4.0", "1e2", "", " ", "abc", "The cat. Is happy.", "good good.",
          "a sad, bad day", "12+34=46", "46.", "٤٦", "46\n47", "x46")
 PROMPTS = ("12+34=", "1+1=", "7+8=", "0+0=", "99+99=", "Hello", "", "12+34", "3 + 4 =")
+# ... and "a+b=" prompts with at most one thing changed, so that each variation is tried on an otherwise valid
+# prompt: whitespace before or after it, a sign, an operand that is no whole number, another operator, spaces around
+# "+", "=" moved, doubled or missing, something after it. Operands 12 and 34 make 46, one of the FORMS.
+OPERANDS = ("12", "34", "0", "007", "99")
+PROMPT_FORMS = ("{a}+{b}=", " {a}+{b}=", "\n{a}+{b}=", "{a}+{b}= ", "{a}+{b}=\n", "{a}+{b}=X", "{a}+{b}=?",
+                "-{a}+{b}=", "{a}+-{b}=", "{a}+1.5=", "{a}+x=", "{a} + {b}=", "{a}-{b}=", "{a}*{b}=", "{a}+{b} =",
+                "{a}+{b}", "{a}+{b}==")
+PROMPT = st.one_of(st.sampled_from(PROMPTS),
+                   st.builds(str.format, st.sampled_from(PROMPT_FORMS), a=st.sampled_from(OPERANDS),
+                             b=st.sampled_from(OPERANDS)))
 
 
 def _strings(data, pname: str, sizes: dict[str, int], case: Case) -> list[str]:
-    n = sizes.get("batch", data.draw(st.sampled_from((1, 2, 4)), label=f"{pname} length"))
-    pool = PROMPTS if "prompt" in pname else FORMS
-    values = data.draw(st.lists(st.sampled_from(pool), min_size=n, max_size=n), label=pname)
+    """A list of strings; lists of one case have one length (the batch's), but that one list may be one longer."""
+    if "strings" not in sizes:
+        sizes["strings"] = sizes.get("batch", data.draw(st.sampled_from((1, 2, 4)), label="strings"))
+    n = sizes["strings"] + data.draw(st.sampled_from((0, 0, 0, 1)), label=f"{pname} longer")
+    one = PROMPT if "prompt" in pname else st.sampled_from(FORMS)
+    values = data.draw(st.lists(one, min_size=n, max_size=n), label=pname)
     case.words.append(f"{pname}={values!r}")
     return values
 
@@ -694,6 +707,11 @@ def _no_local_constants():
         providers._get_local_constants = original
 
 
+def uses_model(part: str, name: str) -> bool:
+    """Whether the exercise's drawn arguments include the embedded model (a forward pass or more per example)."""
+    return bool({"model", "lora_model"} & set(Spec(_reference_of(part, name), name).kinds.values()))
+
+
 def on_generated_inputs(impl, part: str, name: str, examples: int | None = None) -> None:
     """The learner's `name` against the reference's on inputs drawn from its contract (see the module's docstring)."""
     reference = _reference_of(part, name)
@@ -705,9 +723,7 @@ def on_generated_inputs(impl, part: str, name: str, examples: int | None = None)
     start = len(log) if log is not None else 0
     state: dict[str, object] = {"stub": None}
 
-    uses_model = bool({"model", "lora_model"} & set(spec.kinds.values()))
-
-    @settings(SETTINGS, max_examples=examples or (EXAMPLES_WITH_MODEL if uses_model else EXAMPLES))
+    @settings(SETTINGS, max_examples=examples or (EXAMPLES_WITH_MODEL if uses_model(part, name) else EXAMPLES))
     @given(st.data())
     def example(data):
         if log is not None:
@@ -760,11 +776,11 @@ def generated_tests_of(part: str) -> dict[str, object]:
     from utils.checker.properties import assert_defaults_match
 
     def on_inputs(name: str):
-        uses_model = bool({"model", "lora_model"} & set(Spec(_reference_of(part, name), name).kinds.values()))
+        with_model = uses_model(part, name)
 
         @pytest.mark.exercise(name)
         def test(impl):
-            if not _MODEL_DRAWS["on"] and uses_model:
+            if not _MODEL_DRAWS["on"] and with_model:
                 pytest.skip("the drawn inputs with the embedded model are not run for the registered wrong versions")
             on_generated_inputs(impl, part, name)
 

@@ -13,7 +13,7 @@ import torch
 
 from solutions import part0_warmup, part1_ppo, part3_grpo
 
-from tests.generated import compared_constants, drawable, on_generated_inputs
+from tests.generated import EXAMPLES, EXAMPLES_WITH_MODEL, compared_constants, drawable, on_generated_inputs, uses_model
 from utils.checker import implementations, layout
 from utils.checker.compare import CheckFailure
 from utils.contracts import contract
@@ -108,7 +108,13 @@ def _raise_lines(function) -> tuple[object, set[int]]:
 BEHIND_THE_ANNOTATIONS = {("part5_dpo_rloo", "dpo_loss"): 1, ("part6_lab", "bradley_terry_loss"): 1}
 
 
-@pytest.mark.parametrize("part, name", _exercises())
+def _refusing_exercises():
+    """The drawn exercises whose reference raises in its own body (the others have no refusal to reach)."""
+    return [(part, name) for part, name in _exercises()
+            if _raise_lines(getattr(implementations.solutions_module(part), name))[1]]
+
+
+@pytest.mark.parametrize("part, name", _refusing_exercises())
 def test_the_drawn_inputs_reach_every_refusal_the_reference_writes(part, name):
     """Each `raise` in the reference's own body is reached by some input of the drawn space: the refusals are
     tried on the paths the reference's branches lead to, not on a list kept by hand (but the first `raise` of the
@@ -130,8 +136,10 @@ def test_the_drawn_inputs_reach_every_refusal_the_reference_writes(part, name):
             raise
 
     # more examples than a check draws: the space drawn from holds inputs that reach every refusal (which of them a
-    # run of 100 examples meets depends on hypothesis's choices, not only on this space)
-    on_generated_inputs(types.SimpleNamespace(**{name: traced}), part, name, examples=400)
+    # run of 100 examples meets depends on hypothesis's choices, not only on this space); four times as many where
+    # each example runs the embedded model
+    examples = 4 * (EXAMPLES_WITH_MODEL if uses_model(part, name) else EXAMPLES)
+    on_generated_inputs(types.SimpleNamespace(**{name: traced}), part, name, examples=examples)
     assert raises <= reached, f"{part}.{name}: no drawn input reaches the raise on line(s) {sorted(raises - reached)}"
 
 

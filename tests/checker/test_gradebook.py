@@ -80,6 +80,11 @@ def learner(path, cells: dict[str, str], solved: bool = False, extra: str = ""):
     nbformat.write(nb, str(path))
 
 
+# The class is graded once, by the module's fixture: its tests go to one pytest-xdist worker together (the README's
+# `--dist loadgroup`), or each worker would grade it again.
+pytestmark = pytest.mark.xdist_group("gradebook")
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     root = tmp_path_factory.mktemp("class")

@@ -55,6 +55,24 @@ class _PolicyTwoPasses(ref.PolicyWithValueHead):
         return logits, self.value_head(cache[self.hook_name]).squeeze(-1)
 
 
+class _PolicyHeadWithoutReLU(ref.PolicyWithValueHead):
+    """The value head has no ReLU between its two layers, so it is one linear map of the residual stream. It is
+    Linear(d_model, d_hidden) -> ReLU -> Linear(d_hidden, 1)."""
+
+    def __init__(self, model, d_hidden=64):
+        super().__init__(model, d_hidden)
+        self.value_head = nn.Sequential(nn.Linear(model.cfg.d_model, d_hidden), nn.Linear(d_hidden, 1))
+
+
+class _PolicySqueezesEverySize(ref.PolicyWithValueHead):
+    """Squeezes the head's output with .squeeze(), which also drops the batch and position dimensions when they have
+    size one. Squeeze only the last dimension: .squeeze(-1)."""
+
+    def forward(self, tokens, attention_mask=None):
+        logits, values = super().forward(tokens, attention_mask)
+        return logits, values.unsqueeze(-1).squeeze()
+
+
 @mistake("hooks")
 class _PolicyHookLeftBehind(ref.PolicyWithValueHead):
     """Adds the hook with model.add_hook and never removes it, so it runs on every later forward pass. Use
@@ -343,6 +361,14 @@ def _classifier_no_attention_mask(texts, classifier, tokenizer, positive_label=1
     scores. Pass everything the tokenizer returns: classifier(**inputs)."""
     inputs = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
     return classifier(input_ids=inputs.input_ids).logits.softmax(-1)[:, positive_label]
+
+
+@torch.no_grad()
+def _classifier_no_truncation(texts, classifier, tokenizer, positive_label=1):
+    """Tokenizes without truncation, so a text longer than the tokenizer's limit reaches the classifier whole and
+    indexes past its position embeddings. Tokenize with truncation=True."""
+    inputs = tokenizer(texts, padding=True, return_tensors="pt")
+    return classifier(**inputs).logits.softmax(-1)[:, positive_label]
 
 
 @mistake("argument")
@@ -1106,13 +1132,14 @@ def _minibatch_asserts(n, minibatch_size, generator=None):
 # --- make_optimizer ----------------------------------------------------------------------------------------
 
 def _optimizer(policy, lr_model, lr_head, warmup_steps, total_steps, final_lr_fraction, *, model_params=None,
-               head_lr=None, warmup=None, total=None, cosine=False, no_floor=False, optim=torch.optim.AdamW):
+               head_lr=None, warmup=None, total=None, cosine=False, no_floor=False, optim=torch.optim.AdamW,
+               decay: dict | None = None):
     groups = [
         {"params": model_params if model_params is not None else
          [p for p in policy.model.parameters() if p.requires_grad], "lr": lr_model},
         {"params": list(policy.value_head.parameters()), "lr": lr_head if head_lr is None else head_lr},
     ]
-    opt = optim(groups, weight_decay=0.0)
+    opt = optim(groups, **(decay if decay is not None else {"weight_decay": 0.0}))
 
     def multiplier(step):
         if warmup is not None:
@@ -1131,6 +1158,12 @@ def _optimizer(policy, lr_model, lr_head, warmup_steps, total_steps, final_lr_fr
 def _optimizer_one_lr(policy, lr_model, lr_head, warmup_steps, total_steps, final_lr_fraction=0.1):
     """Gives the value head lr_model too. The value head starts from scratch: its group uses lr_head."""
     return _optimizer(policy, lr_model, lr_head, warmup_steps, total_steps, final_lr_fraction, head_lr=lr_model)
+
+
+def _optimizer_default_weight_decay(policy, lr_model, lr_head, warmup_steps, total_steps, final_lr_fraction=0.1):
+    """Builds AdamW without weight_decay=0.0, so AdamW's own default (0.01) decays every weight at each step. Give
+    weight_decay=0.0."""
+    return _optimizer(policy, lr_model, lr_head, warmup_steps, total_steps, final_lr_fraction, decay={})
 
 
 def _optimizer_head_in_model_group(policy, lr_model, lr_head, warmup_steps, total_steps, final_lr_fraction=0.1):

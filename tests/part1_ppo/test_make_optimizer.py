@@ -54,6 +54,9 @@ def test_make_optimizer_groups(impl, tiny_model):
                  "the parameters of group 1 (the value head)")
     assert_equal([g.get("initial_lr", g["lr"]) for g in opt.param_groups], [1e-4, 1e-2],
                  "the base learning rates of the groups (model, value head)")
+    decays = [g.get("weight_decay") for g in opt.param_groups]
+    assert_equal(decays, [0.0, 0.0], "the weight decay of the groups (model, value head)",
+                 hint="0.01 is torch.optim.AdamW's own default: give weight_decay=0.0" if 0.01 in decays else None)
 
 
 @exercise("make_optimizer")

@@ -127,6 +127,24 @@ def test_reward_classifier_padding_does_not_change_a_score(impl, small_classifie
                  hint="padding must not change a text's score")
 
 
+@exercise("reward_classifier")
+def test_reward_classifier_cuts_a_text_longer_than_the_tokenizers_limit(impl, small_classifier):
+    """A text of more tokens than the classifier has positions is cut to the tokenizer's limit (set here to those
+    positions, as a classifier's tokenizer has it), not passed whole (which indexes past the position embeddings)."""
+    import copy
+
+    classifier, tokenizer = small_classifier
+    limited = copy.copy(tokenizer)
+    limited.model_max_length = classifier.config.max_position_embeddings
+    texts = ["This is a happy dog. " * 40, "The cat."]  # about 240 tokens, and one short text
+    got = calling(impl.reward_classifier, texts, classifier, limited,
+                  what=f"reward_classifier(texts, classifier, tokenizer) with a text of "
+                       f"{len(limited(texts[0]).input_ids)} tokens, the tokenizer's limit being "
+                       f"{limited.model_max_length}")
+    assert_close(got, ref.reward_classifier(texts, classifier, limited),
+                 "reward_classifier(...) on a text longer than the tokenizer's limit, which it cuts to that limit")
+
+
 # --- load_sentiment_classifier (provided, not an exercise: checked once here) ------------------------------
 
 def test_sentiment_classifier_offline_fails_fast_with_an_alternative(monkeypatch):

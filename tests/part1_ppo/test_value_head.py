@@ -77,6 +77,36 @@ def test_value_head_size_follows_d_hidden(impl, tiny_model):
 
 
 @exercise("PolicyWithValueHead")
+def test_value_head_is_linear_relu_linear_at_every_size(impl, tiny_model):
+    """The head is the documented Linear -> ReLU -> Linear: given its own two layers' weights, its values are those of
+    that MLP, also where the hidden layer is negative (biases pushed down so that the ReLU cuts most units), and on a
+    batch of one row of one token the values keep their [batch, seq] shape."""
+    torch.manual_seed(0)
+    policy = impl.PolicyWithValueHead(tiny_model, d_hidden=16)
+    linears = [m for m in policy.value_head.modules() if isinstance(m, nn.Linear)]
+    expect(len(linears) == 2, "the nn.Linear layers of policy.value_head",
+           "expected two: Linear(d_model, d_hidden) -> ReLU -> Linear(d_hidden, 1)", observed=len(linears))
+    with torch.no_grad():
+        linears[0].bias.sub_(0.5)  # most hidden units below 0: the ReLU decides the values
+    documented = nn.Sequential(linears[0], nn.ReLU(), linears[1])
+    without_relu = nn.Sequential(linears[0], linears[1])
+    one_token = torch.tensor([[tiny_model.tokenizer.bos_token_id]])
+    for ids, mask in (token_batch(tiny_model, ["This is a happy day.", "The cat is"]),
+                      (one_token, torch.ones_like(one_token))):
+        rows = f"{len(ids)} row{'s' * (len(ids) > 1)} of {ids.shape[1]} token{'s' * (ids.shape[1] > 1)}"
+        _, values = calling(policy, ids, mask, what=f"PolicyWithValueHead(model)(tokens) on {rows}")
+        with torch.no_grad():
+            _, cache = tiny_model.run_with_cache(ids, attention_mask=mask)
+            resid = cache[final_resid(tiny_model)]
+            want = documented(resid).squeeze(-1)
+        assert_close(values, want, f"the values on {rows}",
+                     check_grad=False, mask=mask.bool(),
+                     resembles={"there is no ReLU between the two layers": without_relu(resid).squeeze(-1)},
+                     hint="value_head is Linear(d_model, d_hidden) -> ReLU -> Linear(d_hidden, 1), applied to the "
+                          "final residual stream at every position")
+
+
+@exercise("PolicyWithValueHead")
 def test_value_head_needs_one_forward_pass(impl, tiny_model):
     policy = impl.PolicyWithValueHead(tiny_model)
     ids, _ = token_batch(tiny_model, ["This is"])

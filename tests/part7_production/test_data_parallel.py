@@ -51,6 +51,11 @@ def run(command: list[str]) -> tuple[dict, float]:
     return json.loads(result.stdout.strip().splitlines()[-1]), time.perf_counter() - start
 
 
+# The two-process run is made once, by the module's fixture: its tests go to one pytest-xdist worker together
+# (the README's `--dist loadgroup`).
+pytestmark = pytest.mark.xdist_group("data_parallel")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The two-process run (recorded), then one process replaying its completions (recorded too)."""
