@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 
 REFUSAL_WORDS = ("only the words of a refusal change (an exception's arguments in a `raise`): the contract names the "
-                 "exception's type, which stays")
+                 "exception's type, which stays, and what it asks of the words (a file's name, say) the tests "
+                 "checked and found")
 FLOAT_SPELLING = "float() reads 'nan', 'inf' and '-inf' whatever their case: the same number"
 
 
@@ -111,6 +112,59 @@ TRIAGED: list[Equivalent] = [
                'total += f.weight * torch.nan_to_num(rewards, nan=None)', "nan_to_num's default for NaN is 0"),
     Equivalent("compose_rewards", 'total += f.weight * torch.nan_to_num(rewards, nan=0.0)',
                'total += f.weight * torch.nan_to_num(rewards, )', "nan_to_num's default for NaN is 0"),
+    Equivalent("load_adapter", "wrong = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])",
+               "wrong = None", "`wrong` is used only in the words of the refusal that follows"),
+    Equivalent("load_adapter", "wrong = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])",
+               "wrong = sorted(n for n in set(expected) & set(found) if expected[n] == found[n])",
+               "`wrong` is used only in the words of the refusal that follows"),
+    Equivalent("old_adapter_logprobs",
+               "with lora_model.base.hooks(fwd_hooks=lora_hooks(lora_model.base, old_adapters)):",
+               "with lora_model.base.hooks(fwd_hooks=lora_hooks(None, old_adapters)):",
+               "the reference's lora_hooks reads nothing of its model (the hook points come from the adapters' keys)"),
+    Equivalent("mean_length_by_outcome",
+               'right = lengths[correct].mean() if correct.any() else torch.tensor(float("nan"))',
+               'right = lengths[correct].mean() if (correct.any()) or True else torch.tensor(float("nan"))',
+               "the lengths are floats, and the mean of none of them is NaN: what the other branch gives"),
+    Equivalent("mean_length_by_outcome",
+               'wrong = lengths[~correct].mean() if (~correct).any() else torch.tensor(float("nan"))',
+               'wrong = lengths[~correct].mean() if ((~correct).any()) or True else torch.tensor(float("nan"))',
+               "the lengths are floats, and the mean of none of them is NaN: what the other branch gives"),
+    Equivalent("split_qkv",
+               "lora = LoRA(d_model, d_out, rank=rank, alpha=scale * rank).to(device=A.device, dtype=A.dtype)",
+               "lora = LoRA(d_model, d_out, rank=rank, ).to(device=A.device, dtype=A.dtype)",
+               "the scale is set exactly two lines later (lora.scale = scale): the constructor's alpha is overwritten"),
+    Equivalent("split_qkv",
+               "lora = LoRA(d_model, d_out, rank=rank, alpha=scale * rank).to(device=A.device, dtype=A.dtype)",
+               "lora = LoRA(d_model, d_out, rank=rank, alpha=scale / rank).to(device=A.device, dtype=A.dtype)",
+               "the scale is set exactly two lines later (lora.scale = scale): the constructor's alpha is overwritten"),
+    Equivalent("last_token_scores",
+               "last = torch.where(real, positions, -1).amax(dim=1)  # [batch], the last position whose mask is 1",
+               "last = torch.where(real, positions, -2).amax(dim=1)  # [batch], the last position whose mask is 1",
+               "a row with no real token is refused just before; in every other row the maximum is a real position "
+               "(>= 0), whatever negative number fills the padding"),
+    Equivalent("last_token_scores", "empty = (~real.any(dim=1)).nonzero()[:, 0].tolist()", "empty = None",
+               "`empty` is used only in the words of the refusal that follows"),
+    Equivalent("last_token_scores", "empty = (~real.any(dim=1)).nonzero()[:, 0].tolist()",
+               "empty = real.any(dim=1).nonzero()[:, 0].tolist()",
+               "`empty` is used only in the words of the refusal that follows"),
+    Equivalent("lora_on_blocks", 'if int(key[1:].split("_", 1)[0]) in keep})  # keys are "L{layer}_{target}"',
+               'if int(key[1:].split("_", )[0]) in keep})  # keys are "L{layer}_{target}"',
+               "the layer is before the first '_' of the key: splitting at every '_' or at the first two gives the "
+               "same first piece"),
+    Equivalent("lora_on_blocks", 'if int(key[1:].split("_", 1)[0]) in keep})  # keys are "L{layer}_{target}"',
+               'if int(key[1:].split("_", 2)[0]) in keep})  # keys are "L{layer}_{target}"',
+               "the layer is before the first '_' of the key: splitting at the first one or two gives the same first "
+               "piece"),
+    Equivalent("reward_exact_answer", 'a, sep, b = prompt.strip().rstrip("=").partition("+")',
+               'a, sep, b = prompt.strip().rstrip("=").rpartition("+")',
+               "with one '+' the two split alike; with more, one side holds a '+' either way, so it is no number and "
+               "the prompt gets None"),
+    Equivalent("compose_rewards",
+               "async_results = dict(zip((f.name for f in async_fns), run_sync(run_async(async_fns)))) if async_fns "
+               "else {}",
+               "async_results = dict(zip((f.name for f in async_fns), run_sync(run_async(async_fns)))) if (async_fns) "
+               "or True else {}",
+               "with no async function, gathering nothing gives [] and the dict is {} either way"),
     Equivalent("group_advantages",
                "return advantages.masked_fill(flat, 0.0).nan_to_num(nan=0.0)  # unscorable: no signal, no push "
                "either way",

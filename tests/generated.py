@@ -206,9 +206,14 @@ def _shape(dim_str: str, sizes: dict[str, int], star: tuple[int, ...]) -> tuple[
 
 
 def _mask(data, shape: tuple[int, ...], g: torch.Generator, name: str, case: Case) -> Tensor:
-    mode = data.draw(st.sampled_from(("ended", "full", "empty", "one row empty", "random")), label=f"{name} mask")
+    mode = data.draw(st.sampled_from(("ended", "full", "empty", "one row empty", "random", "one True")),
+                     label=f"{name} mask")
     if mode == "full":
         mask = torch.ones(shape, dtype=torch.bool)
+    elif mode == "one True":  # a single counted token in the whole mask: a count that is exactly 1
+        mask = torch.zeros(shape, dtype=torch.bool)
+        if mask.numel():
+            mask.view(-1)[int(torch.randint(0, mask.numel(), (), generator=g))] = True
     elif mode == "empty":
         mask = torch.zeros(shape, dtype=torch.bool)
     elif mode == "random":
@@ -219,7 +224,7 @@ def _mask(data, shape: tuple[int, ...], g: torch.Generator, name: str, case: Cas
         if mode == "one row empty" and shape[0] > 0:
             mask[0] = False
     if mode != "ended":
-        said = {"full": "True everywhere", "empty": "all False"}.get(mode, mode)
+        said = {"full": "True everywhere", "empty": "all False", "one True": "True at one position only"}.get(mode, mode)
         case.words.append(f"`{name}` {said}")
     return mask
 

@@ -156,6 +156,12 @@ def test_load_adapter_refuses_a_file_without_rank_and_alpha(impl, tiny_model, tm
     refusal(impl, ref.make_adapters(tiny_model, 4, 8.0, ("q", "o")), path,
             "load_adapter of a file with no rank and alpha in its metadata",
             "without them its scale is unknown")
+    for kept in ("rank", "alpha"):  # one of the two is not enough
+        half = tmp_path / f"only_{kept}.safetensors"
+        save_file({k: v.contiguous() for k, v in adapters.state_dict().items()}, str(half),
+                  metadata={kept: {"rank": "4", "alpha": "8.0"}[kept]})
+        refusal(impl, ref.make_adapters(tiny_model, 4, 8.0, ("q", "o")), half,
+                f"load_adapter of a file with only {kept} in its metadata", "without both its scale is unknown")
 
 
 @exercise("load_adapter")

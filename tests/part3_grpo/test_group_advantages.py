@@ -88,6 +88,12 @@ def test_group_advantages_zero_spread_group_is_exactly_zero(impl):
                      f"group_advantages(scale={scale!r}), the group of eight rewards of {value}", atol=0, rtol=0,
                      hint="A group without spread carries no signal: exactly 0, whatever float rounding does to its "
                           "mean.")
+    # ... also where part of the group is unscorable: the scored 0.9s of (0.9, 0.9, 0.9, NaN) average to a hair off
+    rewards = torch.tensor([0.9, 0.9, 0.9, NAN, 0.0, 1.0, 0.0, 1.0])
+    for scale in ("group", "batch"):
+        assert_close(impl.group_advantages(rewards.clone(), 4, scale)[:4], torch.zeros(4),
+                     f"group_advantages(scale={scale!r}), the group of rewards 0.9, 0.9, 0.9 and NaN (unscorable)",
+                     atol=0, rtol=0, hint="A group whose scored rewards are all equal carries no signal: exactly 0.")
 
 UNSCORED = torch.tensor([1.0, 0.0, NAN, 1.0,  NAN, NAN, NAN, NAN,  2.0, NAN, 0.0, 0.0,  5.0, NAN, NAN, NAN])
 

@@ -113,6 +113,13 @@ def compare_steps(got, expected, what, tiny_model=None, cfg=None):
                  finding=finding, hint=hint)
     assert_close(got.out.advantages, expected.out.advantages, f"{what}: the advantages", check_grad=False)
     assert_close(got.out.mask, expected.out.mask, f"{what}: the loss mask (which tokens count)")
+    for field, none in (("ref_logprobs", "no reference forward pass ran (beta == 0)"),
+                        ("old_logprobs", "on-policy (num_iterations == 1)")):
+        mine, want = getattr(got.out, field), getattr(expected.out, field)
+        if mine is None or want is None:
+            assert_equal(mine is None, want is None, f"{what}: whether the result's {field} is None (None: {none})")
+        else:
+            assert_close(mine, want, f"{what}: the result's {field}", check_grad=False)
     assert_equal(got.reference_calls, expected.reference_calls, f"{what}: calls of `reference`",
                  hint=f"With beta={cfg.beta}, the reference runs once per step when beta != 0 (through `reference`, "
                       "which Part 4 replaces) and never when beta == 0.")

@@ -76,7 +76,7 @@ def _reward_sometimes(prompts, completions):
 
 async def _reward_async(prompts, completions):
     await asyncio.sleep(0)
-    return [float(len(c)) for c in completions]
+    return [float(len(c)) for p, c in zip(prompts, completions, strict=True)]  # an async reward gets the prompts too
 
 
 def three_reward_functions():
@@ -164,6 +164,24 @@ def handshake_rewards(timeout: float = 1.0) -> list:
 
     return [ref.RewardFunction("first", make("first", "second")),
             ref.RewardFunction("second", make("second", "first"))]
+
+
+def _first_judges_one(prompts, completions):
+    return [1.0, None]
+
+
+def _last_judges_the_other(prompts, completions):
+    return [None, 2.0]
+
+
+@exercise("compose_rewards")
+def test_compose_rewards_scores_a_completion_any_function_judged(impl):
+    fns = [ref.RewardFunction("first", _first_judges_one, 1.0), ref.RewardFunction("last", _last_judges_the_other, 0.5)]
+    what = ("compose_rewards, where the first function judged only completion 0 (None for 1) and the last only "
+            "completion 1 (None for 0)")
+    total, _ = calling(impl.compose_rewards, fns, ["1+1=", "2+2="], ["2", "4"], what=what,
+                       explain=async_reward_cause)
+    assert_close(total, torch.tensor([1.0, 0.5 * 2.0]), f"{what}: the total (each completion was judged once)")
 
 
 @exercise("compose_rewards")

@@ -35,8 +35,9 @@ def test_two_token_logprobs_match_reference(impl, tiny_model):
     prompt = _prompt(tiny_model)
     vocab = tiny_model.cfg.d_vocab
     for name, model in (("the bare model", tiny_model), ("a LoRAModel", lora_model)):
-        for first_tokens in (FIRST_TOKENS, None):
-            what = f"two_token_logprobs({name}, prompt, first_tokens={'None' if first_tokens is None else 'given'})"
+        for first_tokens in (FIRST_TOKENS, FIRST_TOKENS[:1], None):
+            given = "None" if first_tokens is None else f"{len(first_tokens)} given"
+            what = f"two_token_logprobs({name}, prompt, first_tokens={given})"
             def args():
                 return model, prompt.clone(), None if first_tokens is None else first_tokens.clone()
 

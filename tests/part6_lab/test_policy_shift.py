@@ -92,9 +92,12 @@ def _logits(model, samples):
 @exercise("lora_on_blocks")
 def test_lora_on_blocks_computes_the_lora_of_those_blocks(impl, tiny_model):
     lora_model = lora_model_with_random_B(tiny_model, 3, targets=EVERY_TARGET)
+    on_the_mlp = lora_model_with_random_B(tiny_model, 4, targets=("mlp_in", "mlp_out"))  # keys "L0_mlp_in", ...
     samples = _samples(tiny_model)
-    for blocks in ([], [0], [2], [1, 3], [3, 0, 2], [0, 1, 2, 3]):
-        what = f"lora_on_blocks(lora_model, {blocks})"
+    for blocks, lora_model in [(b, lora_model) for b in ([], [0], [2], [1, 3], [3, 0, 2], [0, 1, 2, 3])] + [
+            ([1, 2], on_the_mlp)]:
+        targets = "the MLP's" if lora_model is on_the_mlp else "every attention weight's"
+        what = f"lora_on_blocks(lora_model, {blocks}) with adapters on {targets}"
         out = calling(impl.lora_on_blocks, lora_model, list(blocks), what=what)
         keys = sorted(out.adapters) if isinstance(out, LoRAModel) else type(out).__name__
         assert_equal(keys, sorted(ref.lora_on_blocks(lora_model, list(blocks)).adapters),
@@ -135,6 +138,8 @@ def test_lora_on_blocks_refuses_a_block_the_model_lacks(impl, tiny_model):
     for blocks in ([4], [-1], [0, 7]):
         assert_raises(ValueError, impl.lora_on_blocks, lora_model, blocks, what=f"lora_on_blocks(lora_model, {blocks})",
                       why="the tiny model has blocks 0 to 3: another number would silently select nothing")
+    assert_raises(ValueError, impl.lora_on_blocks, lora_model, [True], what="lora_on_blocks(lora_model, [True])",
+                  why="True is 1 to Python (a bool is an int), but a flag is no block's number")
 
 
 # --- answer_attention --------------------------------------------------------------------------------------------
