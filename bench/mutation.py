@@ -5,6 +5,8 @@
     python -m bench.mutation part3_grpo --exercise grpo_loss  # one exercise (--exercise may name several)
     python -m bench.mutation part0_warmup --limit 5           # at most 5 mutants per exercise (a quick look)
     python -m bench.mutation part5_dpo_rloo --json FILE       # ... and every survivor, with its diff, in FILE
+    python -m bench.mutation --messages 5                     # ... and check()'s message on every 5th killed mutant,
+                                                              # read by the meta-test's rules of form
 
 For each exercise, the source of its own function (or of its class's methods) in solutions/ is mutated, one small
 change at a time, with mutmut's mutation operators (numbers +1, arithmetic/comparison/boolean operators swapped,
@@ -267,12 +269,14 @@ class ExerciseResult:
     seconds: float = 0.0
     skipped: str | None = None  # why the exercise was not mutated (its reference fails, no source)
     survivors: list[dict] = field(default_factory=list)    # the gaps: no test kills them, none known equivalent
+    messages: int = 0          # killed mutants whose check() message was read (--messages)
+    message_faults: list[dict] = field(default_factory=list)  # ... and those that break a rule of the message's form
     equivalents: list[dict] = field(default_factory=list)  # survivors known equivalent, each with the reason
 
 
 def run_exercise(part: str, name: str, limit: int | None = None, factor: float = DEFAULT_TIMEOUT_FACTOR,
-                 min_timeout: float = DEFAULT_MIN_TIMEOUT, progress=None, first_failure: bool = True
-                 ) -> ExerciseResult:
+                 min_timeout: float = DEFAULT_MIN_TIMEOUT, progress=None, first_failure: bool = True,
+                 messages_every: int = 0) -> ExerciseResult:
     import torch
 
     from bench.equivalent_mutants import equivalent_reason
@@ -327,6 +331,8 @@ def run_exercise(part: str, name: str, limit: int | None = None, factor: float =
                 else:
                     result.survivors.append(seen)
             setattr(result, verdict, getattr(result, verdict) + 1)
+            if verdict == "killed" and messages_every and result.killed % messages_every == 1 % messages_every:
+                _read_message(part, name, target, mutant, timeout, run_exercise_tests, result)
         if bar is not None:
             bar.update()
             bar.set_postfix(killed=result.killed, survived=result.survived, timeout=result.timed_out)
@@ -334,6 +340,24 @@ def run_exercise(part: str, name: str, limit: int | None = None, factor: float =
         bar.close()
     result.seconds = round(time.perf_counter() - start, 1)
     return result
+
+
+def _read_message(part: str, name: str, target: Target, mutant: Mutant, timeout: float, run_exercise_tests,
+                  result: ExerciseResult) -> None:
+    """Run a killed mutant's tests again as check() runs them (every test, the registered wrong versions replayed)
+    and read check()'s message by the rules the meta-test applies to the registered wrong versions."""
+    from tests.meta import message_faults
+
+    with _scratch_folder():
+        outcome = run_exercise_tests(part, name, build(target, mutant), timeout=timeout, replays=True)
+    if not outcome.failed or outcome.timed_out:
+        return
+    text, faults = message_faults(outcome, part)
+    result.messages += 1
+    if faults:
+        result.message_faults.append({"part": part, "exercise": name, "line": mutant.line,
+                                      "original": mutant.original, "mutated": mutant.mutated, "faults": faults,
+                                      "message": text})
 
 
 @contextlib.contextmanager
@@ -414,6 +438,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--all-tests", action="store_true",
                         help="run every test of a mutant (default: stop at its first failure, pytest -x)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (the per-exercise lines stay)")
+    parser.add_argument("--messages", type=int, default=0, metavar="K",
+                        help="read check()'s message on every K-th killed mutant of each exercise (its first, then "
+                             "every K-th) by the meta-test's rules of form; 0: none (default)")
     args = parser.parse_args(argv)
 
     from tabulate import tabulate
@@ -442,7 +469,8 @@ def main(argv: list[str] | None = None) -> dict:
         results[part] = []
         for name in names:
             result = run_exercise(part, name, args.limit, args.timeout_factor, args.min_timeout,
-                                  progress=None if args.no_progress else tqdm, first_failure=not args.all_tests)
+                                  progress=None if args.no_progress else tqdm, first_failure=not args.all_tests,
+                                  messages_every=args.messages)
             results[part].append(result)
             if result.skipped:
                 line = f"{part}.{name}: skipped: {result.skipped}"
@@ -450,6 +478,8 @@ def main(argv: list[str] | None = None) -> dict:
                 line = (f"{part}.{name}: {result.mutants} mutants, {result.killed} killed, {result.survived} "
                         f"survived, {result.timed_out} timed out, {result.equivalent} equivalent "
                         f"({result.seconds:.1f} s; reference {result.reference_s:.2f} s)")
+                if args.messages:
+                    line += f"; messages read {result.messages}, breaking a rule {len(result.message_faults)}"
             tqdm.write(line, file=sys.stdout)
             sys.stdout.flush()
         part_seconds[part] = time.perf_counter() - part_start
@@ -471,10 +501,15 @@ def main(argv: list[str] | None = None) -> dict:
     figures = {
         "seconds": round(total, 1),
         "parts": {part: _row(part, rs, part_seconds[part]) for part, rs in results.items()},
-        "exercises": [{k: v for k, v in asdict(r).items() if k not in ("survivors", "equivalents")} for r in every],
+        "exercises": [{k: v for k, v in asdict(r).items() if k not in ("survivors", "equivalents", "message_faults")}
+                      for r in every],
+        "messages": {"read": sum(r.messages for r in every),
+                     "breaking a rule": sum(len(r.message_faults) for r in every),
+                     "faults": [f for r in every for f in r.message_faults]},
         "survivors": [s for r in every for s in r.survivors],
         "equivalents": [s for r in every for s in r.equivalents],
-        "options": {"limit": args.limit, "all_tests": args.all_tests, "timeout_factor": args.timeout_factor, "min_timeout": args.min_timeout},
+        "options": {"limit": args.limit, "all_tests": args.all_tests, "timeout_factor": args.timeout_factor,
+                    "min_timeout": args.min_timeout, "messages": args.messages},
         "digest": digest,  # of the code measured: solutions/ and tests/ as they were at the start of the run
         "changed_during_run": _digest() != digest,
     }

@@ -49,10 +49,25 @@ def test_mutation_benchmark_kills_a_mutant_of_get_logprobs(tmp_path):
     pytest.importorskip("mutmut")  # requirements-bench.txt
     out = tmp_path / "mutation.json"
     run_script("bench.mutation", "part0_warmup", "--exercise", "get_logprobs", "--limit", "3", "--no-progress",
-               "--json", str(out))
+               "--messages", "1", "--json", str(out))
     figures = json.loads(out.read_text())
     (exercise,) = figures["exercises"]
     assert exercise["skipped"] is None and exercise["mutants"] == 3
     assert exercise["killed"] >= 1
     assert exercise["killed"] + exercise["survived"] + exercise["timed_out"] + exercise["equivalent"] == 3
     assert len(figures["survivors"]) == exercise["survived"]
+    assert figures["messages"]["read"] == exercise["killed"]  # --messages 1: every killed mutant's check() message
+    assert figures["messages"]["breaking a rule"] == len(figures["messages"]["faults"])
+
+
+def test_a_survivor_is_equivalent_only_for_a_reason_the_rules_or_the_triage_give():
+    from bench.equivalent_mutants import REFUSAL_WORDS, TRIAGED, equivalent_reason
+
+    definition = 'def f(x):\n    if x < 0:\n        raise ValueError(f"x must be >= 0, got {x}")\n    return x\n'
+    assert equivalent_reason("f", definition, definition.replace('f"x must be >= 0, got {x}"', "None"), "", "") \
+        == REFUSAL_WORDS
+    assert equivalent_reason("f", definition, definition.replace("x < 0", "x <= 0"), "", "") is None
+    assert equivalent_reason("f", definition, definition.replace("ValueError", "TypeError"), "", "") is None
+    entry = TRIAGED[0]
+    assert equivalent_reason(entry.exercise, "", "", entry.original, entry.mutated) == entry.why
+    assert equivalent_reason("another", "", "", entry.original, entry.mutated) is None
