@@ -31,6 +31,7 @@ import dataclasses
 import dis
 import inspect
 import math
+import os
 import re
 import textwrap
 
@@ -45,8 +46,11 @@ from utils.checker import observe as observing
 from utils.checker.compare import CheckFailure, show
 from utils.checker.properties import aliases, assert_inputs_unchanged, assert_no_aliases, assert_outputs_match
 
-EXAMPLES = 100  # examples drawn per exercise: about 0.2-1 s per exercise on the tiny tensors drawn here
-EXAMPLES_WITH_MODEL = 10  # with the embedded model: a forward pass or more each
+# Examples drawn per exercise: about 0.2-1 s per exercise on the tiny tensors drawn here; a tenth of them with the
+# embedded model (a forward pass or more each). RLHF_DRAWN_EXAMPLES changes the number only for the checker's own tests
+# (tests/checker/conftest.py), which test what check() does with a run, not how far the draws reach; never a learner's.
+EXAMPLES = int(os.environ.get("RLHF_DRAWN_EXAMPLES", "100"))
+EXAMPLES_WITH_MODEL = max(1, EXAMPLES // 10)
 
 # Sizes a named dimension takes, smallest first (hypothesis shrinks towards the first); `batch` also takes sizes
 # that groups of 2 and 3 divide.

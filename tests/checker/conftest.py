@@ -9,6 +9,23 @@ from utils.checker.memory import memory
 from utils.checker.plugin import UnderTest
 
 
+CHECKER_DRAWN_EXAMPLES = 20  # the drawn examples of a check() in these tests (tests/generated.py: 100 for a learner)
+
+
+@pytest.fixture(autouse=True)
+def fewer_drawn_examples(request, monkeypatch):
+    """These tests check what check() does with a run (its messages, its stops, its store, the grader), not how far
+    the drawn inputs reach, which test_generated.py and the parts' own tests check at the learner's number: their
+    check()s draw fewer examples, in this process and in the graders' workers they start."""
+    if request.node.path.name == "test_generated.py":
+        return
+    from tests import generated
+
+    monkeypatch.setenv("RLHF_DRAWN_EXAMPLES", str(CHECKER_DRAWN_EXAMPLES))
+    monkeypatch.setattr(generated, "EXAMPLES", CHECKER_DRAWN_EXAMPLES)
+    monkeypatch.setattr(generated, "EXAMPLES_WITH_MODEL", max(1, CHECKER_DRAWN_EXAMPLES // 10))
+
+
 @pytest.fixture
 def fresh_memory():
     """An empty memory for check() (memory.py) for the test, the one before it back afterwards: a test that needs a

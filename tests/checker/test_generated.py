@@ -4,6 +4,7 @@ reached by the drawn inputs; the same examples are drawn on every run, and nothi
 
 import inspect
 import os
+import re
 import textwrap
 import ast
 import types
@@ -108,25 +109,47 @@ def _raise_lines(function) -> tuple[object, set[int]]:
 BEHIND_THE_ANNOTATIONS = {("part5_dpo_rloo", "dpo_loss"): 1, ("part6_lab", "bradley_terry_loss"): 1}
 
 
+def _documents_none(function) -> bool:
+    """Whether the reference's contract promises None for some input: its return annotation admits None, or the
+    Returns: part of its docstring names None."""
+    doc = inspect.getdoc(function) or ""
+    returns = doc.split("Returns:", 1)[1].split("Raises:", 1)[0] if "Returns:" in doc else ""
+    annotation = str(inspect.signature(inspect.unwrap(function)).return_annotation)
+    return bool(re.search(r"\bNone (for|if|when|where)\b|\bor None\b", returns)) \
+        or annotation.replace(" ", "").endswith("|None")
+
+
+def _holds_none(result) -> bool:
+    return result is None or (isinstance(result, (list, tuple)) and any(v is None for v in result))
+
+
 def _refusing_exercises():
-    """The drawn exercises whose reference raises in its own body (the others have no refusal to reach)."""
-    return [(part, name) for part, name in _exercises()
-            if _raise_lines(getattr(implementations.solutions_module(part), name))[1]]
+    """The drawn exercises whose reference raises in its own body or documents a None result (the others have no
+    refusal and no None to reach)."""
+    found = []
+    for part, name in _exercises():
+        reference = getattr(implementations.solutions_module(part), name)
+        if _raise_lines(reference)[1] or _documents_none(reference):
+            found.append((part, name))
+    return found
 
 
 @pytest.mark.parametrize("part, name", _refusing_exercises())
 def test_the_drawn_inputs_reach_every_refusal_the_reference_writes(part, name):
-    """Each `raise` in the reference's own body is reached by some input of the drawn space: the refusals are
-    tried on the paths the reference's branches lead to, not on a list kept by hand (but the first `raise` of the
-    exercises whose shape check the annotations make first)."""
+    """Each `raise` in the reference's own body is reached by some input of the drawn space, and so is the None its
+    contract documents: the refusals are tried on the paths the reference's branches lead to, not on a list kept by
+    hand (but the first `raise` of the exercises whose shape check the annotations make first)."""
     reference = getattr(implementations.solutions_module(part), name)
     code, raises = _raise_lines(reference)
     raises = set(sorted(raises)[BEHIND_THE_ANNOTATIONS.get((part, name), 0):])
     reached: set[int] = set()
+    nones = []
 
     def traced(*args, **kwargs):  # the reference, its refusals recorded: the learner's side of every comparison
         try:
-            return reference(*args, **kwargs)
+            result = reference(*args, **kwargs)
+            nones.append(_holds_none(result))
+            return result
         except Exception as error:
             tb = error.__traceback__
             while tb is not None:  # the line of the reference's own body that raised (no tracing: read afterwards)
@@ -141,6 +164,8 @@ def test_the_drawn_inputs_reach_every_refusal_the_reference_writes(part, name):
     examples = 4 * (EXAMPLES_WITH_MODEL if uses_model(part, name) else EXAMPLES)
     on_generated_inputs(types.SimpleNamespace(**{name: traced}), part, name, examples=examples)
     assert raises <= reached, f"{part}.{name}: no drawn input reaches the raise on line(s) {sorted(raises - reached)}"
+    if _documents_none(reference):
+        assert any(nones), f"{part}.{name}: no drawn input gets the None its contract documents"
 
 
 def test_the_constants_a_reference_branches_on_are_read_from_its_source():

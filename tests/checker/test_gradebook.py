@@ -13,6 +13,7 @@ import sys
 import nbformat
 import pytest
 
+from tests.checker.conftest import CHECKER_DRAWN_EXAMPLES
 from tests.part2_lora import mistakes
 from utils import notebooks
 from utils.checker import summary
@@ -97,7 +98,8 @@ def report(tmp_path_factory):
     learner(root / "hoarder.ipynb", {"lora_hooks": HOARDS})
     home, out = root / "home", root / "report"
     home.mkdir()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RLHF_SMOKE": "1", "HOME": str(home), "HTTPS_PROXY": "http://x:1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RLHF_SMOKE": "1", "HOME": str(home), "HTTPS_PROXY": "http://x:1",
+           "RLHF_DRAWN_EXAMPLES": str(CHECKER_DRAWN_EXAMPLES)}  # a module's fixture: before conftest.py's own
     result = subprocess.run([sys.executable, "-m", "utils.grade", str(root), "--out", str(out), "--jobs", "2",
                              "--check-timeout", "20", "--memory-limit", str(MEMORY_LIMIT_GIB)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

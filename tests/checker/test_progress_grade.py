@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from solutions import part0_warmup as ref
+from tests.checker.conftest import CHECKER_DRAWN_EXAMPLES
 from tests.part0_warmup import mistakes
 from utils.checker import summary
 from utils.checker.grading import grade_notebook
@@ -56,7 +57,8 @@ def learner_notebook(path, cells: dict[str, str]):
 
 
 def run(*args, timeout=600):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RLHF_SMOKE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RLHF_SMOKE": "1",
+           "RLHF_DRAWN_EXAMPLES": str(CHECKER_DRAWN_EXAMPLES)}  # also for a module's fixture (conftest.py)
     result = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]

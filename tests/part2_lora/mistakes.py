@@ -347,6 +347,14 @@ def _freeze_nothing(model, adapters):
     return ref.count_parameters(adapters), ref.count_parameters(model)
 
 
+def _freeze_base_last(model, adapters):
+    """Switches the adapters on first and freezes the model second, so adapters that the model holds (a LoRAModel's)
+    are frozen again. Freeze the model first, then switch the adapters on."""
+    adapters.requires_grad_(True)
+    model.requires_grad_(False)
+    return ref.count_parameters(adapters), ref.count_parameters(model)
+
+
 def _freeze_adapters_too(model, adapters):
     """Freezes the base but does not make the adapters trainable (they may come in frozen): finish with
     adapters.requires_grad_(True)."""

@@ -58,3 +58,20 @@ def test_freeze_base_counts(impl, tiny_model):
                  hint="; ".join(said + [f"trainable is the adapters' parameter count ({n_adapters} elements); total "
                                         f"is every parameter of the base model, frozen or not, as "
                                         f"count_parameters(model) counts them ({n_base})"]))
+
+
+@exercise("freeze_base")
+def test_freeze_base_trains_adapters_that_the_model_holds(impl, tiny_model):
+    """Given a model that holds the adapters (a LoRAModel, whose adapters are its submodule), every adapter parameter
+    still ends trainable: the base frozen first, then the adapters switched on."""
+    adapters = frozen_setup(tiny_model)
+    lora_model = ref.LoRAModel(tiny_model, adapters)
+    attempt("freeze_base(lora_model, lora_model.adapters)", impl.freeze_base, lora_model, lora_model.adapters)
+    frozen = [n for n, p in adapters.named_parameters() if not p.requires_grad]
+    expect(not frozen, "the adapters' parameters after freeze_base(lora_model, lora_model.adapters), where the model "
+           "given holds the adapters", f"{len(frozen)} of them have requires_grad=False (e.g. {frozen[:2]}): the "
+           "adapters must end trainable, also when the model given holds them",
+           observed=frozen)
+    trainable = [n for n, p in tiny_model.named_parameters() if p.requires_grad]
+    expect(not trainable, "the base model's parameters after freeze_base(lora_model, lora_model.adapters)",
+           f"{len(trainable)} of them still have requires_grad=True (e.g. {trainable[:2]})", observed=trainable)
