@@ -159,6 +159,10 @@ TRIAGED: list[Equivalent] = [
                'a, sep, b = prompt.strip().rstrip("=").rpartition("+")',
                "with one '+' the two split alike; with more, one side holds a '+' either way, so it is no number and "
                "the prompt gets None"),
+    Equivalent("rloo_advantages", "advantages = (advantages - valid.mean()) / (valid.std() + 1e-4)",
+               "advantages = (advantages + valid.mean()) / (valid.std() + 1e-4)",
+               "the leave-one-out advantages of a group's scored rewards sum to 0 (each reward minus the mean of the "
+               "others), so the batch mean subtracted or added is 0 but for rounding"),
     Equivalent("compose_rewards",
                "async_results = dict(zip((f.name for f in async_fns), run_sync(run_async(async_fns)))) if async_fns "
                "else {}",

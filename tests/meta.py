@@ -229,6 +229,9 @@ class MessageStats:
 MESSAGES = MessageStats()
 
 
+RAISED = re.compile(r"raised \w+: .*$", re.MULTILINE)  # "...: raised ValueError: <the exception's own words>"
+
+
 def message_faults(outcome, part: str) -> tuple[str, list[str]]:
     """check()'s default message for a run (its text), and each way it breaks the rules of the message's form (none:
     []): at most MESSAGE_LINES lines, no block twice, no guess at a cause outside the explanations of the mistakes
@@ -242,7 +245,7 @@ def message_faults(outcome, part: str) -> tuple[str, list[str]]:
     blocks = [line.strip() for line in lines if len(line.strip()) > 30]
     if len(blocks) != len(set(blocks)):
         faults.append("a line twice")
-    judged = text
+    judged = RAISED.sub("raised", text)  # what an exception said, quoted as it was raised, is not check()'s claim
     for m in outcome.likely:
         judged = judged.replace(explanation_line(m), "")
     guess = GUESS.search(judged)

@@ -55,6 +55,10 @@ _hoard()
 def lora_hooks(model, adapters):
     raise NotImplementedError
 '''
+# One exercise's tests, with the course's solution run again on those that fail: room for that under the full suite's
+# load (20 s was not: bob's merge_lora was once "not judged", the solution's confirming run cut short), and still the
+# limit that stops dave's exercise, which never ends.
+CHECK_TIMEOUT_S = 60
 MEMORY_LIMIT_GIB = 3  # room for a solved Part 2 notebook (about 2 GiB of data), none for the hoarder
 
 
@@ -101,7 +105,7 @@ def report(tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RLHF_SMOKE": "1", "HOME": str(home), "HTTPS_PROXY": "http://x:1",
            "RLHF_DRAWN_EXAMPLES": str(CHECKER_DRAWN_EXAMPLES)}  # a module's fixture: before conftest.py's own
     result = subprocess.run([sys.executable, "-m", "utils.grade", str(root), "--out", str(out), "--jobs", "2",
-                             "--check-timeout", "20", "--memory-limit", str(MEMORY_LIMIT_GIB)],
+                             "--check-timeout", str(CHECK_TIMEOUT_S), "--memory-limit", str(MEMORY_LIMIT_GIB)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(out / "gradebook.csv", newline="") as f:
@@ -144,9 +148,10 @@ def test_a_stopped_exercise_and_a_failing_cell_say_where_and_under_which_limit(r
     out, _, grades, home = report
     hung = grades[("dave", "freeze_base")]
     assert hung["status"] == "timed out" and hung["total"] == "", hung  # how many tests there are is not known
-    assert hung["note"].startswith("its tests ran past the time limit of 20 s (--check-timeout), in the test "), hung
+    assert hung["note"].startswith(f"its tests ran past the time limit of {CHECK_TIMEOUT_S} s (--check-timeout), in the "
+                                   "test "), hung
     text = (out / "summary.md").read_text()
-    assert "⏱️ its tests ran past the time limit of 20 s" in text and "| dave |" in text
+    assert f"⏱️ its tests ran past the time limit of {CHECK_TIMEOUT_S} s" in text and "| dave |" in text
     cell = "raised ModuleNotFoundError at line 1: No module named 'a_module_no_one_installed'"
     assert "- dave: code cell" in text and cell in text, text
     assert cell in (out / "feedback" / "dave.md").read_text()
