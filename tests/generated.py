@@ -228,7 +228,8 @@ def _mask(data, shape: tuple[int, ...], g: torch.Generator, name: str, case: Cas
         if mode == "one row empty" and shape[0] > 0:
             mask[0] = False
     if mode != "ended":
-        said = {"full": "True everywhere", "empty": "all False", "one True": "True at one position only"}.get(mode, mode)
+        said = {"full": "True everywhere", "empty": "all False",
+                "one True": "True at one position only"}.get(mode, mode)
         case.words.append(f"`{name}` {said}")
     return mask
 
@@ -696,8 +697,8 @@ def _assert_same_kind(got: object, want: object, what: str, case: Case) -> None:
 @contextlib.contextmanager
 def _no_local_constants():
     """Hypothesis (6.170, the locked version) mixes the constants it finds in the source of the modules loaded from
-    outside site-packages (the course, the learner's notebook) into what it draws, and caches them in a .hypothesis/ folder
-    where the process started. Off for these draws: the same examples in every process, whatever else is loaded
+    outside site-packages (the course, the learner's notebook) into what it draws, and caches them in a .hypothesis/
+    folder where the process started. Off for these draws: the same examples in every process, whatever else is loaded
     (check() in a notebook, the meta-test in pytest), and nothing written in the learner's folder."""
     try:
         from hypothesis.internal.conjecture import providers

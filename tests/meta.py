@@ -261,7 +261,8 @@ def check_message(part: str, name: str, wrong, outcome) -> None:
     """What check() prints for a registered wrong version follows the rules of message_faults."""
     text, faults = message_faults(outcome, part)
     MESSAGES.add(text, named=bool(outcome.likely), unconfirmed=any(f.startswith("a guess") for f in faults))
-    assert not faults, f"{part}.{name}: check() of the wrong version {wrong.__name__} prints {'; '.join(faults)}:\n{text}"
+    assert not faults, (f"{part}.{name}: check() of the wrong version {wrong.__name__} prints {'; '.join(faults)}:"
+                        f"\n{text}")
 
 
 ARCHITECTURE_ID = re.compile(r"\[(?:.*-)?(gpt2|llama)(?:-.*)?\]$")  # a test id's architecture (plugin.ARCHITECTURES)

@@ -14,7 +14,8 @@ import torch
 
 from solutions import part0_warmup, part1_ppo, part3_grpo
 
-from tests.generated import EXAMPLES, EXAMPLES_WITH_MODEL, compared_constants, drawable, on_generated_inputs, uses_model
+from tests.generated import (EXAMPLES, EXAMPLES_WITH_MODEL, compared_constants, drawable, on_generated_inputs,
+                             uses_model)
 from utils.checker import implementations, layout
 from utils.checker.compare import CheckFailure
 from utils.contracts import contract

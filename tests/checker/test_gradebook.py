@@ -85,8 +85,8 @@ def learner(path, cells: dict[str, str], solved: bool = False, extra: str = ""):
     nbformat.write(nb, str(path))
 
 
-# The class is graded once, by the module's fixture: its tests go to one pytest-xdist worker together (the README's
-# `--dist loadgroup`), or each worker would grade it again.
+# Grouped for pytest-xdist (the README's `--dist loadgroup`) so that one worker grades the class for all these tests;
+# on 2026-11-29 both workers still graded it (two setups of `report` in --durations): not yet understood.
 pytestmark = pytest.mark.xdist_group("gradebook")
 
 
@@ -148,8 +148,8 @@ def test_a_stopped_exercise_and_a_failing_cell_say_where_and_under_which_limit(r
     out, _, grades, home = report
     hung = grades[("dave", "freeze_base")]
     assert hung["status"] == "timed out" and hung["total"] == "", hung  # how many tests there are is not known
-    assert hung["note"].startswith(f"its tests ran past the time limit of {CHECK_TIMEOUT_S} s (--check-timeout), in the "
-                                   "test "), hung
+    limit = f"its tests ran past the time limit of {CHECK_TIMEOUT_S} s"
+    assert hung["note"].startswith(f"{limit} (--check-timeout), in the test "), hung
     text = (out / "summary.md").read_text()
     assert f"⏱️ its tests ran past the time limit of {CHECK_TIMEOUT_S} s" in text and "| dave |" in text
     cell = "raised ModuleNotFoundError at line 1: No module named 'a_module_no_one_installed'"

@@ -51,8 +51,8 @@ def run(command: list[str]) -> tuple[dict, float]:
     return json.loads(result.stdout.strip().splitlines()[-1]), time.perf_counter() - start
 
 
-# The two-process run is made once, by the module's fixture: its tests go to one pytest-xdist worker together
-# (the README's `--dist loadgroup`).
+# Grouped for pytest-xdist (the README's `--dist loadgroup`), meant to make the two-process run once for these tests
+# (see tests/checker/test_gradebook.py).
 pytestmark = pytest.mark.xdist_group("data_parallel")
 
 
