@@ -70,15 +70,16 @@ def _tensor_type(annotation):
     return None
 
 
-def _shape(dim_str: str) -> tuple[int, ...] | None:
+def _shape(dim_str: str, sizes: dict[str, int] = SIZES, star: tuple[int, ...] = STAR) -> tuple[int, ...] | None:
+    """The shape an annotation's dimensions take with these sizes (None: a dimension has none)."""
     shape: list[int] = []
     for dim in dim_str.split():
         if dim.startswith("*"):
-            shape += STAR
+            shape += star
         elif dim.isdigit():
             shape.append(int(dim))
-        elif dim in SIZES:
-            shape.append(SIZES[dim])
+        elif dim in sizes:
+            shape.append(sizes[dim])
         else:
             return None
     return tuple(shape)

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from torch import Tensor
 
-from tests.battery import VALUES, _reference_of, _tensor_type
+from tests.battery import VALUES, _reference_of, _shape, _tensor_type
 from utils.checker import observe as observing
 from utils.checker.compare import CheckFailure, show
 from utils.checker.properties import aliases, assert_inputs_unchanged, assert_no_aliases, assert_outputs_match
@@ -195,18 +195,6 @@ class Case:
 
     def describe(self) -> str:
         return "; ".join(self.words) if self.words else "at the usual sizes"
-
-
-def _shape(dim_str: str, sizes: dict[str, int], star: tuple[int, ...]) -> tuple[int, ...]:
-    shape: list[int] = []
-    for dim in dim_str.split():
-        if dim.startswith("*"):
-            shape += star
-        elif dim.isdigit():
-            shape.append(int(dim))
-        else:
-            shape.append(sizes[dim])
-    return tuple(shape)
 
 
 def _mask(data, shape: tuple[int, ...], g: torch.Generator, name: str, case: Case) -> Tensor:
