@@ -85,12 +85,13 @@ def learner(path, cells: dict[str, str], solved: bool = False, extra: str = ""):
     nbformat.write(nb, str(path))
 
 
-# Grouped for pytest-xdist (the README's `--dist loadgroup`) so that one worker grades the class for all these tests;
-# on 2026-11-29 both workers still graded it (two setups of `report` in --durations): not yet understood.
+# Grouped for pytest-xdist (the README's `--dist loadgroup`): one worker runs all these tests. The fixture is the
+# session's, not the module's: a worker may run another module's test between two of these, and pytest then tears a
+# module's fixture down and grades the class again (measured: two setups of `report`, 205 s each, on 2026-11-29).
 pytestmark = pytest.mark.xdist_group("gradebook")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def report(tmp_path_factory):
     root = tmp_path_factory.mktemp("class")
     learner(root / "alice.ipynb", {}, solved=True)

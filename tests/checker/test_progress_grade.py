@@ -119,7 +119,7 @@ def test_progress_prints_each_exercises_row_and_the_total(tmp_path):
 
 # --- python -m utils.grade ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # graded once for the three tests below (see test_gradebook.py)
 def class_report(tmp_path_factory):
     """Five notebooks, graded at once: (learner, what it holds)."""
     root = tmp_path_factory.mktemp("class")
@@ -141,7 +141,7 @@ def class_report(tmp_path_factory):
     return printed, out, grades
 
 
-@pytest.mark.xdist_group("class_report")  # meant: one grading for the three (see test_gradebook.py)
+@pytest.mark.xdist_group("class_report")  # one worker, one grading for the three (see test_gradebook.py)
 @pytest.mark.slow
 def test_grade_writes_one_csv_row_per_learner_and_exercise(class_report):
     printed, out, grades = class_report
@@ -165,7 +165,7 @@ def test_grade_writes_one_csv_row_per_learner_and_exercise(class_report):
     assert status[("notes", "")] == "not judged" and "defines no exercise" in grades[("notes", "")]["note"]
 
 
-@pytest.mark.xdist_group("class_report")  # meant: one grading for the three (see test_gradebook.py)
+@pytest.mark.xdist_group("class_report")  # one worker, one grading for the three (see test_gradebook.py)
 @pytest.mark.slow
 def test_grade_groups_every_failure_with_its_learners_the_most_common_first(class_report):
     _, out, _ = class_report
@@ -182,7 +182,7 @@ def test_grade_groups_every_failure_with_its_learners_the_most_common_first(clas
     assert "| frank | part0_warmup | 2/6 |" in text and "| notes | - | 0/0 |" in text
 
 
-@pytest.mark.xdist_group("class_report")  # meant: one grading for the three (see test_gradebook.py)
+@pytest.mark.xdist_group("class_report")  # one worker, one grading for the three (see test_gradebook.py)
 @pytest.mark.slow
 def test_grade_writes_each_learner_what_check_would_say(class_report):
     _, out, _ = class_report

@@ -51,12 +51,12 @@ def run(command: list[str]) -> tuple[dict, float]:
     return json.loads(result.stdout.strip().splitlines()[-1]), time.perf_counter() - start
 
 
-# Grouped for pytest-xdist (the README's `--dist loadgroup`), meant to make the two-process run once for these tests
-# (see tests/checker/test_gradebook.py).
+# Grouped for pytest-xdist (the README's `--dist loadgroup`), with a session's fixture: the two-process run once for
+# these tests (see tests/checker/test_gradebook.py).
 pytestmark = pytest.mark.xdist_group("data_parallel")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     """The two-process run (recorded), then one process replaying its completions (recorded too)."""
     from solutions.production.trl_grpo import read_record

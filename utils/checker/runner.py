@@ -206,7 +206,7 @@ def _session(part: str, name: str | list[str], plugins: list, *options: str) -> 
     # only the modules with tests of these exercises
     modules = sorted({m for n in names for m in test_modules_of(part, n)}) or [tests_of(part)]
     chosen = ["--exercise", name] if isinstance(name, str) else []
-    pytest.main([*map(str, modules), *chosen, "-q",
+    pytest.main([*map(str, modules), *chosen, "-q", "--tb=native",
                  "-p", "no:cacheprovider", "-p", "no:unraisableexception",
                  "-W", "ignore::pytest.PytestAssertRewriteWarning", *options],
                 plugins=[*plugins, CheckSession()])
