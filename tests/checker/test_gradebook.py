@@ -29,14 +29,15 @@ def merge_lora(model, adapters, sign=1.0):
         delta = (adapter.B @ adapter.A) / adapter.scale
         weight += sign * (delta.T if in_out else delta)
 '''
-HANGS = '''from pathlib import Path
+HANGS = '''import time
+from pathlib import Path
 (Path.home() / "written-by-dave.txt").write_text("a learner's cell writes to its home folder")
 
 
 def freeze_base(model, adapters):
     while True:  # never ends
-        pass
-'''
+        time.sleep(0.01)
+'''  # asleep, not spinning: the limit is what is tested (test_stopping.py stops a spinning loop), not a core held 60 s
 CALLS_THE_REFERENCE = '''from solutions.part2_lora import freeze_base as _given
 
 

@@ -198,8 +198,10 @@ def test_grade_writes_each_learner_what_check_would_say(class_report):
 @pytest.mark.slow
 def test_a_notebook_stuck_out_of_the_cells_time_limits_reach_is_stopped_at_the_notebooks(tmp_path):
     notebook = learner_notebook(tmp_path / "stuck.ipynb", {"get_logprobs": solution("get_logprobs") + BLOCKS})
-    graded = grade_notebook(notebook, timeout=60, cell_timeout=5)
-    assert graded.problem.startswith("the notebook ran past its time limit of 60 s in code cell"), graded.problem
+    # 30 s: the stuck cell starts after about 8 s here with a core busy beside it (2026-11-29), and the test waits out
+    # the whole limit, idle
+    graded = grade_notebook(notebook, timeout=30, cell_timeout=5)
+    assert graded.problem.startswith("the notebook ran past its time limit of 30 s in code cell"), graded.problem
     assert graded.problem.endswith("(it defines get_logprobs)"), graded.problem
     assert [row.status for row in graded.rows] == ["timed out"] * len(exercise_names(PART))
 
