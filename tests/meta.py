@@ -19,7 +19,7 @@ import re
 import pytest
 
 from tests import generated
-from utils.checker import implementations
+from utils.checker import implementations, summary
 from utils.checker.compare import GUESS
 from utils.checker.memory import memory
 from utils.checker.layout import exercise_names, makes_tests, marked_in_source, provided_names, tests_of
@@ -191,6 +191,7 @@ class MessageStats:
         self.counts = {"messages": 0, "unconfirmed cause": 0, "named by replay": 0, "named by a change of a call": 0,
                        "placed at a loop's call": 0, "caught on both architectures": 0}
         self.lines: list[int] = []
+        self.printed: list[int] = []  # lines as printed, long ones broken (summary.wrapped)
 
     def add(self, text: str, named: bool, unconfirmed: bool) -> None:
         from utils.checker.compare import RESEMBLES
@@ -203,26 +204,31 @@ class MessageStats:
         self.counts["named by a change of a call"] += SAME_CALL in text or RESEMBLES in text
         self.counts["placed at a loop's call"] += PASSES in text
         self.lines.append(len(text.splitlines()))
+        self.printed.append(len(summary.wrapped(text).splitlines()))
 
     def merge(self, data: dict) -> None:
         for key, value in data["counts"].items():
             self.counts[key] = self.counts.get(key, 0) + value
         self.lines.extend(data["lines"])
+        self.printed.extend(data.get("printed", []))
 
     def data(self) -> dict:
-        return {"counts": dict(self.counts), "lines": list(self.lines)}
+        return {"counts": dict(self.counts), "lines": list(self.lines), "printed": list(self.printed)}
 
     def summary(self) -> str:
         n = self.counts["messages"]
         lines = sorted(self.lines)
         median = lines[len(lines) // 2] if lines else 0
+        printed = sorted(self.printed)
         c = self.counts
         rate = c["unconfirmed cause"] / n if n else 0.0
         placed = c["placed at a loop's call"]
         return (f"{n} messages of registered wrong versions: an unconfirmed cause in {c['unconfirmed cause']} "
                 f"({rate:.1%}, the false-hint rate); named by replay {c['named by replay']}, by a change of a call "
                 f"{c['named by a change of a call']}, placed at a loop's call {placed}; lines: median {median}, "
-                f"longest {lines[-1] if lines else 0} (at most {MESSAGE_LINES}); caught on both architectures "
+                f"longest {lines[-1] if lines else 0} (at most {MESSAGE_LINES}); as printed (lines over "
+                f"{summary.LINE_WIDTH} characters broken): median {printed[len(printed) // 2] if printed else 0}, "
+                f"longest {printed[-1] if printed else 0}; caught on both architectures "
                 f"{c.get('caught on both architectures', 0)}")
 
 
@@ -234,14 +240,19 @@ RAISED = re.compile(r"raised \w+: .*$", re.MULTILINE)  # "...: raised ValueError
 
 def message_faults(outcome, part: str) -> tuple[str, list[str]]:
     """check()'s default message for a run (its text), and each way it breaks the rules of the message's form (none:
-    []): at most MESSAGE_LINES lines, no block twice, no guess at a cause outside the explanations of the mistakes
-    its replays confirmed (outcome.likely) and the asides, and no two previews that look alike. Rules of form: they
+    []): at most MESSAGE_LINES lines, none over summary.LINE_WIDTH characters as printed (long ones broken at spaces),
+    no block twice, no guess at a cause outside the explanations of the mistakes its replays confirmed
+    (outcome.likely) and the asides, and no two previews that look alike. Rules of form: they
     hold for every learner's mistake, registered or not (bench/mutation.py --messages checks them on mutants)."""
     text = report(outcome, part)
     faults = []
     lines = text.splitlines()
     if len(lines) > MESSAGE_LINES:
         faults.append(f"{len(lines)} lines (at most {MESSAGE_LINES})")
+    printed = summary.wrapped(text).splitlines()  # as check() prints it: long lines broken at spaces
+    over = [line for line in printed if len(line) > summary.LINE_WIDTH]
+    if over:
+        faults.append(f"a printed line of {len(over[0])} characters (at most {summary.LINE_WIDTH}): {over[0][:60]!r}")
     blocks = [line.strip() for line in lines if len(line.strip()) > 30]
     if len(blocks) != len(set(blocks)):
         faults.append("a line twice")

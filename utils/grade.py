@@ -211,7 +211,7 @@ def render_feedback(learner: str, g: Graded, allow_reference: bool = False) -> s
                           + ("It scores as usual here." if allow_reference else "It scores 0 points.")
                           + " Write it yourself.", ""]
             if row.status != "passed":
-                lines += ["```", row.message, "```", ""]
+                lines += ["```", summary.wrapped(row.message), "```", ""]
     if g.failed_cells:
         lines += ["Cells of your notebook that failed to run (they define no exercise, but an exercise may need "
                   "them):", ""] + [f"- {note}" for note in g.failed_cells] + [""]

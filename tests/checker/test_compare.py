@@ -16,7 +16,7 @@ MASK = torch.arange(5)[None] < torch.tensor([5, 1, 3, 5, 2, 4])[:, None]
 
 CASES = [
     ("sign", -E, {}, "opposite sign"),
-    ("half", 0.5 * E, {}, "times 0.5, which is 1/2"),
+    ("half", 0.5 * E, {}, "times 0.5"),
     ("Bessel", E * 8 / 7, {"group_size": 8}, "G/(G-1) with G = 8"),
     ("temperature", E / 0.7, {"factors": {"1/T with T = 0.7": 1 / 0.7}}, "1/T with T = 0.7"),
     ("tokens", E * MASK.sum().item() / MASK.numel(), {"mask": MASK}, "real tokens / all positions"),
@@ -110,13 +110,20 @@ def test_assert_equal_and_assert_raises_say_what_happened():
 
 # --- only what was measured ---------------------------------------------------------------------------------------
 
-def test_a_factor_is_named_by_every_quantity_it_equals_and_by_no_cause():
-    """6/7 on a [7, 6] tensor is (n-1)/n for n = 7 and the ratio of the two sizes alike: both are said, as equalities."""
+def test_a_factor_that_two_quantities_of_the_call_equal_gets_no_reading():
+    """6/7 on a [7, 6] tensor is (n-1)/n for n = 7 and the ratio of the two sizes alike; 2 on a [2, 5] tensor is the
+    batch's size and a plain doubling alike. The sizes of one call cannot tell which, so neither is said: only the
+    factor. A factor that one quantity alone equals is said by it, its number once."""
     e = torch.randn(7, 6)
     text = describe_difference(e * 6 / 7, e)
-    assert "(n-1)/n with n = 7 the size of dimension 0" in text and "the size of dimension 1 over that of dimension 0" \
-        in text, text
-    assert "Bessel" not in text, text
+    assert text == "every value is the expected one times 0.8571", text
+    e = torch.rand(2, 5) + 0.5
+    assert describe_difference(e * 2, e) == "every value is the expected one times 2"
+    assert describe_difference(e / 2, e) == "every value is the expected one times 0.5"
+    assert describe_difference(e * 5, e) == "every value is the expected one times 5, the size of dimension 1"
+    mask = torch.tensor([[True] * 5, [True, True, False, False, False]])  # 7 of 10: a size equals none of it
+    assert describe_difference(e * 0.7, e, mask=mask, factors={"7/10 (valid tokens / all positions)": 0.7}) == (
+        "every value is the expected one times 7/10 (valid tokens / all positions)")  # the caller's words, once
 
 
 def test_most_columns_wrong_is_not_called_a_few_positions():

@@ -142,17 +142,29 @@ def _positions(flags: Tensor, limit: int = 3) -> str:
 
 # --- named factors ------------------------------------------------------------------------------------------
 
+NAMED_FACTOR = re.compile(r"the expected (?:one|value) times \S+[ ,(]")  # a factor said by its name, not its value
+PLAIN_FACTORS = ("2", "1/2")  # only itself: a doubling or a halving, which no size of the call explains
+
+
 def named_factors(expected: Tensor, mask: Tensor | None = None, group_size: int | None = None,
                   extra: dict[str, float] | None = None) -> dict[str, float]:
-    """Factors a mistake typically introduces, named after where they come from in this comparison's shapes."""
-    named: dict[str, float] = dict(extra or {})  # the caller's names come first: they know what the numbers mean
-    named |= {"2": 2.0, "1/2": 0.5}
+    """Factors a mistake typically introduces, named after where they come from in this comparison's shapes. The
+    caller's names (`extra`) come first, and a number they name is not named again here: they know what it means."""
+    named: dict[str, float] = dict(extra or {})
+    given = list(named.values())
+
+    def add(name: str, value: float) -> None:
+        if name not in named and not any(math.isclose(value, v, rel_tol=1e-9) for v in given):
+            named[name] = value
+
+    named |= {PLAIN_FACTORS[0]: 2.0, PLAIN_FACTORS[1]: 0.5}  # always there: each stands against a size equal to it
     if group_size and group_size > 1:
         g = group_size
-        named |= {f"G/(G-1) with G = {g}": g / (g - 1), f"(G-1)/G with G = {g}": (g - 1) / g,
-                  f"sqrt(G/(G-1)) with G = {g}": math.sqrt(g / (g - 1)),
-                  f"sqrt((G-1)/G) with G = {g}": math.sqrt((g - 1) / g),
-                  f"G = {g}": float(g), f"1/G with G = {g}": 1 / g}
+        for name, value in {f"G/(G-1) with G = {g}": g / (g - 1), f"(G-1)/G with G = {g}": (g - 1) / g,
+                            f"sqrt(G/(G-1)) with G = {g}": math.sqrt(g / (g - 1)),
+                            f"sqrt((G-1)/G) with G = {g}": math.sqrt((g - 1) / g),
+                            f"G = {g}": float(g), f"1/G with G = {g}": 1 / g}.items():
+            add(name, value)
     sizes = {}
     for shape_of in (expected, mask):
         if shape_of is not None:
@@ -160,29 +172,31 @@ def named_factors(expected: Tensor, mask: Tensor | None = None, group_size: int 
                 sizes.setdefault(int(n), d)
     for n, d in sizes.items():
         if n > 1:
-            named.setdefault(f"{n}, the size of dimension {d}", float(n))
-            named.setdefault(f"1/{n}, one over the size of dimension {d}", 1 / n)
-            named.setdefault(f"{n}/{n - 1}, n/(n-1) with n = {n} the size of dimension {d}", n / (n - 1))
-            named.setdefault(f"{n - 1}/{n}, (n-1)/n with n = {n} the size of dimension {d}", (n - 1) / n)
+            add(f"{n}, the size of dimension {d}", float(n))
+            add(f"1/{n}, one over the size of dimension {d}", 1 / n)
+            add(f"{n}/{n - 1}, n/(n-1) with n = {n} the size of dimension {d}", n / (n - 1))
+            add(f"{n - 1}/{n}, (n-1)/n with n = {n} the size of dimension {d}", (n - 1) / n)
     for n, d in sizes.items():
         for m, k in sizes.items():
             if n != m and n > 1 and m > 1:
-                named.setdefault(f"{n}/{m}, the size of dimension {d} over that of dimension {k}", n / m)
+                add(f"{n}/{m}, the size of dimension {d} over that of dimension {k}", n / m)
     if mask is not None and mask.dtype == torch.bool and mask.any():
         real, total = int(mask.sum()), mask.numel()
         if real != total:
-            named |= {f"{real}/{total} (real tokens / all positions)": real / total,
-                      f"{total}/{real} (all positions / real tokens)": total / real}
-        named.setdefault(f"{real} (the number of real tokens)", float(real))
-        named.setdefault(f"1/{real} (one over the number of real tokens)", 1 / real)
+            add(f"{real}/{total} (real tokens / all positions)", real / total)
+            add(f"{total}/{real} (all positions / real tokens)", total / real)
+        add(f"{real} (the number of real tokens)", float(real))
+        add(f"1/{real} (one over the number of real tokens)", 1 / real)
     return named
 
 
 def _name_of(c: float, named: dict[str, float], rtol: float = 2e-3) -> str | None:
-    """Every named quantity that `c` equals, joined by "; it also equals " (several may fit one number: 6/7 is
-    (n-1)/n with n = 7 and a ratio of two sizes alike), or None. Each is a measured equality, not a cause."""
+    """The one named quantity that `c` equals, or None: none fits, or several do (6/7 is (n-1)/n with n = 7 and a
+    ratio of two sizes alike; 2 is the size of a dimension of 2 and a plain doubling alike), and then no reading of
+    the number is said, since the sizes of one call cannot tell which one holds. A plain 2 or 1/2 is never said
+    as a reading ("times 2, which is 2"): it only stands against the sizes that equal it."""
     fits = [name for name, value in named.items() if value != 0 and abs(c - value) <= rtol * abs(value)]
-    return "; it also equals ".join(fits[:3]) or None
+    return fits[0] if len(fits) == 1 and fits[0] not in PLAIN_FACTORS else None
 
 
 # --- the comparison -----------------------------------------------------------------------------------------
@@ -371,7 +385,7 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
             c = (a * e).sum().item() / ee
             if abs(c - 1) > 1e-3 and c != 0 and close(a, c * e):
                 name = _name_of(c, named)
-                return f"every value is the expected one times {_number(c)}" + (f", which is {name}" if name else "")
+                return f"every value is the expected one times {name or _number(c)}"  # a name starts with its number
         d = a - e
         if a.numel() > 1 and close(a, e + d.mean()):
             return f"off by a constant: every value is {d.mean().item():+.4g} from the expected one"

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 
 from utils.checker import callees, environment, summary
-from utils.checker.compare import NO_PATTERN, RESEMBLES, split_message
+from utils.checker.compare import NAMED_FACTOR, NO_PATTERN, RESEMBLES, split_message
 from utils.checker.layout import built_parts, exercise_names, part_defining
 from utils.checker.registry import explanation_line
 from utils.checker.runner import Outcome, run_exercise_tests
@@ -45,7 +45,7 @@ def check(obj: object, part: str | None = None, timeout: float = DEFAULT_TIMEOUT
         failing = []
         if not outcome.ok and not outcome.timed_out:  # a failure may lie in another exercise it calls
             failing = callees.failing_callees(obj, part, name, timeout=timeout)
-    print(report(outcome, part, timeout, failing_callees=failing, verbose=verbose))
+    print(summary.wrapped(report(outcome, part, timeout, failing_callees=failing, verbose=verbose)))
 
 
 @contextlib.contextmanager
@@ -173,8 +173,9 @@ def _specificity(message: str) -> int:
     main = split_message(message)[0]
     if SAME_CALL in main or RESEMBLES in main or PASSES in main:
         return 3
-    if any(k in main for k in (", which is ", "opposite sign", "shifted by one", "transposed", "another order",
-                               "every value is 0", "right on the real tokens", "right on padding", "NaN", "inf at")):
+    if NAMED_FACTOR.search(main) or any(k in main for k in (
+            "opposite sign", "shifted by one", "transposed", "another order", "every value is 0",
+            "right on the real tokens", "right on padding", "NaN", "inf at")):
         return 2
     if NO_PATTERN in main:
         return 0

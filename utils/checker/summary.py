@@ -13,6 +13,7 @@ by a worker without importing pytest or torch.
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
@@ -145,3 +146,23 @@ def count_passed(rows: list[Row]) -> tuple[int, int]:
     """(exercises passed, exercises) among `rows` (the row of a notebook that could not be read is no exercise)."""
     exercises = [row for row in rows if row.exercise]
     return sum(row.status == "passed" for row in exercises), len(exercises)
+
+
+LINE_WIDTH = 120  # characters of a printed line of check()'s message at most
+
+
+def wrapped(text: str, width: int = LINE_WIDTH) -> str:
+    """`text` with each line over `width` characters broken at spaces, the continuation indented two spaces deeper
+    than the line it continues: JupyterLab and nbconvert break long output lines at any character and lose the
+    indent, so a message's nesting (a test, then what it found) falls apart. Nothing is cut; a word longer than
+    the width (a path) stays whole on a line of its own."""
+    out = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = line[:len(line) - len(line.lstrip())]
+        out.extend(textwrap.wrap(line.strip(), width, initial_indent=indent, subsequent_indent=indent + "  ",
+                                 break_long_words=False, break_on_hyphens=False, replace_whitespace=False,
+                                 drop_whitespace=True))
+    return "\n".join(out)
