@@ -26,6 +26,16 @@ def fewer_drawn_examples(request, monkeypatch):
     monkeypatch.setattr(generated, "EXAMPLES_WITH_MODEL", max(1, CHECKER_DRAWN_EXAMPLES // 10))
 
 
+@pytest.fixture(autouse=True)
+def unbroken_lines(request, monkeypatch):
+    """These tests read what check() says, each finding on its line: check() prints long lines broken at spaces
+    (summary.wrapped), which test_check.py tests; here it does not break them (in this process; the graders' workers
+    they start do, and those tests read the feedback with its spaces flattened)."""
+    from utils.checker import summary
+
+    monkeypatch.setattr(summary, "LINE_WIDTH", 10 ** 6)
+
+
 @pytest.fixture
 def fresh_memory():
     """An empty memory for check() (memory.py) for the test, the one before it back afterwards: a test that needs a

@@ -4,6 +4,7 @@ known mistake, keeps pytest's explanation of a failed comparison, and leaves the
 import pytest
 
 from solutions import part0_warmup as ref
+from utils.checker import summary
 from utils.checker.layout import ROOT, built_parts, exercise_names, parts
 from utils.checker.notebook import check
 from utils.checker.registry import registry_of
@@ -37,6 +38,8 @@ def test_check_prints_pass_and_names_the_mistake(capsys):
     assert "❌ get_logprobs" in out and "is the prediction *for* token t + 1" in out, out
 
 
+WIDTH = summary.LINE_WIDTH  # read at import: conftest.py lifts it in this process's tests
+
 CHECK_IN_A_FRESH_PROCESS = """
 import os, sys
 sys.path.insert(0, os.getcwd())
@@ -68,6 +71,17 @@ def test_check_in_a_fresh_process_explains_a_failed_comparison_and_leaves_the_en
     failure = out.split("❌ sample_next_token", 1)[1].split("environment after check", 1)[0]
     assert failure.strip().splitlines()[-1].strip() != "AssertionError", f"the reason was lost:\n{out}"
     assert "environment after check: None None" in out, out
+    assert max(len(line) for line in failure.splitlines()) <= WIDTH, failure  # as a learner sees it: lines broken
+
+
+def test_long_lines_are_broken_at_spaces_with_a_hanging_indent_and_nothing_cut():
+    words = " ".join(f"w{i}" for i in range(60))
+    text = f"❌ x: 1 of 2 tests failed.\n  test_x[gpt2]:\n    {words}\n  short\n    /{'p' * 130}"
+    lines = summary.wrapped(text, width=40).splitlines()
+    assert lines[:2] == ["❌ x: 1 of 2 tests failed.", "  test_x[gpt2]:"]
+    assert lines[2].startswith("    w0 ") and all(line.startswith("      w") for line in lines[3:-2]), lines
+    assert all(len(line) <= 40 for line in lines[:-1]) and lines[-1] == f"    /{'p' * 130}", lines  # a word stays whole
+    assert " ".join(" ".join(lines).split()) == " ".join(text.split())  # every word, in its order
 
 
 def test_check_rejects_an_unknown_name():

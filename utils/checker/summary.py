@@ -151,11 +151,12 @@ def count_passed(rows: list[Row]) -> tuple[int, int]:
 LINE_WIDTH = 120  # characters of a printed line of check()'s message at most
 
 
-def wrapped(text: str, width: int = LINE_WIDTH) -> str:
+def wrapped(text: str, width: int | None = None) -> str:
     """`text` with each line over `width` characters broken at spaces, the continuation indented two spaces deeper
     than the line it continues: JupyterLab and nbconvert break long output lines at any character and lose the
     indent, so a message's nesting (a test, then what it found) falls apart. Nothing is cut; a word longer than
-    the width (a path) stays whole on a line of its own."""
+    the width (a path) stays whole on a line of its own. `width`: LINE_WIDTH unless given."""
+    width = width or LINE_WIDTH
     out = []
     for line in text.splitlines():
         if len(line) <= width:
