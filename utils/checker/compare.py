@@ -332,6 +332,9 @@ def _shape_difference(actual: Tensor, expected: Tensor, atol: float, rtol: float
 
 def _nonfinite_difference(a: Tensor, e: Tensor, mask: Tensor | None) -> str | None:
     bad = ~torch.isfinite(a) & torch.isfinite(e)
+    if bad.any() and a.numel() == 1:  # one number: no positions to list
+        got = "NaN" if torch.isnan(a).item() else f"{'-' if a.item() < 0 else ''}inf"
+        return f"got {got}, expected {_number(e.item())}: {got} where the expected value is finite"
     if bad.any():
         kinds = " and ".join(k for k, f in (("NaN", torch.isnan(a)), ("inf", torch.isinf(a))) if (f & bad).any())
         text = (f"{kinds} at {int(bad.sum())} of {a.numel()} positions ({_positions(bad)}) where the expected value is "
@@ -344,6 +347,8 @@ def _nonfinite_difference(a: Tensor, e: Tensor, mask: Tensor | None) -> str | No
             text += ", all of them on real tokens (where the mask is True)"
         return text
     missing = torch.isnan(e) & ~torch.isnan(a)
+    if missing.any() and a.numel() == 1:
+        return f"got {_number(a.item())}, expected NaN (NaN marks a value that does not exist)"
     if missing.any():
         i = missing.nonzero()[0]
         return (f"expected NaN at {int(missing.sum())} position(s) ({_positions(missing)}), got numbers there "

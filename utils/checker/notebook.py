@@ -175,7 +175,7 @@ def _specificity(message: str) -> int:
         return 3
     if NAMED_FACTOR.search(main) or any(k in main for k in (
             "opposite sign", "shifted by one", "transposed", "another order", "every value is 0",
-            "right on the real tokens", "right on padding", "NaN", "inf at")):
+            "right on the real tokens", "right on padding", "NaN", "inf at", "where the expected value is finite")):
         return 2
     if NO_PATTERN in main:
         return 0
