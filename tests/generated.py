@@ -661,11 +661,10 @@ def _assert_no_new_nan(got: object, want: object, what: str) -> None:
         if g.shape == w.shape and g.is_floating_point() and w.is_floating_point():
             new = g.isnan() & ~w.isnan()
             observing.observe(f"{what} (NaN)", new.nonzero().tolist())
-            if new.any() and new.numel() == 1:
-                raise CheckFailure(f"{what}: NaN where the reference's value is not NaN")
             if new.any():
-                raise CheckFailure(f"{what}: NaN at {int(new.sum())} of {new.numel()} positions "
-                                   f"({new.nonzero()[0].tolist()} first) where the reference's value is not NaN")
+                where = "" if new.numel() == 1 else (f" at {int(new.sum())} of {new.numel()} positions "
+                                                     f"({new.nonzero()[0].tolist()} first)")  # one number: none
+                raise CheckFailure(f"{what}: NaN{where} where the reference's value is not NaN")
 
 
 def _assert_same_kind(got: object, want: object, what: str, case: Case) -> None:

@@ -27,7 +27,7 @@ def fewer_drawn_examples(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def unbroken_lines(request, monkeypatch):
+def unbroken_lines(monkeypatch):
     """These tests read what check() says, each finding on its line: check() prints long lines broken at spaces
     (summary.wrapped), which test_check.py tests; here it does not break them (in this process; the graders' workers
     they start do, and those tests read the feedback with its spaces flattened)."""
