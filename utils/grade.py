@@ -119,8 +119,9 @@ def write_gradebook(path: Path, graded: dict[str, Graded], allow_reference: bool
         for learner, g in graded.items():
             earned = {(row.part, row.exercise): points(row, allow_reference) for row in g.rows if row.exercise}
             total, possible = score(g, allow_reference)
-            writer.writerow([learner, g.part, *(earned.get(key, "") for key in columns), total, possible,
-                             f"{100 * total / possible:.1f}" if possible else ""])
+            graded_part = bool(possible)  # a notebook of no part of the course has no points to count: blank
+            writer.writerow([learner, g.part, *(earned.get(key, "") for key in columns),
+                             *((total, possible, f"{100 * total / possible:.1f}") if graded_part else ("", "", ""))])
 
 
 def failure_groups(graded: dict[str, Graded]) -> list[tuple[list[str], summary.Row, str]]:
@@ -152,8 +153,11 @@ def render_summary(graded: dict[str, Graded], allow_reference: bool = False) -> 
     for learner, g in graded.items():
         passed, total = summary.count_passed(g.rows)
         earned, possible = score(g, allow_reference)
-        percent = f" ({100 * earned / possible:.0f}%)" if possible else ""
-        lines.append(f"| {learner} | {g.part or '-'} | {passed}/{total} | {earned}/{possible}{percent} |")
+        if not possible:  # no exercise of the course: nothing to count ("0/0" would read as a score)
+            lines.append(f"| {learner} | - | not graded (see below) | - |")
+            continue
+        lines.append(f"| {learner} | {g.part} | {passed}/{total} | {earned}/{possible} "
+                     f"({100 * earned / possible:.0f}%) |")
     lines.append("")
     parts = sorted({g.part for g in graded.values() if g.part})
     for part in parts:
@@ -198,9 +202,9 @@ def render_feedback(learner: str, g: Graded, allow_reference: bool = False) -> s
     any handed in as the course's reference), the cells that failed, then the exercises not written yet."""
     passed, total = summary.count_passed(g.rows)
     earned, possible = score(g, allow_reference)
-    lines = [f"# {learner}: {g.part or g.path.name}, {passed} of {total} exercises passed"
-             + (f", {earned} of {possible} points" if possible else ""), "",
-             "```", summary.table(g.rows), "```", ""]
+    counted = (f"{passed} of {total} exercises passed" + (f", {earned} of {possible} points" if possible else "")
+               if total else "not graded")  # no exercise of the course found: nothing to count
+    lines = [f"# {learner}: {g.part or g.path.name}, {counted}", "", "```", summary.table(g.rows), "```", ""]
     if g.problem:
         lines += [f"Your notebook could not be checked in full: {g.problem}.", ""]
     for row in g.rows:

@@ -17,8 +17,8 @@ import torch
 from solutions import part0_warmup as ref
 from tests.checker.conftest import CHECKER_DRAWN_EXAMPLES
 from tests.part0_warmup import mistakes
-from utils.checker import summary
-from utils.checker.grading import grade_notebook
+from utils.checker import integrity, summary
+from utils.checker.grading import grade_notebook, notebook_part
 from utils.checker.layout import ROOT, defined_names, exercise_names, notebook_of
 from utils.checker.notebook import check_all
 from utils.grade import failure_groups, learner_names
@@ -27,6 +27,7 @@ PART = "part0_warmup"
 X = mistakes._sample_no_greedy         # two learners make this one
 Y = mistakes._get_logprobs_unshifted   # one learner makes this one (an earlier exercise: ranked second all the same)
 HANG = "\nwhile True:  # never ends\n    pass\n"
+IMPORTS_THE_REFERENCE = "from solutions.part0_warmup import get_logprobs\n"  # an exercise cell that only imports
 BLOCKS = "\nimport time\ntime.sleep(10 ** 6)  # blocks in C, where the cell's time limit cannot interrupt it\n"
 
 
@@ -93,6 +94,19 @@ def test_check_all_reads_the_notebooks_variables_and_prints_one_table(capsys):
     assert re.search(r"sample_next_token\s+❌\s+\d/\d+\s+temperature 0 is not treated as greedy", table), table
 
 
+def test_a_notebook_whose_exercise_cells_only_import_is_read_as_its_part(tmp_path):
+    nb = json.loads(notebook_of(PART).read_text())
+    for cell in nb["cells"]:
+        if "exercise" in cell.get("metadata", {}).get("tags", []):
+            (name,) = defined_names("".join(cell["source"]))
+            cell["source"] = f"from solutions.{PART} import {name}\n"
+    (tmp_path / "copied.ipynb").write_text(json.dumps(nb))
+    assert notebook_part(tmp_path / "copied.ipynb") == PART
+    cells = integrity.exercise_cells(tmp_path / "copied.ipynb")
+    assert set(cells) == set(exercise_names(PART)), cells  # each cell stands for its exercise, and is flagged
+    assert integrity._cell_imports(cells["get_logprobs"], PART) == f"its cell imports solutions.{PART} (line 1)"
+
+
 def test_check_all_says_what_to_do_when_no_exercise_is_defined():
     with pytest.raises(ValueError, match=r"check_all\(part="):
         check_all(namespace={"__name__": "__main__", "x": 1})
@@ -129,7 +143,7 @@ def class_report(tmp_path_factory):
     learner_notebook(root / "a" / "lee.ipynb", {"sample_next_token": wrong(X, "sample_next_token")})
     learner_notebook(root / "b" / "lee.ipynb", {"sample_next_token": wrong(X, "sample_next_token"),
                                                 "get_logprobs": wrong(Y, "get_logprobs")})
-    learner_notebook(root / "grace.ipynb", {"get_logprobs": solution("get_logprobs"),
+    learner_notebook(root / "grace.ipynb", {"get_logprobs": IMPORTS_THE_REFERENCE,
                                             "make_steering_hook": "raise RuntimeError('at import')\n"})
     (root / "notes.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code", "metadata": {}, "source": "x = 1",
                                                              "outputs": [], "execution_count": None}],
@@ -162,6 +176,8 @@ def test_grade_writes_one_csv_row_per_learner_and_exercise(class_report):
     raised = grades[("grace", "make_steering_hook")]
     assert raised["status"] == "failed" and "raised RuntimeError" in raised["note"], raised
     assert status[("grace", "get_logprobs")] == "passed"  # the cell that raised costs only its own exercise
+    imported = grades[("grace", "get_logprobs")]  # a cell that only imports the reference: graded, flagged, 0 points
+    assert imported["points"] == "0" and imported["flag"].startswith("get_logprobs is the course's reference"), imported
     assert status[("notes", "")] == "not judged" and "defines no exercise" in grades[("notes", "")]["note"]
 
 
@@ -179,7 +195,10 @@ def test_grade_groups_every_failure_with_its_learners_the_most_common_first(clas
     assert ranked[2][2].startswith("⏱️ code cell") and "ran past 10 s" in ranked[2][2]
     assert ranked[3][2].startswith("code cell") and "raised RuntimeError" in ranked[3][2]
     assert "notes: it defines no exercise" in text
-    assert "| frank | part0_warmup | 2/6 |" in text and "| notes | - | 0/0 |" in text
+    assert "| frank | part0_warmup | 2/6 |" in text and "| notes | - | not graded (see below) | - |" in text
+    assert "0/0" not in text and all("0/0" not in (out / name).read_text() for name in ("grades.csv", "gradebook.csv"))
+    book = {row["learner"]: row for row in csv.DictReader((out / "gradebook.csv").open(newline=""))}
+    assert (book["notes"]["total"], book["notes"]["max"], book["notes"]["percent"]) == ("", "", ""), book["notes"]
 
 
 @pytest.mark.xdist_group("class_report")  # one worker, one grading for the three (see test_gradebook.py)

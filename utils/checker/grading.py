@@ -25,7 +25,8 @@ except ImportError:
     resource = None
 
 from utils.checker import summary
-from utils.checker.layout import CHAPTERS, ROOT, built_parts, defined_names, exercise_names, notebook_cells, part_of
+from utils.checker.layout import (CHAPTERS, ROOT, built_parts, defined_names, exercise_names, imported_names,
+                                  notebook_cells, part_of)
 
 DEFAULT_TIMEOUT_S = 900.0      # one whole notebook: start, its definitions, and every exercise's tests
 DEFAULT_CELL_TIMEOUT_S = 60.0  # one cell of the notebook's definitions
@@ -61,7 +62,9 @@ def notebook_part(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"not a readable notebook ({type(error).__name__}: {error}); save it from Jupyter again")
     tagged = [src for tags, src in cells if "exercise" in tags]
-    names = {n for src in (tagged or [src for _, src in cells]) for n in defined_names(src)}
+    # an exercise cell may import its exercise instead of defining it (integrity.py flags an import of the reference)
+    names = {n for src in tagged for n in defined_names(src) + imported_names(src)} or {
+        n for _, src in cells for n in defined_names(src)}
     scores = {p: len(names & set(exercise_names(p))) for p in built_parts()}
     best = max(scores.values(), default=0)
     if not best:

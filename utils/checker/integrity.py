@@ -16,7 +16,7 @@ import inspect
 import types
 from pathlib import Path
 
-from utils.checker.layout import defined_names, exercise_names, notebook_cells
+from utils.checker.layout import defined_names, exercise_names, imported_names, notebook_cells
 
 REFERENCE = "solutions"  # the package of the course's reference code
 
@@ -26,7 +26,7 @@ def exercise_cells(path: Path) -> dict[str, str]:
     cells = {}
     for tags, source in notebook_cells(path):
         if "exercise" in tags:
-            for name in defined_names(source) + _imported_names(source):
+            for name in defined_names(source) + imported_names(source):
                 cells.setdefault(name, source)
     return cells
 
@@ -63,15 +63,6 @@ def _is_reference(name: str, obj: object) -> str:
         obj = getattr(obj, "__wrapped__", None) or (obj.func if isinstance(obj, functools.partial) else None)
         seen += 1
     return ""
-
-
-def _imported_names(source: str) -> list[str]:
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    return [alias.asname or alias.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import,
-            ast.ImportFrom)) for alias in node.names]
 
 
 def _cell_imports(source: str, part: str) -> str:

@@ -97,6 +97,16 @@ def defined_names(source: str) -> list[str]:
     return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
 
 
+def imported_names(source: str) -> list[str]:
+    """The names a piece of code's top-level imports bind (none if it does not parse)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [alias.asname or alias.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import,
+            ast.ImportFrom)) for alias in node.names]
+
+
 def exercise_names(part: str) -> list[str]:
     """The exercises of a part, in notebook order: what its cells tagged "exercise" define."""
     return [name for tags, src in notebook_cells(notebook_of(part)) if "exercise" in tags
