@@ -34,16 +34,18 @@ import math
 import os
 import re
 import textwrap
+import typing
 
 import torch
 from hypothesis import HealthCheck, Phase, given, reject, settings
+from hypothesis.control import current_build_context
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from torch import Tensor
 
 from tests.battery import VALUES, _reference_of, _shape, _tensor_type
 from utils.checker import observe as observing
-from utils.checker.compare import CheckFailure, show
+from utils.checker.compare import CheckFailure, bare_failures, refusal_left_out, show
 from utils.checker.properties import aliases, assert_inputs_unchanged, assert_no_aliases, assert_outputs_match
 
 # Examples drawn per exercise: about 0.2-1 s per exercise on the tiny tensors drawn here; a tenth of them with the
@@ -133,7 +135,25 @@ class Spec:
                     self.dims.append(dim)
         self.kinds = {p.name: _kind_of(p, self.rules.get(p.name)) for p in self.params}
         self.has_floats = any(_tensor_type(p.annotation) is not None
-                              and "float32" in set(_tensor_type(p.annotation).dtypes) for p in self.params)
+                              and "float32" in set(_tensor_type(p.annotation).dtypes) for p in self.params) or bool(
+            {"loras", "module_adapters"} & set(self.kinds.values()))  # adapters' parameters are floats too
+        self.keys = _string_constants(reference)
+
+
+def _string_constants(function) -> list[str]:
+    """The strings of the module-level tuples and lists of strings the function's own body names (QKV = ("q", "k",
+    "v")): the keys a dict argument of it may hold."""
+    try:
+        code = inspect.unwrap(function).__code__
+    except AttributeError:
+        return []
+    namespace = inspect.unwrap(function).__globals__
+    found: list[str] = []
+    for name in code.co_names:
+        value = namespace.get(name)
+        if isinstance(value, (tuple, list)) and value and all(isinstance(v, str) for v in value):
+            found += [v for v in value if v not in found]
+    return found
 
 
 def _settings_class(annotation) -> bool:
@@ -156,6 +176,10 @@ def _kind_of(p: inspect.Parameter, rule) -> str | None:
         return "lora_model"
     if p.name == "old_adapters":
         return "adapters"
+    if typing.get_origin(p.annotation) is dict and getattr(typing.get_args(p.annotation)[-1], "__name__", "") == "LoRA":
+        return "loras"  # {key: LoRA}: adapters made here, in the drawn dtype
+    if p.name == "adapters" and p.annotation is torch.nn.ModuleDict:
+        return "module_adapters"  # make_adapters' ModuleDict of the embedded model, in the drawn dtype
     if getattr(p.annotation, "__name__", None) == "Samples":
         return "samples"
     if p.annotation is torch.nn.Linear:
@@ -180,6 +204,8 @@ def drawable(part: str) -> list[str]:
         ret = spec.signature.return_annotation
         if ret in (inspect.Parameter.empty, None, "None") or any(w in str(ret) for w in ("Callable", "Module", "LoRA")):
             continue
+        if {"model", "module_adapters"} <= set(spec.kinds.values()):
+            continue  # adapters made on the shared model, with the model: what it does to the model is for its tests
         if all(spec.kinds.values()) and name not in NOT_DRAWN:
             names.append(name)
     return names
@@ -409,6 +435,10 @@ def _draw_case(data, spec: Spec, dtypes: tuple[torch.dtype, ...]) -> Case:
             from tests.support import adapters_with_random_B
 
             case.arguments[pname] = adapters_with_random_B(_model(), seed=1, seed_A=1)
+        elif spec.kinds[pname] == "loras":
+            case.arguments[pname] = _loras(data, spec.keys, g, case, dtype)
+        elif spec.kinds[pname] == "module_adapters":
+            case.arguments[pname] = _module_adapters(data, seed, case, dtype)
         elif spec.kinds[pname] == "samples":
             case.arguments[pname] = _samples(data, g, case)
         elif spec.kinds[pname] == "head":
@@ -435,6 +465,41 @@ def _draw_case(data, spec: Spec, dtypes: tuple[torch.dtype, ...]) -> Case:
         else:
             case.arguments[pname] = _number(data, pname, p, rule, case, spec.branches.get(pname, []))
     return case
+
+
+def _loras(data, keys: list[str], g: torch.Generator, case: Case, dtype: torch.dtype) -> dict:
+    """{key: LoRA}: a nonempty subset of `keys` (in their order, each with its own rank and alpha), or, as a branch of
+    the input domain, one key outside them too; d_in and d_out those of a small block, B drawn (not LoRA's 0)."""
+    from solutions.part2_lora import LoRA
+
+    keys = keys or ["a", "b"]
+    chosen = [k for k in keys if data.draw(st.booleans(), label=f"key {k}")] or keys[:1]
+    if data.draw(st.integers(0, 4), label="a key outside") == 0:
+        chosen.append("o" if "o" not in keys else "extra")
+        case.words.append(f"the keys {chosen}")
+    adapters = {}
+    for key in chosen:
+        rank = data.draw(st.sampled_from((2, 1, 3)), label=f"rank of {key}")
+        alpha = data.draw(st.sampled_from((4.0, 1.0, 6.0)), label=f"alpha of {key}")
+        if rank == 1:
+            case.words.append(f"rank 1 for {key}")
+        lora = LoRA(8, 12, rank, alpha)
+        with torch.no_grad():
+            lora.A.copy_(torch.randn(lora.A.shape, generator=g))
+            lora.B.copy_(torch.randn(lora.B.shape, generator=g))
+        adapters[key] = lora.to(dtype)
+    return adapters
+
+
+def _module_adapters(data, seed: int, case: Case, dtype: torch.dtype):
+    """make_adapters' ModuleDict on the embedded model (some of its targets, a drawn rank), with B drawn."""
+    from tests.support import adapters_with_random_B
+
+    targets = data.draw(st.sampled_from((("q", "v"), ("o",), ("q", "k", "v", "o"))), label="targets")
+    rank = data.draw(st.sampled_from((2, 1)), label="rank")
+    if rank == 1:
+        case.words.append("adapters of rank 1")
+    return adapters_with_random_B(_model(), seed=seed, seed_A=seed, rank=rank, targets=targets).to(dtype)
 
 
 def _model():
@@ -590,6 +655,12 @@ def _dtype_of(case: Case) -> torch.dtype:
     for v in case.arguments.values():
         if isinstance(v, Tensor) and v.is_floating_point():
             return v.dtype
+        modules = v.values() if isinstance(v, (dict, torch.nn.ModuleDict)) else [v]
+        for module in modules:  # adapters drawn in the case's dtype
+            if isinstance(module, torch.nn.Module) and module is not _model():
+                floats = [p for p in module.parameters() if p.is_floating_point()]
+                if floats:
+                    return floats[0].dtype
     return torch.float32
 
 
@@ -610,11 +681,14 @@ def _compare(fn, reference, case: Case, name: str) -> None:
             raise
         except Exception as other:  # noqa: BLE001 - the learner's code may raise anything
             observing.observe(what, type(other).__name__)
+            if isinstance(other, CheckFailure):  # a check of the checker's own (a contract) refused it first
+                raise CheckFailure(f"{what}: expected a ValueError (the reference refuses this input: "
+                                   f"{str(refused)[:160]}); instead, {str(other)[:200]}") from None
             raise CheckFailure(f"{what}: expected a ValueError (the reference refuses this input: "
                                f"{str(refused)[:160]}), but it raised {type(other).__name__}: {str(other)[:200]}"
                                ) from None
         observing.observe(what, "returned")
-        raise CheckFailure(f"{what}: should raise a ValueError (the reference refuses this input: "
+        raise refusal_left_out(f"{what}: should raise a ValueError (the reference refuses this input: "
                            f"{str(refused)[:160]}), but it returned {show(got)}") from None
     except Exception:  # noqa: BLE001 - outside what the reference computes (bfloat16 unsupported, ...): not drawn
         reject()
@@ -731,7 +805,10 @@ def on_generated_inputs(impl, part: str, name: str, examples: int | None = None)
         if state["stub"] is not None:
             return
         try:
-            _compare(fn, reference, case, name)
+            # the message of a failing example is worked out in full only for the one hypothesis shows (its final
+            # replay of the smallest): the search and shrinking throw theirs away
+            with contextlib.nullcontext() if current_build_context().is_final else bare_failures():
+                _compare(fn, reference, case, name)
         except NotImplementedError as stub:  # not written yet: said once, with no example to shrink
             state["stub"] = stub
 

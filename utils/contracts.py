@@ -208,8 +208,31 @@ def contract(*relations: Callable[[dict], str | None], tensors: str | None = Non
 
         checked.contract = rules  # what the tests read: the rules, and whether it is a loss's contract
         checked.contract_tensors = tensors
+        checked.contract_whole = (relations, dict(tensors=tensors, finite=finite, no_nan=no_nan), rules)
         return checked
     return decorate
+
+
+def with_contract_of(reference: Callable, fn: Callable) -> Callable:
+    """`fn` under `reference`'s @contract (its refusals, in the same words), or `fn` itself when the reference has
+    none. The checker's registered wrong versions carry their exercise's contract this way, as a notebook's stub
+    carries it: a learner who keeps the `@contract` line and makes the mistake fails the tests as they do."""
+    whole = getattr(reference, "contract_whole", None)
+    if whole is None or not CHECKS_ON or not inspect.isfunction(fn):
+        return fn
+    relations, options, rules = whole
+
+    def bound(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    functools.update_wrapper(bound, fn)
+    # the arguments are read by the reference's parameters (a wrong version may take them as **kw), and passed on as
+    # they came, so that the wrong version's own defaults apply
+    bound.__signature__ = inspect.signature(reference)
+    checked = contract(*relations, **options, **rules)(bound)
+    checked.__signature__ = inspect.signature(fn)  # what a reader of its signature sees: the wrong version's own
+    checked.contract_of = reference.__name__
+    return checked
 
 
 def relation(check: Callable[[dict], bool], message: Callable[[dict], str]) -> Callable[[dict], str | None]:

@@ -6,7 +6,7 @@ import pytest
 from solutions import part0_warmup as ref
 from utils.checker import summary
 from utils.checker.layout import ROOT, built_parts, exercise_names, parts
-from utils.checker.notebook import check
+from utils.checker.notebook import check, failures, label
 from utils.checker.registry import registry_of
 
 
@@ -82,6 +82,26 @@ def test_long_lines_are_broken_at_spaces_with_a_hanging_indent_and_nothing_cut()
     assert lines[2].startswith("    w0 ") and all(line.startswith("      w") for line in lines[3:-2]), lines
     assert all(len(line) <= 40 for line in lines[:-1]) and lines[-1] == f"    /{'p' * 130}", lines  # a word stays whole
     assert " ".join(" ".join(lines).split()) == " ".join(text.split())  # every word, in its order
+
+
+def test_a_tests_model_is_said_in_words_and_the_other_failures_by_what_they_found():
+    assert label("test_x[gpt2]") == 'test_x, on the GPT-2-style model ("tiny")'
+    assert label("test_x[0.5-llama]") == 'test_x[0.5], on the Llama-style model ("tiny-llama")'
+    assert label("test_x[0.5-None]") == "test_x[0.5-None]" and label("test_x") == "test_x"
+    failed = [("test_a[gpt2]", "f(x): every value has the opposite sign."),
+              ("test_a[llama]", "f(x): every value has the opposite sign."),
+              ("test_refuses", "f(x): should raise a ValueError (the reference refuses it), but it returned 3 instead"),
+              ("test_gradient", "f(x): the right values, but no gradient flows back through them"),
+              ("test_kind", "f(x) returned a float32 tensor of shape [4], where its contract (the signature's "
+                            "annotation) says Bool[Tensor, 'batch']: a bool tensor of shape [batch]"),
+              ("test_other", "f(x): the optimizer stepped twice")]
+    lines = failures(failed, [], verbose=False, name="f")
+    assert lines[0] == '  test_a, on the GPT-2-style model ("tiny"):', lines
+    also = [line for line in lines if line.startswith("  Also failing: ")]
+    assert also == ["  Also failing: 5 more tests (1 with the same finding, 1 where no ValueError was raised, 1 where "
+                    "gradients differ, 1 refused by the contract's check, 1 with another finding); check(f, "
+                    "verbose=True) shows every failure in full."], lines
+    assert not any("test_refuses" in line for line in lines)  # a name can suggest another cause than its test found
 
 
 def test_check_rejects_an_unknown_name():

@@ -320,14 +320,14 @@ def test_a_loop_mistake_is_named_replaying_only_the_wrong_versions_of_its_depart
         return _learn_scheduler_per_epoch(*args, **kwargs)
 
     first = run_exercise_tests("part1_ppo", "learn", learn)
-    assert first.likely == [_learn_scheduler_per_epoch], first
+    assert [w.__name__ for w in first.likely] == ["_learn_scheduler_per_epoch"], first  # the registry's, refusals kept
     recorded = fresh_memory.departure_classes("part1_ppo", "learn")
     assert recorded.get("_learn_scheduler_per_epoch") == "skipped scheduler", recorded
     departures = fresh_memory.departures
     fresh_memory.forget()
     fresh_memory.departures.update(departures)  # what the wrong versions' earlier runs showed, and nothing else
     outcome = run_exercise_tests("part1_ppo", "learn", learn)
-    assert outcome.likely == [_learn_scheduler_per_epoch], outcome
+    assert [w.__name__ for w in outcome.likely] == ["_learn_scheduler_per_epoch"], outcome
     trace_test = next(node for node, r in outcome.diagnosis.results.items() if r.compares_traces)
     replayed = sorted(w.__name__ for (node, w) in fresh_memory.wrong_runs if node == trace_test)
     assert replayed == sorted(n for n, found in recorded.items() if found == "skipped scheduler"), replayed
@@ -354,3 +354,36 @@ def test_a_hook_that_raises_at_an_alias_of_a_target_says_which_point_that_is_on_
         assert alias_of_a_target(model, "blocks.0.attn.q.hook_out") == ""
         assert alias_of_a_target(model, "blocks.0.hook_resid_post") == ""
         assert alias_of_a_target(model, "unembed.hook_out") == ""
+
+
+# --- a registered slip is named whether or not the learner wrote the documented refusals ------------------------------
+
+UNSHIFTED = '''
+@contract(**reference.get_logprobs.contract_whole[2])
+def get_logprobs(logits, tokens, prefix_len=1):
+    {refusal}
+    logprobs = logits[:, prefix_len:].log_softmax(dim=-1)  # scores token t with the logits at t, not t - 1
+    return logprobs.gather(dim=-1, index=tokens[:, prefix_len:, None]).squeeze(-1)
+'''
+REFUSAL = ("if not 1 <= prefix_len < tokens.shape[1]:\n        raise ValueError(f'prefix_len must be in [1, seq), got "
+           "{prefix_len}')")
+
+
+@pytest.mark.parametrize("refuses", [True, False], ids=["with the refusal", "without it"])
+def test_a_registered_slip_is_named_whatever_the_learner_did_with_the_documented_refusal(refuses, capsys):
+    """The most common slip of the course (token t scored with the logits at t), written with the `ValueError` the
+    docstring asks for, or without it: the registered wrong version keeps the exercise's refusals
+    (registry.with_refusals_of), and a refusal the learner leaves out is not required of it (diagnosis._named), so
+    both are named. Where the learner's version leaves the refusal out, the first words say so, and the first failure
+    shown is the slip's, not the refusal's."""
+    from solutions import part0_warmup as reference
+    from tests.part0_warmup.mistakes import _get_logprobs_unshifted
+
+    namespace = {"contract": contract, "reference": reference}
+    exec(UNSHIFTED.format(refusal=REFUSAL if refuses else "pass"), namespace)
+    check(namespace["get_logprobs"])
+    out = capsys.readouterr().out
+    assert "👉 Likely mistake" in out and inspect.getdoc(_get_logprobs_unshifted).split(":")[0] in out, out
+    assert ("raises the documented error where your version returns" in out) is not refuses, out
+    first = out.split("\n  test_", 1)[1]
+    assert "should raise" not in first.split("\n  Also failing")[0], out  # the slip's own failure first

@@ -130,6 +130,16 @@ def test_a_factor_that_two_quantities_of_the_call_equal_gets_no_reading():
         "every value is the expected one times 7/10 (valid tokens / all positions)")  # the caller's words, once
 
 
+def test_no_factor_is_read_off_expected_values_that_are_all_alike():
+    """Where every expected value is 1, a result of 1.5 everywhere is "times 1.5" and "1.5 everywhere" alike, and 1.5
+    may be any argument's value: no factor, no name, only what the values are."""
+    got = describe_difference(torch.full((4,), 1.5), torch.ones(4), factors={"1.5, the value of `cap`": 1.5})
+    assert got == "every value is 1.5, where every expected value is 1", got
+    e = torch.tensor([1.0, 2.0, 4.0])
+    assert describe_difference(e * 1.5, e, factors={"1.5, the value of `cap`": 1.5}) == (
+        "every value is the expected one times 1.5, the value of `cap`")  # values that differ: the factor holds
+
+
 def test_most_columns_wrong_is_not_called_a_few_positions():
     e = torch.randn(4, 8)
     a = e.clone()

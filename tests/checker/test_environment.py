@@ -26,6 +26,9 @@ from utils.checker.usage import usage_of
 
 # --- never a false blame: what fails on the course's own solution here is the environment's ----------------------
 
+ON_GPT2 = 'on the GPT-2-style model ("tiny")'  # a test's model, as check() says it (notebook.label)
+
+
 def a_learners(wrong_version, name: str):
     """A registered wrong version as a learner's own function: the same code, under the exercise's name."""
     def learner(*args, **kwargs):
@@ -65,7 +68,7 @@ def test_a_test_the_course_fails_here_blames_the_environment_not_the_learner(mon
     check(ref0.generate_no_cache)
     out = capsys.readouterr().out
     assert out.startswith("⚠️ generate_no_cache: 2 of 7 tests failed, and not because of your code"), out
-    assert "test_generate_no_cache_greedy_matches_generate[gpt2]: (not your code" in out, out
+    assert f"test_generate_no_cache_greedy_matches_generate, {ON_GPT2}: (not your code" in out, out
     assert "on the course's own solution on this machine too" in out and says_what_to_install(out), out
     assert names_no_mistake(out, "generate_no_cache"), out
 
@@ -78,8 +81,8 @@ def test_a_wrong_version_where_a_test_cannot_be_judged_is_not_named(monkeypatch,
     check(a_learners(part0._generate_drops_prompt, "generate_no_cache"))
     out = capsys.readouterr().out
     assert out.startswith("❌ generate_no_cache: 4 of 7 tests failed."), out
-    assert "test_generate_no_cache_greedy_matches_generate[gpt2] (not your code" in out, out
-    assert "test_generate_no_cache_samples_with_top_k[gpt2]:\n" in out, out
+    assert "Not your code: `test_generate_no_cache_greedy_matches_generate[gpt2]`" in out, out
+    assert f"test_generate_no_cache_samples_with_top_k, {ON_GPT2}:\n" in out, out
     assert "No likely mistake is named" in out and says_what_to_install(out), out
     assert names_no_mistake(out, "generate_no_cache"), out
 
@@ -112,7 +115,7 @@ def test_an_environment_mismatch_is_the_environment_not_the_learner(monkeypatch,
     check(a_learners(part0._completion_logprobs_no_grad, "completion_logprobs"))
     out = capsys.readouterr().out
     assert out.startswith("❌ completion_logprobs: 6 of 11 tests failed."), out
-    assert "test_completion_logprobs_gradient_reaches_the_weights[gpt2]:\n" in out, out
+    assert f"test_completion_logprobs_gradient_reaches_the_weights, {ON_GPT2}:\n" in out, out
     assert "No likely mistake is named" in out and names_no_mistake(out, "completion_logprobs"), out
 
 

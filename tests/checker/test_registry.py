@@ -3,6 +3,7 @@ stale one (its reference edited, or itself) is an error that names it, the exerc
 instead of a TypeError in every test and a mistake the checker silently stops naming."""
 
 import functools
+import inspect
 import re
 
 import pytest
@@ -121,3 +122,28 @@ def test_every_parts_registry_holds_its_wrong_versions_to_the_reference():
 
     for part in layout.built_parts():
         registry_of(part)  # made when its tests were imported: a mismatch would have raised there
+
+
+def test_a_wrong_version_carries_its_exercises_contract_unless_its_mistake_is_a_refusal_left_out():
+    """As the notebook's stub carries the @contract line: a learner who keeps it and makes a registered slip fails the
+    tests as the registered wrong version does (and is named), whatever the contract refuses."""
+    from utils.checker.registry import kind_of
+    from utils.contracts import with_contract_of
+
+    entry = registry_of("part3_grpo")["grpo_loss"]
+    carried = {kind_of(w) != "error" for w in entry.wrong if getattr(w, "contract_of", None) == "grpo_loss"}
+    assert carried == {True}, "a wrong version of another kind than 'error' without the exercise's contract"
+    one_sided = next(w for w in entry.wrong if w.__name__ == "_loss_one_sided_clip")
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="max_completion_length"):  # the contract's refusal, as the reference's
+        one_sided(x, x, None, torch.zeros(2), torch.ones(2, 3, dtype=torch.bool), max_completion_length=0)
+    from tests.part3_grpo.mistakes import _loss_one_sided_clip
+
+    assert inspect.signature(one_sided) == inspect.signature(_loss_one_sided_clip)  # its own, for the defaults' tests
+    assert with_contract_of(lambda x: x, print) is print  # a reference without a contract: left as it is
+
+    # the reference's own checks too, where the arguments are data: get_logprobs refuses prefix_len 0 in its body
+    unshifted = next(w for w in registry_of(PART)["get_logprobs"].wrong if w.__name__ == "_get_logprobs_unshifted")
+    with pytest.raises(ValueError, match="prefix_len must be in"):
+        unshifted(torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5)), 0)
+    assert not any(getattr(w, "refusals_of", None) for w in entry.wrong if kind_of(w) == "error")

@@ -6,12 +6,13 @@ import inspect
 
 import pytest
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, TypeCheckError
 from torch import Tensor
 
 from solutions import part0_warmup as ref
+from utils.checker.compare import CheckFailure
 from utils.checker.implementations import shape_checked
-from utils.checker.shapes import checked_like, target
+from utils.checker.shapes import ContractFailure, checked_like, target
 
 
 def learners_get_logprobs(logits, tokens, prefix_len=1):
@@ -34,6 +35,28 @@ def test_a_result_of_the_wrong_shape_is_refused():
     checked = checked_like(returns_one_row_too_many, ref.get_logprobs)
     with pytest.raises(Exception, match="return"):
         checked(torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5)), 1)
+
+
+def test_a_refusal_is_said_as_the_contracts_check_in_words_and_stays_a_type_check_error():
+    def squeezes_every_size_one(logits, tokens, prefix_len=1):
+        return ref.get_logprobs(logits, tokens, prefix_len).squeeze()  # .squeeze(-1) belongs: a batch of 1 goes too
+
+    checked = checked_like(squeezes_every_size_one, ref.get_logprobs)
+    with pytest.raises(ContractFailure) as refused:
+        checked(torch.randn(1, 2, 7), torch.randint(0, 7, (1, 2)), 1)
+    assert isinstance(refused.value, TypeCheckError) and isinstance(refused.value, CheckFailure)
+    said = str(refused.value)
+    assert said.startswith("get_logprobs returned a float32 tensor of shape [], where its contract (the signature's "
+                           "annotation) says Float[Tensor, 'batch gen']: a floating-point tensor of shape [batch, "
+                           "gen]"), said
+    assert "jaxtyping" not in said and "----" not in said and "\n" not in said, said
+
+    checked = checked_like(learners_get_logprobs, ref.get_logprobs)
+    with pytest.raises(ContractFailure) as refused:
+        checked(torch.randn(2, 5, 7), torch.randint(0, 7, (3, 5)), 2)
+    assert str(refused.value).startswith("get_logprobs was called with `tokens` an int64 tensor of shape [3, 5], where "
+                                         "its contract"), str(refused.value)
+    assert "here batch = 2" in str(refused.value)  # the size the arguments before it fixed
 
 
 def test_the_wrapper_keeps_the_signature_and_names_what_it_wraps():

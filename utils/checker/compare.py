@@ -36,6 +36,16 @@ from utils.checker.observe import observe
 class CheckFailure(AssertionError):
     """A failed check whose message was written for the learner; the checker's plugins recognise it."""
 
+    refusal_left_out = False  # the code returned where the reference refuses its input (a documented ValueError)
+
+
+def refusal_left_out(message: str) -> CheckFailure:
+    """The failure of a call that returned where the reference refuses its input: a refusal the code leaves out,
+    which a wrong version with the exercise's refusals in place does not share (diagnosis.py)."""
+    failure = CheckFailure(message)
+    failure.refusal_left_out = True
+    return failure
+
 
 # A sentence that the learner's run does not confirm (what a test is about, the causes a difference often has) is an
 # aside: it follows this mark in a failure's message, and check() shows it only when asked (check(fn, verbose=True)),
@@ -94,7 +104,7 @@ def _number(x: float) -> str:
         return str(x)
     if math.isnan(x) or math.isinf(x):
         return str(x)
-    return f"{x:.4g}"
+    return f"{x + 0.0:.4g}"  # + 0.0: a negative zero is said as 0
 
 
 def show(value: object, limit: int = 12) -> str:
@@ -340,9 +350,7 @@ def _nonfinite_difference(a: Tensor, e: Tensor, mask: Tensor | None) -> str | No
         text = (f"{kinds} at {int(bad.sum())} of {a.numel()} positions ({_positions(bad)}) where the expected value is "
                 "finite")
         if mask is not None and not (bad & mask).any():
-            text += (", all of them on padding (where the mask is False). Multiplying a NaN or inf by 0 still gives "
-                     "NaN, so a mask must be applied with torch.where / masked_fill, or the value must stay finite "
-                     "on padding")
+            text += ", all of them on padding (where the mask is False)"  # how they got there is the code's to say
         elif mask is not None and not (bad & ~mask).any():
             text += ", all of them on real tokens (where the mask is True)"
         return text
@@ -389,6 +397,10 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
         if ee > 0 and scale > atol:
             c = (a * e).sum().item() / ee
             if abs(c - 1) > 1e-3 and c != 0 and close(a, c * e):
+                first = e.flatten()[0]
+                if a.numel() > 1 and bool((e == first).all()):  # every expected value alike: a factor is no reading
+                    return (f"every value is {_number(a.flatten()[0].item())}, where every expected value is "
+                            f"{_number(first.item())}")
                 name = _name_of(c, named)
                 return f"every value is the expected one times {name or _number(c)}"  # a name starts with its number
         d = a - e
@@ -517,6 +529,22 @@ def _partial_difference(a: Tensor, e: Tensor, group_size: int | None, close, ato
 
 # --- the assertion --------------------------------------------------------------------------------------------
 
+_BARE = {"on": False}
+
+
+class bare_failures:
+    """Inside this block, assert_close says only that (and what) differs, without working out how: no replay of the
+    call, no factor search, no preview. For the drawn inputs' search and shrinking (tests/generated.py), where hypothesis
+    throws each failing example's message away and only the smallest example's, replayed outside the block, is
+    shown. The failures raised are the same ones, from the same line."""
+
+    def __enter__(self):
+        self.before, _BARE["on"] = _BARE["on"], True
+
+    def __exit__(self, *exc) -> None:
+        _BARE["on"] = self.before
+
+
 def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | None = None,
                  group_size: int | None = None, factors: dict[str, float] | None = None,
                  resembles: dict[str, object] | None = None, hint: str | None = None,
@@ -542,7 +570,8 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
     problem = describe_difference(actual, expected, mask=mask, group_size=group_size, factors=factors,
                                   atol=atol, rtol=rtol)
     values_wrong = problem is not None
-    if values_wrong and not isinstance(actual, (list, tuple, dict)):
+    bare = _BARE["on"]
+    if values_wrong and not bare and not isinstance(actual, (list, tuple, dict)):
         by_call = transforms.call_factors(actual)
         if by_call:  # the factor named by the numbers of the very call that returned it, where it is one of them
             problem = describe_difference(actual, expected, mask=mask, group_size=group_size,
@@ -560,13 +589,15 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
                        "be a constant for the optimiser (detach it, or compute it under torch.no_grad())")
     if problem is None:
         return
-    for description, wrong in (resembles or {}).items():
+    for description, wrong in ({} if bare else resembles or {}).items():
         if describe_difference(actual, wrong, atol=atol, rtol=rtol) is None:
             problem += f". {RESEMBLES} {description}"
             break
     message = f"{what}: {problem}."
-    if isinstance(expected, Tensor) and isinstance(actual, Tensor):
+    if isinstance(expected, Tensor) and isinstance(actual, Tensor) and not bare:
         first = first_difference(actual, expected, atol, rtol)
+        if first and first.split(": ", 1)[1] in problem:  # the one differing value, said already: once
+            first = None
         if first and NO_PATTERN in problem:  # the count is said already
             first = first.split("; ", 1)[1].replace("the first is", "the first difference is", 1)
         if first:
@@ -598,8 +629,8 @@ def first_difference(actual: Tensor, expected: Tensor, atol: float = 1e-5, rtol:
     while digits < 12 and f"{got:.{digits}g}" == f"{want:.{digits}g}":
         digits += 2
     count = int(differs.sum())
-    return (f"{count} of {a.numel()} values differ; the first is at {_where(i)}: got {got:.{digits}g}, expected "
-            f"{want:.{digits}g}")
+    return (f"{count} of {a.numel()} values differ; the first is at {_where(i)}: got {got + 0.0:.{digits}g}, "
+            f"expected {want + 0.0:.{digits}g}")
 
 
 def assert_equal(actual: object, expected: object, what: str, hint: str | None = None,

@@ -60,6 +60,13 @@ class TestResult:
     matches: list | None = None  # for a failure: the wrong versions that fail it the same way (None: undiagnosable)
     diagnosable: bool = False    # a failure whose fingerprint can be compared (not a stub, a skip, a bare assert...)
     compares_traces: bool = False  # the test compared loop traces (trace.assert_same_trace)
+    refusal_left_out: bool = False  # it failed where the learner's version returned and the reference refuses
+
+
+def keeps_refusals(wrong) -> bool:
+    """Whether a registered wrong version has its exercise's refusals in place (registry.with_refusals_of): a failure
+    of the learner's where it leaves a refusal out is then independent of that wrong version's mistake."""
+    return getattr(wrong, "refusals_of", None) is not None
 
 
 class MistakeFinder:
@@ -104,14 +111,32 @@ class MistakeFinder:
 
     def _named(self, exercise: str, failures: dict[str, list | None]) -> list:
         """The rule: a wrong version is named when it fails every diagnosable failure the same way, and no test that
-        the learner's version passed is known to fail with it."""
-        diagnosed = [m for m in failures.values() if m is not None]
+        the learner's version passed is known to fail with it. A failure where the learner's version leaves out a
+        refusal the exercise documents does not concern the mistake of a wrong version that has the refusals in place
+        (keeps_refusals): it is not required of that one, which must still fail at least one failure the same way.
+        So a registered slip is named whether or not the learner also wrote the refusals."""
+        diagnosed = {node: m for node, m in failures.items() if m is not None}
         if not diagnosed:
             return []
-        candidates = [w for w in next(r.wrong for r in self.results.values() if r.exercise == exercise)
-                      if all(any(w is x for x in m) for m in diagnosed)]
+        independent = {node for node in diagnosed if self.results[node].refusal_left_out}
+
+        def explains(w) -> bool:
+            same = [node for node, m in diagnosed.items() if any(w is x for x in m)]
+            other = set(diagnosed) - set(same)
+            return bool(same) and (not other or keeps_refusals(w) and other <= independent)
+
+        candidates = [w for w in next(r.wrong for r in self.results.values() if r.exercise == exercise) if explains(w)]
         passed = [node for node, r in self.results.items() if r.exercise == exercise and r.passed]
         return [m for m in candidates if not any((memory.run(node, m) or Run(False)).failed for node in passed)]
+
+    def refusals_left_out(self, exercise: str, named: list) -> list[str]:
+        """The failed tests of `exercise` where the learner's version leaves out a documented refusal that the named
+        wrong versions keep: the ones they were not required to fail the same way (_named)."""
+        if not named or not all(keeps_refusals(w) for w in named):
+            return []
+        return [_test_name(node) for node, r in self.results.items()
+                if r.exercise == exercise and not r.passed and r.refusal_left_out
+                and not all(any(w is x for x in (r.matches or [])) for w in named)]
 
     def pytest_sessionstart(self, session):
         self.spent = 0.0
@@ -168,7 +193,8 @@ class MistakeFinder:
         if registered:
             _keep(item, name, under_test, learner)
         result = self.results[item.nodeid] = TestResult(name, wrong, passed=exc is None, under_test=under_test,
-                                                        compares_traces=learner.compares_traces)
+                                                        compares_traces=learner.compares_traces,
+                                                        refusal_left_out=learner.refusal_left_out)
         result.diagnosable = exc is not None and not isinstance(exc, NOT_DIAGNOSED) and not fingerprints_nothing(learner)
         if self.controls and not self.judged_here(item, impl, part, name, under_test, exc, state):
             return
@@ -194,7 +220,7 @@ class MistakeFinder:
         # one whose first departure in a loop's trace is known to be of another class than the learner's (`recorded`:
         # {wrong version's name: its class}, from its earlier runs of the exercise's trace tests, memory.py): it
         # cannot fail this trace test the same way. One not run yet is replayed, and records its class.
-        earlier = [r.matches for node, r in self.results.items()
+        earlier = [(r.matches, r.refusal_left_out) for node, r in self.results.items()
                    if node != item.nodeid and r.exercise == name and not r.passed and r.matches is not None]
         declared = recorded or {}
         # Nor is one that departs in a trace test the learner's version passed (the rule: a named wrong version
@@ -226,8 +252,11 @@ class MistakeFinder:
             return 0 if declared[known] == learner.departure else 2
 
         for candidate in sorted(wrong, key=order):
-            if not all(any(candidate is m for m in found) for found in earlier):
+            if not all(any(candidate is m for m in found) or independent and keeps_refusals(candidate)
+                       for found, independent in earlier):
                 continue
+            if learner.refusal_left_out and keeps_refusals(candidate):
+                continue  # a refusal the learner left out: not this wrong version's mistake (_named), no replay
             if cannot_match(candidate):
                 continue
             key = (item.nodeid, candidate)

@@ -28,6 +28,7 @@ class Run:
     departure: str | None = None              # a loop trace's first departure, when it failed there (its class:
                                               # trace.departure_class); not part of the fingerprint
     compares_traces: bool = False             # whether the test compared loop traces (trace.assert_same_trace)
+    refusal_left_out: bool = False            # it failed where it returned and the reference refuses the input
 
 
 def run_of(test_file: str, exc: BaseException | None, log: list) -> Run:
@@ -45,7 +46,8 @@ def run_of(test_file: str, exc: BaseException | None, log: list) -> Run:
         message = str(exc.args[0]) if exc.args else type(exc).__name__
         message = message.split("\nassert ", 1)[0]  # pytest's rewritten-assert trace holds object addresses
         message = anonymous(message)  # addresses, paths and the names of functions differ from run to run
-    return Run(True, (line, type(exc).__name__), message, list(log))
+    return Run(True, (line, type(exc).__name__), message, list(log),
+               refusal_left_out=bool(getattr(exc, "refusal_left_out", False)))
 
 
 def fingerprints_nothing(run: Run) -> bool:

@@ -110,15 +110,19 @@ def _report(outcome: Outcome, part: str, timeout: float | None, name_mistakes: b
     else:
         lines = [f"❌ {name}: {len(outcome.failed)} of {total} tests failed."]
     named = outcome.likely if name_mistakes and not not_judged and not outcome.unconfirmed else []
+    left_out = outcome.refusals_left_out if named else []
     if named:  # the most specific confirmed finding first: a known wrong version fails exactly the same way
+        # a refusal the learner left out, which the named wrong versions keep: said, and its failure shown after
+        apart = (f"; {'it raises' if len(named) == 1 else 'they raise'} the documented error where your version "
+                 f"returns, in {len(left_out)} test{'s' if len(left_out) > 1 else ''}" if left_out else "")
         if len(named) == 1:
             lines.append(f"👉 Likely mistake (a known wrong version of {name} fails these tests in exactly the same "
-                         f"way, and passes the ones you pass): {explanation_line(named[0])}")
+                         f"way, and passes the ones you pass{apart}): {explanation_line(named[0])}")
         else:
-            lines.append(f"👉 Known wrong versions of {name} fail these tests in exactly the same way; one of them is "
-                         "likely your mistake:")
+            lines.append(f"👉 Known wrong versions of {name} fail these tests in exactly the same way{apart}; one of "
+                         "them is likely your mistake:")
             lines += [f"  - {explanation_line(m)}" for m in named]
-    lines += failures(outcome.failed, not_judged, verbose, name)
+    lines += failures(outcome.failed, not_judged, verbose, name, after=left_out)
     if not_judged:
         lines.append("\n" + environment.explain(
             name, outcome.environment, outcome.mismatched, every_failure=len(not_judged) == len(outcome.failed),
@@ -182,9 +186,74 @@ def _specificity(message: str) -> int:
     return 1
 
 
-def failures(failed: list[tuple[str, str]], not_judged: list[str], verbose: bool, name: str) -> list[str]:
+ARCHITECTURE_WORDS = {"gpt2": 'the GPT-2-style model ("tiny")', "llama": 'the Llama-style model ("tiny-llama")'}
+_ARCHITECTURE_IN_ID = re.compile(r"^(?P<test>[^\[]*)\[(?P<params>.*)\]$")
+
+
+def label(test: str) -> str:
+    """A test's id as check() prints it: the embedded model it ran on said in words, by the name a notebook loads it
+    by (plugin.py runs the tests on both), e.g. 'test_x[0.5], on the Llama-style model ("tiny-llama")'."""
+    m = _ARCHITECTURE_IN_ID.match(test)
+    if m is None:
+        return test
+    params = m["params"].split("-")
+    models = [p for p in params if p in ARCHITECTURE_WORDS]
+    if len(models) != 1:
+        return test
+    rest = "-".join(p for p in params if p not in ARCHITECTURE_WORDS)
+    return f"{m['test']}{f'[{rest}]' if rest else ''}, on {ARCHITECTURE_WORDS[models[0]]}"
+
+
+# What a failure found, in a few words (for the tests listed after the first): each read off the words of the
+# failure's own first line, in this order; a failure that none of them fits is counted as "with another finding".
+_GISTS = (
+    (re.compile(r"^NotImplementedError"), "not written"),
+    (re.compile(r"\bshould raise an? (\w+)"), "where no {0} was raised"),
+    (re.compile(r"\braised (\w+)"), "that raised {0}"),
+    (re.compile(r"\byour result is \w+"), "with another dtype or device"),
+    (re.compile(r"where its contract \(the signature's annotation\) says"), "refused by the contract's check"),
+    (re.compile(r"\bshares its memory with\b"), "where the result shares memory with an argument"),
+    (re.compile(r"\bchanged (?:its argument `\w+` in place|the model's weights|which parameters)"),
+     "where the call changed what it was given"),
+    (re.compile(r"\bexpected an? (\w+) \("), "where no {0} was raised"),
+    (re.compile(r"\bthe default of `\w+` is\b|\bhas no default\b|\bthere is no parameter\b"),
+     "on the signature's defaults"),
+    (re.compile(r"\bgradient"), "where gradients differ"),
+    (re.compile(r"\bshape\b"), "where shapes differ"),
+    (re.compile(r"\bNaN\b|\binf\b"), "with a NaN or inf"),
+    (re.compile(r"values? differ|\bevery value\b|\bgot .+, expected\b|\bexpected .+, got\b"), "where values differ"),
+)
+
+
+def gist(message: str) -> str:
+    """What a failure found, in a few words (_GISTS)."""
+    main = split_message(message)[0]
+    first = main.splitlines()[0] if main else ""
+    for pattern, words in _GISTS:
+        found = pattern.search(first)
+        if found:
+            return words.format(*found.groups())
+    return "with another finding"
+
+
+def _also_failing(others: list[tuple[str, str]], same: int) -> str:
+    """'5 more tests: 3 where values differ, 1 that raised TypeError, ...': how many other tests fail, and what each
+    found, in a few words (the first `same` found what the first failure found). The names are in the verbose message:
+    a test's name can suggest another cause than the one it found."""
+    counts: dict[str, int] = {"with the same finding": same} if same else {}
+    for _, message in others[same:]:
+        counts[gist(message)] = counts.get(gist(message), 0) + 1
+    more = f"{len(others)} more test{'s' if len(others) > 1 else ''}"
+    if len(counts) == 1:  # all alike: "2 more tests where values differ"
+        return f"{more} {next(iter(counts))}"
+    return f"{more} ({', '.join(f'{n} {words}' for words, n in counts.items())})"
+
+
+def failures(failed: list[tuple[str, str]], not_judged: list[str], verbose: bool, name: str,
+             after: list[str] = ()) -> list[str]:
     """The failures, each said once: by default the most specific one (its first lines) and the names of the others;
-    verbose, every distinct one in full, with its details and asides."""
+    verbose, every distinct one in full, with its details and asides. `after`: tests not to show first (a refusal
+    left out, beside a named mistake that keeps it: the named mistake's own failure comes first)."""
     groups: dict[str, list[tuple[str, str]]] = {}
     for test, message in failed:
         groups.setdefault(_dedup_key(message), []).append((test, message))
@@ -195,31 +264,32 @@ def failures(failed: list[tuple[str, str]], not_judged: list[str], verbose: bool
             tests = [t for t, _ in group]
             main, details, asides = split_message(group[0][1])
             where = " (not your code: see below)" if tests[0] in not_judged else ""
-            also = f" (the same in {', '.join(tests[1:])})" if len(tests) > 1 else ""
-            lines.append(f"\n  {tests[0]}{also}:{where}\n    " + plain(main).replace("\n", "\n    "))
+            also = f" (the same in {'; '.join(map(label, tests[1:]))})" if len(tests) > 1 else ""
+            lines.append(f"\n  {label(tests[0])}{also}:{where}\n    " + plain(main).replace("\n", "\n    "))
             lines += ["      " + d.replace("\n", "\n      ") for d in details]
             if asides:
                 lines.append("    About this test (not checked on your run):")
                 lines += ["      " + a.replace("\n", "\n      ") for a in asides]
         return lines
     judged = [g for g in ordered if g[0][0] not in not_judged] or ordered
+    judged = [g for g in judged if g[0][0] not in after] or judged
     first = max(judged, key=lambda g: _specificity(g[0][1]))  # max keeps the earliest of equals: notebook order
     tests = [t for t, _ in first]
     main = plain(split_message(first[0][1])[0]).splitlines()
     where = " (not your code: see below)" if tests[0] in not_judged else ""
-    lines.append(f"  {tests[0]}:{where}")
+    lines.append(f"  {label(tests[0])}:{where}")
     lines += ["    " + line.strip() for line in main[:FIRST_LINES]]
-    others = [t + (" (not your code: see below)" if t in not_judged else "") for g in ordered for t, _ in g
-              if t != tests[0]]
-    if others:
-        same = len(tests) - 1
-        rest = f" and {len(others) - 4} more" if len(others) > 4 else ""
-        alike = f" ({'all' if same == len(others) else same} with the same message)" if same else ""
-        lines.append(f"  Also failing: {', '.join(others[:4])}{rest}{alike}.")
+    # the others: the first's own group first (the same finding), then the rest, each said in a few words
+    others = [(t, m) for t, m in first[1:]] + [(t, m) for g in ordered if g is not first for t, m in g]
+    mine = [(t, m) for t, m in others if t not in not_judged]
     more = len(main) > FIRST_LINES or others or any(split_message(m)[1] or split_message(m)[2] for g in ordered
                                                     for _, m in g)
-    if more:
-        lines.append(f"  check({name}, verbose=True) shows every failure in full.")
+    verbose_line = f"check({name}, verbose=True) shows every failure in full"
+    if mine:
+        same = sum(1 for t, _ in first[1:] if t not in not_judged)
+        lines.append(f"  Also failing: {_also_failing(mine, same)}; {verbose_line}.")
+    elif more:
+        lines.append(f"  {verbose_line}.")
     return lines
 
 

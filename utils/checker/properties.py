@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from utils.checker.compare import CheckFailure, aside, assert_close, assert_equal, describe_difference, expect, show
+from utils.checker.compare import (CheckFailure, aside, assert_close, assert_equal, describe_difference, expect,
+                                   refusal_left_out, show)
 from utils.checker.observe import freeze, observe, same
 
 # --- gradients -----------------------------------------------------------------------------------------------
@@ -420,11 +421,12 @@ def assert_raises(exception: type[BaseException] | tuple[type[BaseException], ..
         raise  # a stub: say that, not "raised the wrong exception"
     except Exception as other:  # noqa: BLE001
         observe(what, type(other).__name__)
+        if isinstance(other, CheckFailure):  # a check of the checker's own (a contract) refused it first
+            raise CheckFailure(f"{what}: expected a {name} ({why}); instead, {str(other)[:300]}") from None
         raise CheckFailure(f"{what}: expected a {name} ({why}), but it raised {type(other).__name__}: "
                            f"{str(other)[:300]}") from None
     observe(what, "returned")
-    raise CheckFailure(f"{what}: should raise a {name} ({why}), but it returned {show(result)} "
-                       "instead")
+    raise refusal_left_out(f"{what}: should raise a {name} ({why}), but it returned {show(result)} instead")
 
 
 # --- defaults -----------------------------------------------------------------------------------------------
@@ -534,7 +536,7 @@ def _compare_call(impl_fn: Callable, ref_fn: Callable, arguments: dict[str, obje
     given = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in arguments.items()}
     try:
         got = _call(impl_fn, ref_fn, given)
-    except NotImplementedError:
+    except (NotImplementedError, CheckFailure):
         raise
     except Exception as error:  # noqa: BLE001 - the learner's code may raise anything
         observe(what, type(error).__name__)

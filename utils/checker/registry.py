@@ -24,12 +24,19 @@ says why in its entry's `signature_differs`.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import importlib
 import inspect
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from utils.checker import layout
+from utils.contracts import with_contract_of
 
 KINDS = {
     "values": "computes the wrong values",
@@ -156,6 +163,11 @@ class Registry(Mapping):
                 raise RegistryError(f"{where}: {name!r} lists unknown kinds {bad_kinds} as not applicable; the "
                                     f"kinds are {sorted(KINDS)}")
             _check_signatures(where, self.part, name, entry, getattr(reference, name))
+            # A wrong version carries the exercise's @contract, as the notebook's stub does, unless its mistake is a
+            # refusal left out: its refusals are then the reference's, and only its mistake differs.
+            object.__setattr__(entry, "wrong", tuple(
+                wrong if kind_of(wrong) == "error" else with_refusals_of(getattr(reference, name), wrong)
+                for wrong in entry.wrong))
             params = _parameters(getattr(reference, name))
             bad_params = sorted(set(entry.always_default) - params)
             if bad_params:
@@ -271,6 +283,68 @@ def _parameters(obj) -> set[str]:
         return {p for _, f in inspect.getmembers(obj, inspect.isfunction)
                 for p in inspect.signature(f).parameters} - {"self"}
     return set(inspect.signature(obj).parameters)
+
+
+def _data(value, depth: int = 0) -> bool:
+    """Whether a value is data only (tensors, numbers, strings, flags, None, and lists, dicts and dataclasses of them):
+    a copy of it can be handed to the reference with nothing else to change (no model, no generator, no callable)."""
+    if depth > 4:
+        return False
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_data(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _data(v, depth + 1) for k, v in value.items())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return all(_data(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value))
+    return False
+
+
+def _copy(value):
+    """A copy of data (_data) that shares no tensor with it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy(v) for v in value) if not hasattr(value, "_fields") else value
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        copied = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(copied, f.name, _copy(getattr(value, f.name)))
+        return copied
+    return value
+
+
+def with_refusals_of(reference, wrong):
+    """A registered wrong version with its exercise's refusals in place, as a learner who kept the notebook's
+    `@contract` line and wrote the documented checks has them: the contract's (with_contract_of) and, where the
+    arguments are data only, whatever ValueError the reference raises on a copy of them (its own checks), raised
+    before the wrong version runs. Only the mistake then differs from the reference. (A wrong version whose mistake
+    is a refusal left out, kind "error", is registered as it is.)"""
+    wrong = with_contract_of(reference, wrong)
+    if not (inspect.isfunction(wrong) and inspect.isfunction(reference)):
+        return wrong
+
+    @functools.wraps(wrong)
+    def refusing(*args, **kwargs):
+        if all(_data(v) for v in (*args, *kwargs.values())):
+            state = random.getstate()
+            with torch.random.fork_rng(devices=[]):  # the reference's draws, if any, leave the wrong version's alone
+                try:
+                    reference(*_copy(list(args)), **_copy(kwargs))
+                except ValueError:
+                    raise  # the reference refuses these arguments: so does a learner who wrote its checks
+                except Exception:  # noqa: BLE001 - anything else the reference says is the wrong version's to say
+                    pass
+                finally:
+                    random.setstate(state)
+        return wrong(*args, **kwargs)
+
+    refusing.__signature__ = inspect.signature(wrong)
+    refusing.refusals_of = reference.__name__
+    return refusing
 
 
 def registry_of(part: str) -> Registry:

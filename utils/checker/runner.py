@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ class Outcome:
     passed: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (test name, the failure's message)
     likely: list[object] = field(default_factory=list)          # the wrong versions that explain every failure
+    refusals_left_out: list[str] = field(default_factory=list)  # failures that are refusals `likely` keeps
     not_written: bool = False                                   # every failure was NotImplementedError
     timed_out: str | None = None                                # the test that was running when time ran out
     environment: dict[str, str] = field(default_factory=dict)   # failed tests the course's solution fails here too
@@ -144,9 +146,9 @@ def _test_name(nodeid: str) -> str:
 def _message(report) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     text = (crash.message if crash is not None else str(report.longrepr)).strip()
-    for prefix in ("utils.checker.compare.CheckFailure: ", "CheckFailure: "):
-        if text.startswith(prefix):
-            return _without_notes(text[len(prefix):])
+    own = re.match(r"^(?:utils\.checker\.\w+\.)?(?:CheckFailure|ContractFailure): ", text)  # the checker's words
+    if own:
+        return _without_notes(text[own.end():])
     # A failed `assert cond, "what went wrong"` reads "AssertionError: what went wrong" followed by pytest's
     # "assert ... + where ..." trace of the expression: the sentence is the useful part. An assert without a
     # sentence keeps pytest's explanation (e.g. "assert (0.0001 == 0.01)").
@@ -275,6 +277,7 @@ def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None 
 
     def then(stop: Stop) -> None:
         outcome.likely = finder.likely(name)
+        outcome.refusals_left_out = finder.refusals_left_out(name, outcome.likely)
         _judge_failures(part, name, obj, outcome, stop)
 
     stop, learner_done = _run_stoppable(timeout, learners_tests, then)

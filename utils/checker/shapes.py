@@ -22,12 +22,64 @@ import inspect
 import typing
 import weakref
 
+import re
+
 import jaxtyping
 from beartype import beartype
-from jaxtyping import jaxtyped
+from jaxtyping import TypeCheckError, jaxtyped
 
-
+from utils.checker.compare import CheckFailure
 from utils.checker.transforms import recording_calls
+
+
+class ContractFailure(CheckFailure, TypeCheckError):
+    """The course's shape check refused what a function the checker tests returned, or an argument it was called
+    with: a finding of the checker, said in its words (contract_words), and still a TypeCheckError to whoever catches
+    one."""
+
+
+_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64", "i8": "int8", "i16": "int16",
+           "i32": "int32", "i64": "int64", "u8": "uint8", "bool": "bool", "c64": "complex64", "c128": "complex128"}
+_KINDS = {"Float": "floating-point", "Bool": "bool", "Int": "integer", "Integer": "integer", "Shaped": "",
+          "Num": "numeric", "Real": "real", "Inexact": "floating-point or complex"}
+_ACTUAL = re.compile(r"^Actual value: (?P<dtype>\w+)\[(?P<shape>[\d,]*)\]\((?P<lib>\w+)\)$", re.MULTILINE)
+_EXPECTED = re.compile(r"^Expected type: (?:<class ')?(?P<kind>\w+)\[Tensor, '(?P<dims>[^']*)'\](?:'>)?\.$",
+                       re.MULTILINE)
+_AXIS = re.compile(r"^(\w+)=(\d+)$", re.MULTILINE)
+
+
+def contract_words(text: str, name: str) -> str | None:
+    """jaxtyping's report of a refused value (TypeCheckError's text), said as the course's check of `name`'s contract:
+    "completion_loss_mask returned a float32 tensor of shape [4, 4], where its contract (the signature's annotation)
+    says Bool[Tensor, 'batch gen']: a bool tensor of shape [batch, gen] (here batch = 4, gen = 4)". None for a report
+    of another form (its text is then kept)."""
+    actual, expected = _ACTUAL.search(text), _EXPECTED.search(text)
+    raw_actual = re.search(r"^Actual value: (.{1,80})$", text, re.MULTILINE)
+    raw_expected = re.search(r"^Expected type: (?:<class ')?(.{1,120}?)(?:'>)?\.$", text, re.MULTILINE)
+    if raw_actual is None or raw_expected is None:
+        return None
+    if "whilst checking the return value" in text:
+        where = f"{name} returned"
+    else:
+        parameter = re.search(r"parameter '(\w+)'", text)
+        if parameter is None:
+            return None
+        where = f"{name} was called with `{parameter[1]}`"
+    if actual is None:  # not a tensor: as jaxtyping shows it (None, a tuple, ...)
+        got = raw_actual[1]
+    else:
+        shape = ", ".join(actual["shape"].split(",")) if actual["shape"] else ""
+        dtype = _DTYPES.get(actual["dtype"], actual["dtype"])
+        got = f"{'an' if dtype[0] in 'aeio' else 'a'} {dtype} tensor of shape [{shape}]"
+    if expected is None:
+        return f"{where} {got}, where its contract (the signature's annotation) says {raw_expected[1]}"
+    dims = expected["dims"].split()
+    kind = _KINDS.get(expected["kind"], expected["kind"])
+    known = dict(_AXIS.findall(text))
+    here = [f"{d} = {known[d]}" for d in dims if d in known]
+    said = (f"{expected['kind']}[Tensor, '{expected['dims']}']: a {kind + ' ' if kind else ''}tensor of shape "
+            f"[{', '.join(dims)}]" + (f" (here {', '.join(here)})" if here else ""))
+    return f"{where} {got}, where its contract (the signature's annotation) says {said}"
 
 
 def mark_wrapper(wrapper, wrapped):
@@ -122,7 +174,20 @@ def checked_like(obj, reference):
     wrapper = namespace[reference.__name__]
     wrapper.__annotations__ = annotations
     wrapper.__module__ = plain.__module__
-    checked = jaxtyped(typechecker=beartype)(wrapper)
+    typed = jaxtyped(typechecker=beartype)(wrapper)
+    name = reference.__name__
+
+    def checked(*args, **kwargs):
+        try:
+            return typed(*args, **kwargs)
+        except ContractFailure:
+            raise  # a check of another function, inside this one: said already
+        except TypeCheckError as error:
+            said = contract_words(str(error), name)
+            if said is None:
+                raise
+            raise ContractFailure(said) from None
+
     functools.update_wrapper(checked, obj, assigned=("__name__", "__qualname__", "__doc__"), updated=())
     checked.__wrapped__ = obj  # inspect.unwrap sees through it
     mark_wrapper(checked, obj)  # and so does the checker (environment.is_the_reference)

@@ -120,7 +120,8 @@ def table(rows: list[Row]) -> str:
     return tabulate(body, headers=["exercise", "", "tests", "likely mistake / note"], tablefmt="simple")
 
 
-FIRST_FAILURE = re.compile(r"^  (test_\w+)(?:\[[^\]]*\])?:$")  # a failed test's heading in check()'s message
+# a failed test's heading in check()'s message, its parameters and model (notebook.label) left out
+FIRST_FAILURE = re.compile(r"^  (test_\w+)(?:\[[^\]]*\])?(?:, on the [\w-]+ model \(\"[\w-]+\"\))?:$")
 
 
 def finding(row: Row) -> str:

@@ -211,6 +211,13 @@ def _changes(reference, arguments: dict[str, object]):
         if isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape == y.shape and x.dtype == y.dtype \
                 or type(x) in (int, float) and type(y) is type(x) and x != y:
             yield f"`{a}` and `{b}` swapped", arguments | {a: y, b: x}
+    for name, value in arguments.items():  # a tensor read one position off along a dimension (logits[:, t] for t + 1)
+        if isinstance(value, Tensor) and value.dim() >= 2:
+            for d in range(1, value.dim()):
+                if value.shape[d] > 2:
+                    for step, said in ((-1, "t + 1"), (1, "t - 1")):
+                        yield (f"`{name}` read one position off along dimension {d} (its value at position {said} "
+                               "taken for position t)", arguments | {name: value.roll(step, d)})
 
 
 def _same_value(a: object, b: object) -> bool:
