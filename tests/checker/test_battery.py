@@ -65,6 +65,20 @@ def test_a_returned_view_of_an_argument_is_refused_unless_the_reference_returns_
     assert_inputs_unchanged(lambda t: t * 1, x, what="f")
 
 
+def test_an_entry_taken_out_of_an_argument_is_said_as_such_not_as_an_in_place_operation():
+    adapters = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
+
+    def keep_a(given):
+        del given["b"]  # a new ModuleDict of the kept ones belongs
+        return given
+
+    text = failure(assert_inputs_unchanged, keep_a, adapters, what="keep_a(adapters)")
+    assert "took `given.b.weight` out of its argument (and 1 more)" in text and "x *= m" not in text, text
+    x = torch.ones(3)
+    text = failure(assert_inputs_unchanged, lambda t: t.mul_(2), x, what="f(x)")
+    assert "changed its argument" in text and "in place" in text, text  # a tensor written into: that advice
+
+
 def test_aliases_finds_views_of_model_weights_and_tensors_in_containers():
     layer = nn.Linear(3, 2)
     assert aliases({"w": layer.weight.detach()}, {"model": layer}) == [("the result['w']", "model.weight")]

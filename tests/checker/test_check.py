@@ -6,7 +6,7 @@ import pytest
 from solutions import part0_warmup as ref
 from utils.checker import summary
 from utils.checker.layout import ROOT, built_parts, exercise_names, parts
-from utils.checker.notebook import check, failures, label
+from utils.checker.notebook import check, failures, gist, label
 from utils.checker.registry import registry_of
 
 
@@ -99,8 +99,14 @@ def test_a_tests_model_is_said_in_words_and_the_other_failures_by_what_they_foun
     assert lines[0] == '  test_a, on the GPT-2-style model ("tiny"):', lines
     also = [line for line in lines if line.startswith("  Also failing: ")]
     assert also == ["  Also failing: 5 more tests (1 with the same finding, 1 where no ValueError was raised, 1 where "
-                    "gradients differ, 1 refused by the contract's check, 1 with another finding); check(f, "
-                    "verbose=True) shows every failure in full."], lines
+                    "the gradient is missing or extra, 1 refused by the contract's check, 1 with another finding); "
+                    "check(f, verbose=True) shows every failure in full."], lines
+    # each read off the finding's own words, never the test's label: shapes, NaN rewards, gradients named there
+    assert gist("the LoRA output [2×5×12] (shape fixed): every value is the expected one times 0.75.") == (
+        "where values differ")
+    assert gist("advantages where NaN rewards mark unscorable ones: every value is the expected one times 1.1") == (
+        "where values differ")
+    assert gist("the gradient of f with respect to `x`: 198 of 231 values differ") == "where gradients differ"
     assert not any("test_refuses" in line for line in lines)  # a name can suggest another cause than its test found
 
 

@@ -204,24 +204,32 @@ def label(test: str) -> str:
     return f"{m['test']}{f'[{rest}]' if rest else ''}, on {ARCHITECTURE_WORDS[models[0]]}"
 
 
-# What a failure found, in a few words (for the tests listed after the first): each read off the words of the
-# failure's own first line, in this order; a failure that none of them fits is counted as "with another finding".
+# What a failure found, in a few words (for the tests listed after the first): each read off a phrase that only the
+# checker's findings use (never a test's label, which may name shapes, NaN rewards or gradients), in this order; a
+# failure that none of them fits is counted as "with another finding".
 _GISTS = (
     (re.compile(r"^NotImplementedError"), "not written"),
-    (re.compile(r"\bshould raise an? (\w+)"), "where no {0} was raised"),
-    (re.compile(r"\braised (\w+)"), "that raised {0}"),
-    (re.compile(r"\byour result is \w+"), "with another dtype or device"),
+    (re.compile(r"\bshould raise an? (\w+) \("), "where no {0} was raised"),
+    (re.compile(r"\bexpected an? (\w+) \(.*\), but it raised \w+|\bexpected an? (\w+) \(.*\); instead,"),
+     "where no {0} was raised"),
+    (re.compile(r": raised (\w+): "), "that raised {0}"),
+    (re.compile(r"\byour result is \w+, the reference's \w+"), "with another dtype or device"),
     (re.compile(r"where its contract \(the signature's annotation\) says"), "refused by the contract's check"),
-    (re.compile(r"\bshares its memory with\b"), "where the result shares memory with an argument"),
-    (re.compile(r"\bchanged (?:its argument `\w+` in place|the model's weights|which parameters)"),
+    (re.compile(r"\bshares its memory with the argument\b"), "where the result shares memory with an argument"),
+    (re.compile(r"\bchanged (?:its argument `[^`]+` in place|the model's weights|which parameters of)|\btook `[^`]+` "
+                r"out of its argument"),
      "where the call changed what it was given"),
-    (re.compile(r"\bexpected an? (\w+) \("), "where no {0} was raised"),
-    (re.compile(r"\bthe default of `\w+` is\b|\bhas no default\b|\bthere is no parameter\b"),
+    (re.compile(r"\bno gradient flows back\b|\bcarry a gradient that the reference's do not\b"),
+     "where the gradient is missing or extra"),
+    (re.compile(r"^the gradient of .*: \d+ of \d+ values differ|^the gradient of .*: every value (?:is|has)\b"),
+     "where gradients differ"),
+    (re.compile(r"\bshape \([\d, ]*\), expected \("), "where shapes differ"),
+    (re.compile(r"\b(?:NaN|inf) at \d+ of \d+ positions\b|where the expected value is finite|\bexpected NaN\b"),
+     "with a NaN or inf"),
+    (re.compile(r"\d+ of \d+ values differ|\bevery value (?:is|has)\b|\bgot [^,]+, expected\b|\brows? \[[\d, ]+\] "
+                r"(?:are|is) wrong|\bonly positions \["), "where values differ"),
+    (re.compile(r"\bthe default of `\w+` is\b|`\w+` has no default\b|\bthere is no parameter `"),
      "on the signature's defaults"),
-    (re.compile(r"\bgradient"), "where gradients differ"),
-    (re.compile(r"\bshape\b"), "where shapes differ"),
-    (re.compile(r"\bNaN\b|\binf\b"), "with a NaN or inf"),
-    (re.compile(r"values? differ|\bevery value\b|\bgot .+, expected\b|\bexpected .+, got\b"), "where values differ"),
 )
 
 
@@ -232,7 +240,7 @@ def gist(message: str) -> str:
     for pattern, words in _GISTS:
         found = pattern.search(first)
         if found:
-            return words.format(*found.groups())
+            return words.format(*(g for g in found.groups() if g is not None))
     return "with another finding"
 
 

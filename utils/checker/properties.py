@@ -293,6 +293,11 @@ def assert_inputs_unchanged(fn: Callable, *args, what: str, may_alias: bool | No
     if weights and len(weights) == len(changed):
         raise CheckFailure(f"{what} changed the model's weights ({', '.join(weights[:3])}"
                            f"{', ...' if len(weights) > 3 else ''}): this function must only read them")
+    gone = [path for path in changed if path not in after]  # an entry taken out of a dict, a list or a ModuleDict
+    if gone:  # what was taken out changes its container too: said as what it is, with no advice on in-place ops
+        raise CheckFailure(f"{what} took `{gone[0]}` out of its argument"
+                           f"{f' (and {len(gone) - 1} more)' if len(gone) > 1 else ''}: the caller still needs its "
+                           "arguments as they were; build a new container instead of deleting from the one given")
     if changed:
         raise CheckFailure(f"{what} changed its argument `{changed[0]}` in place{detail}"
                            f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}. The caller still "
