@@ -19,7 +19,7 @@ import re
 import pytest
 
 from tests import generated
-from utils.checker import implementations, summary
+from utils.checker import compare, implementations, summary
 from utils.checker.compare import GUESS
 from utils.checker.memory import memory
 from utils.checker.layout import exercise_names, makes_tests, marked_in_source, provided_names, tests_of
@@ -159,8 +159,10 @@ def meta_test(part: str):
 
         # Each wrong version's own runs are the fingerprints: all of them run first, then each is named from them
         # by the rule check() applies (diagnosis.py), with no replay of one wrong version in another's session.
+        withheld = compare.WITHHELD["readings"]
         with generated.without_model_draws():  # the wrong versions are caught by the other tests (see there)
             outcomes = [(wrong, run_exercise_tests(part, name, wrong, replays=False)) for wrong in entry.wrong]
+        MESSAGES.counts["readings withheld"] += compare.WITHHELD["readings"] - withheld
         for wrong, outcome in outcomes:
             assert outcome.failed, (f"{part}.{name}: the wrong version {wrong.__name__} ({inspect.getdoc(wrong)}) "
                                     "passes every test")
@@ -189,7 +191,7 @@ class MessageStats:
 
     def __init__(self):
         self.counts = {"messages": 0, "unconfirmed cause": 0, "named by replay": 0, "named by a change of a call": 0,
-                       "placed at a loop's call": 0, "caught on both architectures": 0}
+                       "placed at a loop's call": 0, "caught on both architectures": 0, "readings withheld": 0}
         self.lines: list[int] = []
         self.printed: list[int] = []  # lines as printed, long ones broken (summary.wrapped)
 
@@ -229,7 +231,8 @@ class MessageStats:
                 f"longest {lines[-1] if lines else 0} (at most {MESSAGE_LINES}); as printed (lines over "
                 f"{summary.LINE_WIDTH} characters broken): median {printed[len(printed) // 2] if printed else 0}, "
                 f"longest {printed[-1] if printed else 0}; caught on both architectures "
-                f"{c.get('caught on both architectures', 0)}")
+                f"{c.get('caught on both architectures', 0)}; readings withheld (a factor that two quantities of "
+                f"the call fit, or expected values all alike) {c.get('readings withheld', 0)}")
 
 
 MESSAGES = MessageStats()
