@@ -11,6 +11,7 @@ They run each exercise's tests in-process through `run_exercise_tests`, the same
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import pkgutil
@@ -19,7 +20,7 @@ import re
 import pytest
 
 from tests import generated
-from utils.checker import compare, implementations, summary
+from utils.checker import compare, departure, implementations, summary
 from utils.checker.compare import GUESS
 from utils.checker.memory import memory
 from utils.checker.layout import exercise_names, makes_tests, marked_in_source, provided_names, tests_of
@@ -172,13 +173,14 @@ def meta_test(part: str):
                 "failure names it: make the failing check record what it saw (assert_close, assert_equal, expect, "
                 f"... rather than a bare assert). Messages: {outcome.failed}")
             outcome.likely = named
-            check_message(part, name, wrong, outcome)
+            check_message(part, name, wrong, outcome, solution)
             check_both_architectures(part, name, wrong, outcome)
         check_trace_departures(part, name, entry)
 
     return test_exercise_tests_pass_on_solution_and_fail_on_stub_and_wrong_versions
 
 
+OWN_BODY = "that line in the wrong version's own body"
 MESSAGE_LINES = 10  # check()'s default message, at most (the rest behind check(fn, verbose=True))
 PREVIEW = re.compile(r"^\s*expected: (.*)\n\s*got:      (.*)$", re.MULTILINE)
 
@@ -191,7 +193,9 @@ class MessageStats:
 
     def __init__(self):
         self.counts = {"messages": 0, "unconfirmed cause": 0, "named by replay": 0, "named by a change of a call": 0,
-                       "placed at a loop's call": 0, "caught on both architectures": 0, "readings withheld": 0}
+                       "placed at a loop's call": 0, "caught on both architectures": 0, "readings withheld": 0,
+                       "a line where the code departs": 0, OWN_BODY: 0,
+                       "that line is one the wrong version changed": 0}
         self.lines: list[int] = []
         self.printed: list[int] = []  # lines as printed, long ones broken (summary.wrapped)
 
@@ -232,7 +236,10 @@ class MessageStats:
                 f"{summary.LINE_WIDTH} characters broken): median {printed[len(printed) // 2] if printed else 0}, "
                 f"longest {printed[-1] if printed else 0}; caught on both architectures "
                 f"{c.get('caught on both architectures', 0)}; readings withheld (a factor that two quantities of "
-                f"the call fit, or expected values all alike) {c.get('readings withheld', 0)}")
+                f"the call fit, or expected values all alike) {c.get('readings withheld', 0)}; the line where the "
+                f"code departs from the reference said in {c.get('a line where the code departs', 0)} (of those in "
+                f"the wrong version's own body, {c.get(OWN_BODY, 0)}, a line it "
+                f"changed in {c.get('that line is one the wrong version changed', 0)})")
 
 
 MESSAGES = MessageStats()
@@ -271,12 +278,38 @@ def message_faults(outcome, part: str) -> tuple[str, list[str]]:
     return text, faults
 
 
-def check_message(part: str, name: str, wrong, outcome) -> None:
+def check_message(part: str, name: str, wrong, outcome, solution=None) -> None:
     """What check() prints for a registered wrong version follows the rules of message_faults."""
     text, faults = message_faults(outcome, part)
     MESSAGES.add(text, named=bool(outcome.likely), unconfirmed=any(f.startswith("a guess") for f in faults))
+    departs = DEPARTS.search(text)
+    if departs:  # the line that departure.py found, against the lines the wrong version changed
+        MESSAGES.counts["a line where the code departs"] += 1
+        own, changed = changed_lines(wrong, solution)
+        if int(departs.group(1)) in own:  # not in a helper that several wrong versions share (a flag each)
+            MESSAGES.counts[OWN_BODY] += 1
+            MESSAGES.counts["that line is one the wrong version changed"] += int(departs.group(1)) in changed
     assert not faults, (f"{part}.{name}: check() of the wrong version {wrong.__name__} prints {'; '.join(faults)}:"
                         f"\n{text}")
+
+
+DEPARTS = re.compile(re.escape(departure.SAID) + r" (\d+) \(`")  # departure.py's sentence
+
+
+def changed_lines(wrong, solution) -> tuple[range, set[int]]:
+    """The lines of `wrong`'s own body in its file, and those of them that differ from the reference's body (what a
+    `# BUG` mark would point at): each line replaced or added, and the line after a deletion."""
+    try:
+        mine, first = inspect.getsourcelines(inspect.unwrap(wrong))
+        theirs = inspect.getsourcelines(inspect.unwrap(solution))[0]
+    except (TypeError, OSError):
+        return range(0), set()
+    matcher = difflib.SequenceMatcher(a=[t.strip() for t in theirs], b=[m.strip() for m in mine], autojunk=False)
+    changed = set()
+    for tag, _, _, j1, j2 in matcher.get_opcodes():
+        if tag != "equal":
+            changed.update(range(first + j1, first + max(j2, j1 + 1)))
+    return range(first, first + len(mine)), changed
 
 
 ARCHITECTURE_ID = re.compile(r"\[(?:.*-)?(gpt2|llama)(?:-.*)?\]$")  # a test id's architecture (plugin.ARCHITECTURES)

@@ -100,7 +100,7 @@ def test_a_tests_model_is_said_in_words_and_the_other_failures_by_what_they_foun
     also = [line for line in lines if line.startswith("  Also failing: ")]
     assert also == ["  Also failing: 5 more tests (1 with the same finding, 1 where no ValueError was raised, 1 where "
                     "the gradient is missing or extra, 1 refused by the contract's check, 1 with another finding); "
-                    "check(f, verbose=True) shows every failure in full."], lines
+                    "check(f, verbose=True) shows each in full."], lines
     # each read off the finding's own words, never the test's label: shapes, NaN rewards, gradients named there
     assert gist("the LoRA output [2×5×12] (shape fixed): every value is the expected one times 0.75.") == (
         "where values differ")

@@ -576,13 +576,14 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
         them": shown on a difference of values, it would name a cause the values do not show.
     check_grad: also fail when `expected` carries a gradient and `actual` does not, or the reverse.
     """
-    from utils.checker import transforms  # imports nothing of the checker's at the top: no cycle
+    from utils.checker import departure, transforms  # import nothing of the checker's at the top: no cycle
 
     observe(what, actual, atol=atol, rtol=rtol)
     problem = describe_difference(actual, expected, mask=mask, group_size=group_size, factors=factors,
                                   atol=atol, rtol=rtol)
     values_wrong = problem is not None
     bare = _BARE["on"]
+    parted = None  # the last line of the learner's code that agrees, and the next one (departure.py)
     if values_wrong and not bare and not isinstance(actual, (list, tuple, dict)):
         by_call = transforms.call_factors(actual)
         if by_call:  # the factor named by the numbers of the very call that returned it, where it is one of them
@@ -594,6 +595,7 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
                                                                                          rtol) else None
         if change:
             problem += f"; {change}"
+        parted = departure.where(actual, expected, atol, rtol) if values_wrong and not bare else None
     if problem is None and check_grad and isinstance(actual, Tensor) and isinstance(expected, Tensor):
         if expected.requires_grad and not actual.requires_grad:
             problem = ("the right values, but no gradient flows back through them: nothing could be trained from this"
@@ -611,7 +613,9 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
     message = f"{what}: {problem}."
     if isinstance(expected, Tensor) and isinstance(actual, Tensor) and not bare:
         first = first_difference(actual, expected, atol, rtol)
-        if first and first.split(": ", 1)[1] in problem:  # the one differing value, said already: once
+        if first and (actual.numel() == 1 or first.split(": ", 1)[1] in problem):  # said already: once
+            first = None
+        if parted:  # where the code parts from the reference says more than one value of the result
             first = None
         if first and NO_PATTERN in problem:  # the count is said already
             first = first.split("; ", 1)[1].replace("the first is", "the first difference is", 1)
@@ -626,6 +630,8 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
         message += f"\n  {gradient_hint}"
     if finding:
         message = add_finding(message, finding)
+    if parted:  # where the learner's code parts from the reference's: after what the test itself found
+        message = add_finding(message, parted)
     raise CheckFailure(message)
 
 

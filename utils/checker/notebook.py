@@ -116,11 +116,11 @@ def _report(outcome: Outcome, part: str, timeout: float | None, name_mistakes: b
         apart = (f"; {'it raises' if len(named) == 1 else 'they raise'} the documented error where your version "
                  f"returns, in {len(left_out)} test{'s' if len(left_out) > 1 else ''}" if left_out else "")
         if len(named) == 1:
-            lines.append(f"👉 Likely mistake (a known wrong version of {name} fails these tests in exactly the same "
-                         f"way, and passes the ones you pass{apart}): {explanation_line(named[0])}")
+            lines.append(f"👉 Likely mistake (a known wrong version fails exactly the tests you fail, the same way"
+                         f"{apart}): {explanation_line(named[0])}")
         else:
-            lines.append(f"👉 Known wrong versions of {name} fail these tests in exactly the same way{apart}; one of "
-                         "them is likely your mistake:")
+            lines.append(f"👉 Known wrong versions of {name} fail exactly the tests you fail, the same way{apart}; "
+                         "one of them is likely your mistake:")
             lines += [f"  - {explanation_line(m)}" for m in named]
     lines += failures(outcome.failed, not_judged, verbose, name, after=left_out)
     if not_judged:
@@ -292,7 +292,7 @@ def failures(failed: list[tuple[str, str]], not_judged: list[str], verbose: bool
     mine = [(t, m) for t, m in others if t not in not_judged]
     more = len(main) > FIRST_LINES or others or any(split_message(m)[1] or split_message(m)[2] for g in ordered
                                                     for _, m in g)
-    verbose_line = f"check({name}, verbose=True) shows every failure in full"
+    verbose_line = f"check({name}, verbose=True) shows each in full"
     if mine:
         same = sum(1 for t, _ in first[1:] if t not in not_judged)
         lines.append(f"  Also failing: {_also_failing(mine, same)}; {verbose_line}.")

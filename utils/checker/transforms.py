@@ -50,6 +50,7 @@ class Call:
     reference: object
     arguments: dict[str, object]
     result: object
+    learner: object = None  # the function that was called (departure.py runs it again)
 
 
 class Calls:
@@ -138,7 +139,7 @@ def recording_calls(fn, reference):
                 error.__notes__ = [*getattr(error, "__notes__", []), note]  # add_note, also before Python 3.11
             raise
         if copies is not None and _calls is not None:
-            _calls.note(Call(reference, copies, result))
+            _calls.note(Call(reference, copies, result, fn))
         return result
 
     return noted

@@ -1,0 +1,104 @@
+"""Where the learner's code parts from the reference (utils/checker/departure.py): the line said is the one that turns
+values the reference computes too into values it never computes, on wrong versions written for this test and
+registered nowhere; a correct version written another way than the reference gets no line."""
+
+import inspect
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from solutions import part1_ppo as ref
+from utils.checker import departure, observe, transforms
+from utils.checker.notebook import check
+from utils.masks import masked_mean
+
+
+def _line_marked(fn, mark: str = "# departs here") -> int:
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if mark in line)
+
+
+# --- three wrong versions, written for this test ---------------------------------------------------------------------
+
+def entropy(logits: Float[Tensor, "batch gen vocab"], completion_mask: Bool[Tensor, "batch gen"]):
+    probs = logits.softmax(dim=-1)
+    logprobs = probs.log()  # departs here: log(0) = -inf where a probability underflows
+    return -(probs * logprobs).sum(dim=-1) * completion_mask
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, completion_mask, clip_eps=0.2):
+    advantages = advantages.detach()
+    ratio = (logprobs - old_logprobs.detach()).exp()
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps / 2) * advantages  # departs here: the upper bound halved
+    return masked_mean(torch.minimum(unclipped, clipped), completion_mask)
+
+
+@torch.no_grad()
+def compute_advantages(values, rewards, completion_mask, gamma=1.0, lam=0.95):
+    mask = completion_mask.to(values.dtype)
+    lengths = completion_mask.sum(dim=1)
+    if (lengths == 0).any():
+        raise ValueError("a completion has no valid token")
+    batch, gen = values.shape
+    token_rewards = torch.zeros_like(values)
+    token_rewards[torch.arange(batch), lengths - 1] = rewards.to(values.dtype)
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # departs here: not masked
+    deltas = (token_rewards + gamma * next_values - values) * mask
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(gen)):
+        running = deltas[:, t] + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def _said_line(capsys) -> int | None:
+    out = capsys.readouterr().out
+    found = [line for line in out.splitlines() if "parts from the reference at line" in line]
+    return int(found[0].split("at line ")[1].split(" ")[0]) if found else None
+
+
+def test_a_wrong_version_written_for_the_test_is_placed_at_its_own_line(capsys):
+    """Three slips of three kinds (a log that underflows, a bound changed, a mask left out inside a longer body), none
+    of them a registered wrong version: check() says the line each one changed."""
+    for wrong in (entropy, clipped_surrogate, compute_advantages):
+        check(wrong, part="part1_ppo")
+        assert _said_line(capsys) == _line_marked(wrong), wrong.__name__
+
+
+# --- a correct version, written another way --------------------------------------------------------------------------
+
+def _entropy_another_way(logits, completion_mask):
+    logprobs = logits - logits.logsumexp(dim=-1, keepdim=True)  # not log_softmax: values the reference never computes
+    per_token = (logprobs.exp() * logprobs).sum(dim=-1).neg()
+    return torch.where(completion_mask, per_token, torch.zeros_like(per_token))
+
+
+def _entropy_another_way_then_doubled(logits, completion_mask):
+    logprobs = logits - logits.logsumexp(dim=-1, keepdim=True)
+    per_token = (logprobs.exp() * logprobs).sum(dim=-1).neg()
+    return 2 * torch.where(completion_mask, per_token, torch.zeros_like(per_token))  # departs here
+
+
+def test_a_correct_version_written_another_way_gets_no_line_and_never_a_false_one(capsys):
+    """Its check passes. Where its result is compared with another value, nothing of it agrees with what it was
+    compared to, so no line is said; and a slip after its own correct lines is placed at the slip, never at the lines
+    written another way than the reference's (whose values the reference never computes)."""
+    entropy_ = _entropy_another_way
+    entropy_.__name__ = "entropy"
+    check(entropy_, part="part1_ppo")
+    assert "✅ entropy" in capsys.readouterr().out
+
+    torch.manual_seed(0)
+    logits, mask = torch.randn(2, 3, 5), torch.tensor([[True, True, False], [True, False, False]])
+    with observe.recording():  # a test's log of calls, as the runner starts one
+        checked = transforms.recording_calls(_entropy_another_way, inspect.unwrap(ref.entropy))
+        right = checked(logits, mask)
+        assert departure.where(right, ref.entropy(logits, mask), 1e-5, 1e-4) is None  # it agrees: nothing
+        doubled = transforms.recording_calls(_entropy_another_way_then_doubled, inspect.unwrap(ref.entropy))
+        wrong = doubled(logits, mask)
+        said = departure.where(wrong, ref.entropy(logits, mask), 1e-5, 1e-4)
+    assert said is not None and f"at line {_line_marked(_entropy_another_way_then_doubled)} " in said, said

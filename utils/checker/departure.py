@@ -1,0 +1,263 @@
+"""Where the learner's code parts from the reference: the line of theirs that turns right values into wrong ones.
+
+When a value test fails on a call that transforms.py noted (plain-data arguments), both functions are run again on
+copies of that call's arguments, each under a TorchFunctionMode that keeps every tensor it computes (`_Record`: at most
+OPS torch calls and ELEMENTS numbers a run; longer runs say nothing), with the torch calls each came from (its
+parents; a write into a tensor, `x[i] = v` or `x.add_(v)`, is a call that makes the tensor anew from both). Each of
+the learner's tensors is tagged with the line of their own code that computed it: the innermost frame in the file of
+their function (a notebook cell, or a module), so that a helper of the course they call counts as their line that
+calls it.
+
+A learner's value is *known* when the reference computed the same numbers on that call (to the test's tolerance; one
+shape, up to dimensions of size one), and *agrees* when it is also distinctive (several values not all alike, or one
+that is not a whole number: 0, 1 or one number repeated is what many computations share). On the data path to the
+learner's result, the departure is the first call (in the order they ran) that
+
+- makes a value the reference never computes,
+- from values that agree, or are the function's arguments or constants (a call with no tensor input, or one that
+  reads only its input's shape, such as zeros_like, makes a constant, never a departure),
+- and whose value reaches the result along some way that passes through no value that agrees (where every way does,
+  the departure was only a correct step written another way than the reference's).
+
+The message says its line, what it computes, and where that differs from the reference's nearest value. Each part of
+the sentence is true by construction; a correct line written another way only makes it point earlier than the mistake.
+Nothing is said when the replay of the learner's function does not return the value the test compared, or when no
+call qualifies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import linecache
+import sys
+import tokenize
+import warnings
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from utils.checker import transforms
+
+OPS = 400  # torch calls in one run, at most
+ELEMENTS = 1 << 18  # numbers kept of one run's tensors, at most
+SAID = "Your code parts from the reference at line"  # how the message begins (the meta-test counts them)
+CODE = 40  # characters of a line of code quoted in the message
+
+
+SHAPED_ONLY = {torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like, Tensor.new_zeros, Tensor.new_ones,
+               Tensor.new_full, Tensor.new_empty, Tensor.new_tensor}  # of their input only its shape: constants
+
+
+class _TooMuch(Exception):
+    """A run computes more than the bounds allow: nothing is said."""
+
+
+def _tensors(value: object, depth: int = 0):
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)) and depth < 4:
+        for v in value:
+            yield from _tensors(v, depth + 1)
+    elif isinstance(value, dict) and depth < 4:
+        for v in value.values():
+            yield from _tensors(v, depth + 1)
+
+
+class _Record(TorchFunctionMode):
+    """Every tensor a run computes, in order: for each torch call that returns or writes tensors, (its line in
+    `filename`, or None; the values it made; the calls that made its tensor inputs; whether it had tensor inputs). With
+    `filename` None, lines are not looked up (the reference's run)."""
+
+    def __init__(self, filename: str | None):
+        super().__init__()
+        self.filename = filename
+        self.ops: list[tuple[int | None, list[Tensor], list[int], bool]] = []
+        self.made: dict[int, int] = {}  # id(tensor): the call that last made or wrote it
+        self.alive: list[Tensor] = []  # the tensors of `made`, kept so that no id is reused during the run
+        self.numbers = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = list(_tensors((args, kwargs)))
+        result = func(*args, **kwargs)
+        written = func is Tensor.__setitem__ and args and isinstance(args[0], Tensor)
+        outputs = [args[0]] if written else [t for t in _tensors(result)]
+        outputs = [t for t in outputs if t.numel() > 0]
+        if not outputs:
+            return result
+        if len(self.ops) >= OPS:
+            raise _TooMuch
+        parents = sorted({self.made[id(t)] for t in inputs if id(t) in self.made})
+        values = []
+        for t in outputs:
+            self.numbers += t.numel()
+            if self.numbers > ELEMENTS:
+                raise _TooMuch
+            values.append(t.detach().to("cpu", torch.float64, copy=True))
+            self.made[id(t)] = len(self.ops)
+            self.alive.append(t)
+        self.ops.append((self._line(), values, parents, bool(inputs) and func not in SHAPED_ONLY))
+        return result
+
+    def _line(self) -> int | None:
+        if self.filename is None:
+            return None
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename == self.filename:
+                return frame.f_lineno
+            frame = frame.f_back
+        return None
+
+
+def _quiet_run(fn, arguments: dict[str, object], signature: inspect.Signature, mode: _Record) -> object:
+    bound = signature.bind(**{k: transforms._copy(v) for k, v in arguments.items()})
+    with torch.random.fork_rng(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        with mode:
+            return fn(*bound.args, **bound.kwargs)
+
+
+def _squeezed(t: Tensor) -> tuple[int, ...]:
+    return tuple(n for n in t.shape if n != 1)
+
+
+def _close(a: Tensor, b: Tensor, atol: float, rtol: float) -> bool:
+    return _squeezed(a) == _squeezed(b) and bool(torch.isclose(a.reshape(b.shape) if a.numel() == b.numel() else a,
+                                                               b, rtol=rtol, atol=atol, equal_nan=True).all())
+
+
+def _distinctive(t: Tensor) -> bool:
+    finite = t.flatten()
+    finite = finite[torch.isfinite(finite)]
+    if finite.numel() == 0:
+        return False
+    if t.numel() == 1:
+        return bool(finite[0] != finite[0].round())
+    return finite.unique().numel() > 1
+
+
+def _code(filename: str, line: int) -> str:
+    text = linecache.getline(filename, line).strip()
+    try:  # without its comment
+        comments = [t for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError):
+        comments = []
+    if comments:
+        text = text[:comments[0].start[1]].rstrip()
+    return text if len(text) <= CODE else text[:CODE - 1] + "…"
+
+
+def _positions(flags: Tensor) -> str:
+    at = flags.nonzero()[:2].tolist()
+    return ", ".join(str(p) for p in at) + (", …" if int(flags.sum()) > 2 else "")
+
+
+def _how(value: Tensor, reference: list[Tensor], atol: float, rtol: float) -> str:
+    """What the departing line's value is, beside the reference's value nearest to it (of one shape, the least mean
+    absolute difference where both are finite, fewest positions finite in one and not the other first)."""
+    same = [r for r in reference if _squeezed(r) == _squeezed(value)]
+    if not same:
+        return f"a {list(value.shape)} tensor, a shape none of its values has"
+    v = value.flatten()
+
+    def distance(r: Tensor) -> tuple[int, float]:
+        r = r.flatten()
+        both = torch.isfinite(v) & torch.isfinite(r)
+        gap = (v[both] - r[both]).abs().mean().item() if both.any() else 0.0
+        return int((torch.isfinite(v) != torch.isfinite(r)).sum()), gap
+
+    nearest = min(same, key=distance).flatten()
+    bad = ~torch.isfinite(v) & torch.isfinite(nearest)
+    if bad.any():
+        kinds = sorted({"nan" if x != x else ("inf" if x > 0 else "-inf") for x in v[bad].tolist()})
+        count = int(bad.sum())
+        at = (f" at {count} position{'s' if count > 1 else ''} ({_positions(bad.reshape(value.shape))})"
+              if value.dim() else "")
+        return f"{' and '.join(kinds)}{at} where its nearest value is finite"
+    differs = ~torch.isclose(v, nearest, rtol=rtol, atol=atol, equal_nan=True)
+    i = int(differs.nonzero()[0])
+    where = f"{[int(k) for k in torch.unravel_index(torch.tensor(i), value.shape)]}: " if value.dim() else ""
+    return f"values it never computes, e.g. {where}{v[i].item():.4g} where its nearest value has {nearest[i].item():.4g}"
+
+
+def where(actual: object, expected: object, atol: float, rtol: float) -> str | None:
+    """Where the learner's code departs from the reference's on the call that returned `actual` (one sentence, over
+    two lines); None where that cannot be said (see the module's docstring). It never raises: a failure here must not
+    hide the test's own."""
+    try:
+        return _where(actual, expected, atol, rtol)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _where(actual: object, expected: object, atol: float, rtol: float) -> str | None:
+    calls = transforms._calls
+    found = calls.returning(actual) if calls is not None else None
+    if found is None:
+        return None
+    call, path = found
+    learner = inspect.unwrap(call.learner) if call.learner is not None else None
+    if not inspect.isfunction(learner) or transforms._numbers(call.arguments) > transforms.ELEMENTS:
+        return None
+    filename = learner.__code__.co_filename
+    signature = inspect.signature(call.reference)
+    theirs, ours = _Record(filename), _Record(None)
+    try:
+        if not transforms._equal(transforms._at(_quiet_run(call.reference, call.arguments, signature, ours), path),
+                                 expected, atol, rtol):
+            return None
+        replayed = transforms._at(_quiet_run(call.learner, call.arguments, signature, theirs), path)
+    except Exception:  # noqa: BLE001 - a run that fails or computes too much says nothing
+        return None
+    if not isinstance(replayed, Tensor) or not transforms._equal(replayed, actual, atol, rtol) \
+            or id(replayed) not in theirs.made:
+        return None
+    arguments = [t.detach().to("cpu", torch.float64) for t in _tensors(call.arguments)]
+    reference = arguments + [v for _, values, _, _ in ours.ops for v in values]
+    on_path, todo = set(), [theirs.made[id(replayed)]]
+    while todo:
+        op = todo.pop()
+        if op not in on_path:
+            on_path.add(op)
+            todo += theirs.ops[op][2]
+    known = {op: any(_close(theirs.ops[op][1][0], r, atol, rtol) for r in reference) for op in on_path}
+    agrees = {op for op in on_path if known[op] and _distinctive(theirs.ops[op][1][0])}
+    children: dict[int, list[int]] = {}
+    for op in on_path:
+        for parent in theirs.ops[op][2]:
+            children.setdefault(parent, []).append(op)
+
+    result = theirs.made[id(replayed)]
+
+    def undone(op: int) -> bool:  # every way from it to the result passes through a value that agrees
+        if op == result:
+            return False
+        seen, todo = set(), list(children.get(op, []))
+        while todo:
+            child = todo.pop()
+            if child not in seen and child not in agrees:
+                if child == result:
+                    return False
+                seen.add(child)
+                todo += children.get(child, [])
+        return True
+
+    constant = {op for op in on_path if not theirs.ops[op][3]}  # made from no tensor: torch.zeros, torch.tensor
+    for op in sorted(on_path):
+        line, values, parents, _ = theirs.ops[op]
+        if line is None or known[op] or op in constant or undone(op) \
+                or not all(p in agrees or p in constant for p in parents):
+            continue
+        given = [p for p in parents if p in agrees]
+        elsewhere = [p for p in given if theirs.ops[p][0] not in (None, line)]
+        source = (f"inputs it computes too (line {theirs.ops[max(elsewhere)][0]}'s)" if elsewhere
+                  else "inputs it computes too" if given else "your function's arguments")
+        return (f"{SAID} {line} (`{_code(filename, line)}`): from {source}, "
+                f"that line makes {_how(values[0], reference, atol, rtol)}.")
+    return None
