@@ -181,6 +181,8 @@ def meta_test(part: str):
 
 
 OWN_BODY = "that line in the wrong version's own body"
+LOOP_KEY = "with the loop's line"
+LOOP_LINE = re.compile(r"Your code (passes its `\w+` there, at|makes that call at) line \d+")  # trace.passed_at
 MESSAGE_LINES = 10  # check()'s default message, at most (the rest behind check(fn, verbose=True))
 PREVIEW = re.compile(r"^\s*expected: (.*)\n\s*got:      (.*)$", re.MULTILINE)
 
@@ -193,7 +195,7 @@ class MessageStats:
 
     def __init__(self):
         self.counts = {"messages": 0, "unconfirmed cause": 0, "named by replay": 0, "named by a change of a call": 0,
-                       "placed at a loop's call": 0, "caught on both architectures": 0, "readings withheld": 0,
+                       "placed at a loop's call": 0, LOOP_KEY: 0, "caught on both architectures": 0, "readings withheld": 0,
                        "a line where the code departs": 0, OWN_BODY: 0,
                        "that line is one the wrong version changed": 0}
         self.lines: list[int] = []
@@ -209,6 +211,7 @@ class MessageStats:
         self.counts["named by replay"] += named
         self.counts["named by a change of a call"] += SAME_CALL in text or RESEMBLES in text
         self.counts["placed at a loop's call"] += PASSES in text
+        self.counts[LOOP_KEY] += PASSES in text and LOOP_LINE.search(text) is not None
         self.lines.append(len(text.splitlines()))
         self.printed.append(len(summary.wrapped(text).splitlines()))
 
@@ -231,7 +234,8 @@ class MessageStats:
         placed = c["placed at a loop's call"]
         return (f"{n} messages of registered wrong versions: an unconfirmed cause in {c['unconfirmed cause']} "
                 f"({rate:.1%}, the false-hint rate); named by replay {c['named by replay']}, by a change of a call "
-                f"{c['named by a change of a call']}, placed at a loop's call {placed}; lines: median {median}, "
+                f"{c['named by a change of a call']}, placed at a loop's call {placed} (with the line of the loop that makes "
+                f"it {c.get(LOOP_KEY, 0)}); lines: median {median}, "
                 f"longest {lines[-1] if lines else 0} (at most {MESSAGE_LINES}); as printed (lines over "
                 f"{summary.LINE_WIDTH} characters broken): median {printed[len(printed) // 2] if printed else 0}, "
                 f"longest {printed[-1] if printed else 0}; caught on both architectures "

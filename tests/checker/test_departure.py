@@ -102,3 +102,33 @@ def test_a_correct_version_written_another_way_gets_no_line_and_never_a_false_on
         wrong = doubled(logits, mask)
         said = departure.where(wrong, ref.entropy(logits, mask), 1e-5, 1e-4)
     assert said is not None and f"at line {_line_marked(_entropy_another_way_then_doubled)} " in said, said
+
+
+# --- in the loops: the line of the learner's loop that passes a departing argument -----------------------------------
+
+def test_a_loop_departure_at_a_helper_call_says_where_the_learners_loop_passes_and_assigns_it():
+    """A probed helper call (trace.py) notes the learner's line that made it and the variable each tensor argument is;
+    the departure's sentence names them, and the one statement that assigns the variable, where there is exactly
+    one (a variable assigned in several places is not placed: which one ran is not known from the source)."""
+    from utils.checker import trace
+
+    recorder = trace._Recorder(trace.Trace(), {}, None)
+    probed = trace._probe(recorder, "masked_mean", masked_mean, None, kind="helper")
+
+    def loop(values, mask):
+        doubled = values * 2  # assigned here
+        total = probed(doubled, mask)  # passed here
+        total = total + probed(values[:, :1], mask[:, :1])  # sliced here
+        return total
+
+    loop(torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    first, second = recorder.trace.events
+    said = trace.passed_at(first, "x")
+    assert said == (f" Your code passes its `doubled` there, at line {_line_marked(loop, '# passed here')} (`total = "
+                    f"probed(doubled, mask)`); `doubled` is assigned once, at line "
+                    f"{_line_marked(loop, '# assigned here')} (`doubled = values * 2`)."), said
+    assert trace.passed_at(first, "mask") == (f" Your code passes its `mask` there, at line "
+                                              f"{_line_marked(loop, '# passed here')} (`total = probed(doubled, "
+                                              "mask)`).")  # an argument of the loop: assigned by no statement
+    assert trace.passed_at(second, "x") == (f" Your code makes that call at line {_line_marked(loop, '# sliced here')}"
+                                            " (`total = total + probed(values[:, :1], m…`).")

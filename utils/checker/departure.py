@@ -142,7 +142,8 @@ def _distinctive(t: Tensor) -> bool:
     return finite.unique().numel() > 1
 
 
-def _code(filename: str, line: int) -> str:
+def code_at(filename: str, line: int) -> str:
+    """Line `line` of `filename`'s source, without its comment, cut at CODE characters."""
     text = linecache.getline(filename, line).strip()
     try:  # without its comment
         comments = [t for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
@@ -258,6 +259,6 @@ def _where(actual: object, expected: object, atol: float, rtol: float) -> str | 
         elsewhere = [p for p in given if theirs.ops[p][0] not in (None, line)]
         source = (f"inputs it computes too (line {theirs.ops[max(elsewhere)][0]}'s)" if elsewhere
                   else "inputs it computes too" if given else "your function's arguments")
-        return (f"{SAID} {line} (`{_code(filename, line)}`): from {source}, "
+        return (f"{SAID} {line} (`{code_at(filename, line)}`): from {source}, "
                 f"that line makes {_how(values[0], reference, atol, rtol)}.")
     return None

@@ -29,10 +29,13 @@ block ends, also when the loop raises.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
 import math
 import re
+import sys
+import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -40,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from utils.checker.compare import describe_difference
+from utils.checker.departure import code_at
 from utils.checker.memory import memory
 from utils.checker.observe import freeze
 from utils.checker.shapes import mark_wrapper
@@ -255,11 +259,12 @@ def _probe(recorder: _Recorder, name: str, helper: Callable, arguments: tuple[st
         if recorder.depth == 0:
             try:
                 bound = signature.bind(*args, **kwargs)
+                given = dict(bound.arguments)
                 bound.apply_defaults()
                 seen = {a: freeze(v) for a, v in bound.arguments.items() if arguments is None or a in arguments}
             except TypeError:
-                seen = {}  # a call the helper itself will refuse: its error is the learner's to see
-            recorder.add(kind, name=name, arguments=seen)
+                given, seen = {}, {}  # a call the helper itself will refuse: its error is the learner's to see
+            recorder.add(kind, name=name, arguments=seen, caller=_caller(sys._getframe(1), given))
         recorder.depth += 1
         try:
             return helper(*args, **kwargs)
@@ -267,6 +272,55 @@ def _probe(recorder: _Recorder, name: str, helper: Callable, arguments: tuple[st
             recorder.depth -= 1
     probed.__wrapped__ = helper
     return mark_wrapper(probed, helper)
+
+
+def _caller(frame, arguments: dict) -> tuple | None:
+    """(the calling code, its line, {argument: the caller's own variable bound to that very tensor}) for a probed
+    call; None where the caller is not a frame of Python source (the learner's loop, a notebook cell or a module)."""
+    if frame is None or frame.f_code.co_filename.startswith("<"):
+        return None
+    local = frame.f_locals
+    names = {a: next((k for k, x in local.items() if x is v), None) for a, v in arguments.items()
+             if isinstance(v, Tensor)}
+    return frame.f_code, frame.f_lineno, names
+
+
+def _assigned(code, name: str) -> list[int]:
+    """The lines of `code`'s source (its file's numbering) with a statement that binds `name`."""
+    try:
+        lines, first = inspect.getsourcelines(code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return []
+    found = set()
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.NamedExpr)) else [])
+        for target in targets:
+            if any(isinstance(t, ast.Name) and t.id == name for t in ast.walk(target)):
+                found.add(first + node.lineno - 1)
+    return sorted(found)
+
+
+def passed_at(event: Event, argument: str) -> str:
+    """Where the learner's code passes `argument` to the probed call `event`, in a sentence: the line of the call, the
+    variable it passes, and the one statement that assigns that variable (only where the function has exactly one);
+    "" where the call's frame was not one of source code."""
+    caller = event.detail.get("caller")
+    if caller is None:
+        return ""
+    code, line, names = caller
+    name = names.get(argument)
+    text = code_at(code.co_filename, line)
+    call = f"line {line}" + (f" (`{text}`)" if text else "")
+    if not name:
+        return f" Your code makes that call at {call}."
+    assigned = _assigned(code, name)
+    if len(assigned) != 1 or assigned[0] == line:
+        return f" Your code passes its `{name}` there, at {call}."
+    made = code_at(code.co_filename, assigned[0])
+    return (f" Your code passes its `{name}` there, at {call}; `{name}` is assigned once, at line {assigned[0]}"
+            + (f" (`{made}`)" if made else "") + ".")
 
 
 def course_helpers(loop: Callable) -> tuple[str, ...]:
@@ -627,7 +681,8 @@ class _Describer:
                 if problem is not None:
                     place = f"call {k} of {name}" + (f", {where}" if where else "")
                     return self.departure(f"The `{argument}` {PASSES} {name} ({place}) differs from the "
-                                          f"reference's: {problem}.", "call", name, k, argument, actual)
+                                          f"reference's: {problem}.{passed_at(g, argument)}", "call", name, k,
+                                          argument, actual)
             return None
         return None
 
@@ -659,7 +714,7 @@ class _Describer:
                     (f"after {self.label(theirs, j - 1)}" if j else "")
                 place = "".join(f", {x}" for x in (where, before) if x)
                 return Departure(f"The `{argument}` {PASSES} {name} (call {n} of {name}{place}) differs "
-                                 f"from the reference's: {swapped or problem}.",
+                                 f"from the reference's: {swapped or problem}.{passed_at(g, argument)}",
                                  ("helper", name, n, argument, g.detail["arguments"].get(argument)))
         return None
 
