@@ -13,7 +13,9 @@ placeholder tokens, its special tokens in the roles the real tokenizer gives the
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -123,6 +125,7 @@ def padded_tokenizer(vocab_size: int, bos: str | None = "<|endoftext|>", eos: st
     # placeholders as words of the model's vocabulary, not as added tokens: 150,000 added tokens take seconds to load
     vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
     directory = Path(tempfile.mkdtemp(prefix="padded_tokenizer_"))  # kept: the bridge reloads it from its path
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)  # until the process ends, and not after it
     tiny.save_pretrained(str(directory))
     (directory / "tokenizer.json").write_text(json.dumps(data))
     settings = json.loads((directory / "tokenizer_config.json").read_text())

@@ -23,6 +23,13 @@ CASES = [
     ("offset", E + 0.3, {}, "off by a constant"),
     ("row offsets", E + torch.arange(1.0, 7.0)[:, None], {}, "each row is off by its own constant"),
     ("row factors", E * torch.arange(2.0, 8.0)[:, None], {}, "each row is off by its own factor"),
+    ("vector offset", E + torch.arange(1.0, 6.0), {}, "every row is the expected one plus the same vector along the "
+     "last dimension: +1, +2, +3, +4, ..."),
+    ("an argument's vector", E + 0.5 * torch.arange(1.0, 6.0), {"offsets": {"`v` times `s`": 0.5 * torch.arange(1.0, 6.0),
+                                                                  "`v`": torch.arange(1.0, 6.0)}},
+     "plus the same vector along the last dimension, which is `v` times `s`:"),
+    ("an argument's number", E + 1e-3, {"offsets": {"`eps`": 1e-3, "`beta`": 0.1}}, "from the expected one, which is "
+     "`eps`"),
     ("shift", torch.cat([E[:, 1:], E[:, :1]], 1), {}, "shifted by one position along dimension 1"),
     ("padding", torch.where(MASK, E, 5.0), {"mask": MASK}, "right on the real tokens"),
     ("real tokens", torch.where(MASK, E + 1, E), {"mask": MASK}, "right on padding"),

@@ -223,12 +223,13 @@ def _withheld() -> None:
 
 def describe_difference(actual: object, expected: object, *, mask: Tensor | None = None,
                         group_size: int | None = None, factors: dict[str, float] | None = None,
-                        atol: float = 1e-5, rtol: float = 1e-4) -> str | None:
+                        atol: float = 1e-5, rtol: float = 1e-4, offsets: dict[str, object] | None = None) -> str | None:
     """None if `actual` equals `expected` (to tolerance), else one or two sentences saying how they differ.
 
     mask: which positions are real tokens (True) and which are padding, when `expected` is per token.
     group_size: rows come in groups of this many (GRPO), so a mistake confined to groups can be named.
     factors: more named factors to recognise, e.g. {"1/T with T = 0.7 (the temperature)": 1 / 0.7}.
+    offsets: named quantities an offset may equal (a number, or a vector along the last dimension), e.g. {"`eps`": 1e-5}.
     """
     if actual is None:
         return "got None where the reference has a value" + ("" if expected is None else f" ({_kind(expected)})")
@@ -276,7 +277,7 @@ def describe_difference(actual: object, expected: object, *, mask: Tensor | None
     if _close(a, e, atol, rtol):
         return None
     return _value_difference(a, e, positions, group_size, factors, atol, rtol,
-                             integer=not expected.dtype.is_floating_point, factor_mask=mask)
+                             integer=not expected.dtype.is_floating_point, factor_mask=mask, named_offsets=offsets)
 
 
 def count_as_float(actual: object, expected: object, where: str = "") -> str | None:
@@ -376,7 +377,7 @@ def _nonfinite_difference(a: Tensor, e: Tensor, mask: Tensor | None) -> str | No
 
 def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int | None,
                       factors: dict[str, float] | None, atol: float, rtol: float, integer: bool,
-                      factor_mask: Tensor | None = None) -> str:
+                      factor_mask: Tensor | None = None, named_offsets: dict[str, object] | None = None) -> str:
     finite = torch.isfinite(e)
     a, e = torch.where(finite, a, 0.0), torch.where(finite, e, 0.0)
     close = lambda x, y: _close(x, y, atol, rtol)  # noqa: E731
@@ -417,7 +418,9 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
                 return f"every value is the expected one times {name or _number(c)}"  # a name starts with its number
         d = a - e
         if a.numel() > 1 and close(a, e + d.mean()):
-            return f"off by a constant: every value is {d.mean().item():+.4g} from the expected one"
+            name = _offset_name(d.mean().reshape(1), named_offsets)
+            return (f"off by a constant: every value is {d.mean().item():+.4g} from the expected one"
+                    + (f", which is {name}" if name else ""))
     if a.dim() >= 2 and a.shape[-1] == a.shape[-2] and close(a, e.transpose(-1, -2)):
         return "the right values, transposed (the last two dimensions swapped)"
     shifted = _shift_difference(a, e, close)
@@ -442,6 +445,13 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
             return ("each row is off by its own constant (along the last dimension), e.g. "
                     f"{', '.join(f'{o:+.3g}' for o in offsets[:3, 0].tolist())}"
                     + aside("A normalisation, a mean or a baseline taken over another set gives such offsets."))
+        vector = (rows[0] - rows[1]).mean(0)  # one offset per position of the last dimension, the same in every row
+        if rows[0].shape[0] > 1 and vector.unique().numel() > 1 and bool((vector.abs() > atol).all()) \
+                and close(rows[0], rows[1] + vector):  # (where some positions are right, those are said: below)
+            name = _offset_name(vector, named_offsets)
+            return ("every row is the expected one plus the same vector along the last dimension"
+                    f"{f', which is {name}' if name else ''}: {', '.join(f'{o:+.3g}' for o in vector[:4].tolist())}"
+                    f"{', ...' if vector.numel() > 4 else ''}")
         ratios = _row_factors(*rows)
         if ratios is not None and (ratios != 0).all() and close(rows[0], rows[1] * ratios):
             return ("each row is off by its own factor (along the last dimension), e.g. "
@@ -459,6 +469,20 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
     i = tuple(int(k) for k in torch.unravel_index((a - e).abs().argmax(), a.shape))
     return (f"{int(wrong.sum())} of {a.numel()} {NO_PATTERN} between them and the expected ones; the largest "
             f"difference is at {_where(i)}: got {_number(a[i].item())}, expected {_number(e[i].item())}")
+
+
+def _offset_name(offset: Tensor, offsets: dict[str, object] | None) -> str | None:
+    """The one quantity of the call (`offsets`: {its name: a number or a tensor}) that equals `offset`, a constant or a
+    vector along the last dimension; None when none does, or several do (the call cannot tell them apart)."""
+    fits = []
+    for name, value in (offsets or {}).items():
+        value = torch.as_tensor(value, dtype=torch.float64).detach().cpu().flatten()
+        if value.numel() == offset.numel() and bool(value.ne(0).any()) and \
+                bool(torch.allclose(value, offset.cpu(), rtol=2e-3, atol=1e-12)):
+            fits.append(name)
+    if len(fits) > 1:
+        _withheld()
+    return fits[0] if len(fits) == 1 else None
 
 
 def _row_factors(a: Tensor, e: Tensor) -> Tensor | None:
@@ -586,14 +610,17 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
     parted = None  # the last line of the learner's code that agrees, and the next one (departure.py)
     if values_wrong and not bare and not isinstance(actual, (list, tuple, dict)):
         by_call = transforms.call_factors(actual)
-        if by_call:  # the factor named by the numbers of the very call that returned it, where it is one of them
+        offsets = transforms.call_offsets(actual)
+        if by_call or offsets:  # a factor or an offset named by the quantities of the very call that returned it
             problem = describe_difference(actual, expected, mask=mask, group_size=group_size,
-                                          factors=(factors or {}) | by_call, atol=atol, rtol=rtol)
+                                          factors=(factors or {}) | by_call, atol=atol, rtol=rtol, offsets=offsets)
         # a change of the call is a reading only where it reproduces finite values: two calls that both give inf or
         # NaN where the reference's value is finite agree by overflowing, not by computing the same thing
         change = transforms.explain(actual, expected, atol, rtol) if _finite_differences(actual, expected, atol,
                                                                                          rtol) else None
         if change:
+            if NO_PATTERN in problem:  # the change is the pattern: the count stays, "no simple pattern" goes
+                problem = problem.split(f", {NO_PATTERN.split(', ', 1)[1]}")[0]
             problem += f"; {change}"
         parted = departure.where(actual, expected, atol, rtol) if values_wrong and not bare else None
     if problem is None and check_grad and isinstance(actual, Tensor) and isinstance(expected, Tensor):

@@ -161,7 +161,9 @@ def _positions(flags: Tensor) -> str:
 
 def _how(value: Tensor, reference: list[Tensor], atol: float, rtol: float) -> str:
     """What the departing line's value is, beside the reference's value nearest to it (of one shape, the least mean
-    absolute difference where both are finite, fewest positions finite in one and not the other first)."""
+    absolute difference where both are finite, fewest positions finite in one and not the other first): where it is
+    non-finite and the nearest is not; else one position where they differ, when they agree in at least half of
+    them (a value that differs everywhere has no nearest worth showing)."""
     same = [r for r in reference if _squeezed(r) == _squeezed(value)]
     if not same:
         return f"a {list(value.shape)} tensor, a shape none of its values has"
@@ -182,9 +184,12 @@ def _how(value: Tensor, reference: list[Tensor], atol: float, rtol: float) -> st
               if value.dim() else "")
         return f"{' and '.join(kinds)}{at} where its nearest value is finite"
     differs = ~torch.isclose(v, nearest, rtol=rtol, atol=atol, equal_nan=True)
+    if int(differs.sum()) * 2 > v.numel():  # no value of the reference's is near it: none is said
+        return "values it never computes"
     i = int(differs.nonzero()[0])
     where = f"{[int(k) for k in torch.unravel_index(torch.tensor(i), value.shape)]}: " if value.dim() else ""
-    return f"values it never computes, e.g. {where}{v[i].item():.4g} where its nearest value has {nearest[i].item():.4g}"
+    return (f"values it never computes, e.g. {where}{v[i].item():.4g} where its nearest value has "
+            f"{nearest[i].item():.4g} ({int(differs.sum())} of {v.numel()} differ)")
 
 
 def where(actual: object, expected: object, atol: float, rtol: float) -> str | None:

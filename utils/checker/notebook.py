@@ -116,11 +116,11 @@ def _report(outcome: Outcome, part: str, timeout: float | None, name_mistakes: b
         apart = (f"; {'it raises' if len(named) == 1 else 'they raise'} the documented error where your version "
                  f"returns, in {len(left_out)} test{'s' if len(left_out) > 1 else ''}" if left_out else "")
         if len(named) == 1:
-            lines.append(f"👉 Likely mistake (a known wrong version fails exactly the tests you fail, the same way"
-                         f"{apart}): {explanation_line(named[0])}")
+            lines.append(f"👉 Likely mistake (a known wrong version fails exactly as yours does{apart}): "
+                         f"{explanation_line(named[0])}")
         else:
-            lines.append(f"👉 Known wrong versions of {name} fail exactly the tests you fail, the same way{apart}; "
-                         "one of them is likely your mistake:")
+            lines.append(f"👉 Known wrong versions of {name} fail exactly as yours does{apart}; one of them is likely "
+                         "your mistake:")
             lines += [f"  - {explanation_line(m)}" for m in named]
     lines += failures(outcome.failed, not_judged, verbose, name, after=left_out)
     if not_judged:

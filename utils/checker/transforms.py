@@ -556,3 +556,21 @@ def call_factors(actual: object) -> dict[str, float]:
         named.setdefault(f"{n}, {where}", float(n))
         named.setdefault(f"1/{n}, one over {where}", 1 / n)
     return named
+
+
+def call_offsets(actual: object) -> dict[str, object]:
+    """{name: value} of the quantities of the call that returned `actual` that an offset may equal: each numeric
+    argument (not 0 or 1), each floating-point tensor argument of one dimension, and each such tensor times each such
+    number ("`scale` times `direction`")."""
+    found = _calls.returning(actual) if _calls is not None else None
+    if found is None:
+        return {}
+    numbers = {name: float(v) for name, v in found[0].arguments.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in (0, 1)}
+    vectors = {name: v for name, v in found[0].arguments.items()
+               if isinstance(v, Tensor) and v.dtype.is_floating_point and v.dim() == 1 and v.numel() > 1}
+    named: dict[str, object] = {f"`{n}` (the call gives {v:g})": v for n, v in numbers.items()}
+    named |= {f"`{n}`": v for n, v in vectors.items()}
+    named |= {f"`{n}` times `{m}`": v * x for n, v in vectors.items() for m, x in numbers.items()}
+    return named
+
