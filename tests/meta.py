@@ -290,14 +290,15 @@ def check_message(part: str, name: str, wrong, outcome, solution=None) -> None:
     if departs:  # the line that departure.py found, against the lines the wrong version changed
         MESSAGES.counts["a line where the code departs"] += 1
         own, changed = changed_lines(wrong, solution)
-        if int(departs.group(1)) in own:  # not in a helper that several wrong versions share (a flag each)
+        line = int(departs.group(1) or departs.group(2))
+        if line in own:  # not in a helper that several wrong versions share (a flag each)
             MESSAGES.counts[OWN_BODY] += 1
-            MESSAGES.counts["that line is one the wrong version changed"] += int(departs.group(1)) in changed
+            MESSAGES.counts["that line is one the wrong version changed"] += line in changed
     assert not faults, (f"{part}.{name}: check() of the wrong version {wrong.__name__} prints {'; '.join(faults)}:"
                         f"\n{text}")
 
 
-DEPARTS = re.compile(re.escape(departure.SAID) + r" (\d+) \(`")  # departure.py's sentence
+DEPARTS = departure.SAID  # departure.py's sentence: its line is group 1 or 2
 
 
 def changed_lines(wrong, solution) -> tuple[range, set[int]]:

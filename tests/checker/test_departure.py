@@ -56,9 +56,8 @@ def compute_advantages(values, rewards, completion_mask, gamma=1.0, lam=0.95):
 
 
 def _said_line(capsys) -> int | None:
-    out = capsys.readouterr().out
-    found = [line for line in out.splitlines() if "parts from the reference at line" in line]
-    return int(found[0].split("at line ")[1].split(" ")[0]) if found else None
+    said = departure.SAID.search(capsys.readouterr().out.replace("\n      ", " "))
+    return int(said.group(1) or said.group(2)) if said else None
 
 
 def test_a_wrong_version_written_for_the_test_is_placed_at_its_own_line(capsys):
@@ -101,7 +100,7 @@ def test_a_correct_version_written_another_way_gets_no_line_and_never_a_false_on
         doubled = transforms.recording_calls(_entropy_another_way_then_doubled, inspect.unwrap(ref.entropy))
         wrong = doubled(logits, mask)
         said = departure.where(wrong, ref.entropy(logits, mask), 1e-5, 1e-4)
-    assert said is not None and f"at line {_line_marked(_entropy_another_way_then_doubled)} " in said, said
+    assert said is not None and f"From line {_line_marked(_entropy_another_way_then_doubled)} " in said, said
 
 
 # --- in the loops: the line of the learner's loop that passes a departing argument -----------------------------------
@@ -132,3 +131,24 @@ def test_a_loop_departure_at_a_helper_call_says_where_the_learners_loop_passes_a
                                               "mask)`).")  # an argument of the loop: assigned by no statement
     assert trace.passed_at(second, "x") == (f" Your code makes that call at line {_line_marked(loop, '# sliced here')}"
                                             " (`total = total + probed(values[:, :1], m…`).")
+
+
+def _surrogate_takes_the_max(logprobs, old_logprobs, advantages, completion_mask, clip_eps=0.2):
+    ratio = (logprobs - old_logprobs.detach()).exp()
+    unclipped = ratio * advantages.detach()
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages.detach()
+    chosen = torch.maximum(unclipped, clipped)  # departs here: the optimistic side
+    return masked_mean(chosen, completion_mask)
+
+
+def test_a_selection_that_takes_the_wrong_side_whole_is_placed_at_the_selection():
+    """Every ratio above 1 + eps and every advantage positive: torch.maximum returns `unclipped` whole, a value the
+    reference computes too (before its torch.minimum picks `clipped`). A value passed on unchanged agrees only with
+    one the reference passes on too, so the line said is the selection's, not the mean's after it."""
+    logprobs = torch.tensor([[0.5, 0.7, 0.9]])
+    old, advantages, mask = torch.zeros(1, 3), torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3, dtype=torch.bool)
+    with observe.recording():
+        wrong = transforms.recording_calls(_surrogate_takes_the_max, inspect.unwrap(ref.clipped_surrogate))
+        said = departure.where(wrong(logprobs, old, advantages, mask),
+                               ref.clipped_surrogate(logprobs, old, advantages, mask), 1e-5, 1e-4)
+    assert said is not None and f"From line {_line_marked(_surrogate_takes_the_max)} " in said, said

@@ -1,4 +1,4 @@
-"""Where the learner's code parts from the reference: the line of theirs that turns right values into wrong ones.
+"""Where the learner's code parts from the reference: the line from which it computes values the reference never does.
 
 When a value test fails on a call that transforms.py noted (plain-data arguments), both functions are run again on
 copies of that call's arguments, each under a TorchFunctionMode that keeps every tensor it computes (`_Record`: at most
@@ -6,23 +6,30 @@ OPS torch calls and ELEMENTS numbers a run; longer runs say nothing), with the t
 parents; a write into a tensor, `x[i] = v` or `x.add_(v)`, is a call that makes the tensor anew from both). Each of
 the learner's tensors is tagged with the line of their own code that computed it: the innermost frame in the file of
 their function (a notebook cell, or a module), so that a helper of the course they call counts as their line that
-calls it.
+calls it. Only the calls on the data path to the learner's result count.
 
-A learner's value is *known* when the reference computed the same numbers on that call (to the test's tolerance; one
-shape, up to dimensions of size one), and *agrees* when it is also distinctive (several values not all alike, or one
-that is not a whole number: 0, 1 or one number repeated is what many computations share). On the data path to the
-learner's result, the departure is the first call (in the order they ran) that
+Where the result is NaN or inf where the reference's is finite, the line said is the first one on the path that makes
+non-finite values from finite ones: "Your code first makes -inf at 1 position ([0, 0, 1]) at line 17 (`logprobs =
+probs.log()`), from finite values."
 
-- makes a value the reference never computes,
+Otherwise a learner's value is *known* when the reference computed the same numbers on that call (to the test's
+tolerance; one shape, up to dimensions of size one). A value that only passes one of its inputs' numbers on (a
+selection that took one side whole, .detach(), a view, the sum of one number) is known only where the reference passes
+the same numbers on too: `torch.minimum(a, b)` that returns `a` where the reference's `torch.maximum` returns `b` has
+chosen wrong, even though the reference computed `a`. A known value *agrees* when it is also distinctive (several
+values not all alike, or one that is not a whole number: 0, 1 or one number repeated is what many computations share).
+The departure is the first call on the path (in the order they ran) that
+
+- makes a value that is not known,
 - from values that agree, or are the function's arguments or constants (a call with no tensor input, or one that
   reads only its input's shape, such as zeros_like, makes a constant, never a departure),
 - and whose value reaches the result along some way that passes through no value that agrees (where every way does,
   the departure was only a correct step written another way than the reference's).
 
-The message says its line, what it computes, and where that differs from the reference's nearest value. Each part of
-the sentence is true by construction; a correct line written another way only makes it point earlier than the mistake.
-Nothing is said when the replay of the learner's function does not return the value the test compared, or when no
-call qualifies.
+The sentence says "From line N (...) on, your code computes values the reference never does", that line's inputs,
+and, where one of the reference's values is near, how it differs. Each part is true by construction: a correct line
+written another way than the reference's can only make it point earlier than the mistake. Nothing is said when the
+replay of the learner's function does not return the value the test compared, or when no call qualifies.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ import contextlib
 import inspect
 import io
 import linecache
+import re
 import sys
 import tokenize
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -43,7 +52,8 @@ from utils.checker import transforms
 
 OPS = 400  # torch calls in one run, at most
 ELEMENTS = 1 << 18  # numbers kept of one run's tensors, at most
-SAID = "Your code parts from the reference at line"  # how the message begins (the meta-test counts them)
+SAID = re.compile(r"From line (\d+) \(`.*`\) on, your code computes values the reference never does|"
+                  r"Your code first makes [-a-z ]+(?: at \d+ positions?)?.* at line (\d+) \(`")  # the meta-test counts them
 CODE = 40  # characters of a line of code quoted in the message
 
 
@@ -66,6 +76,19 @@ def _tensors(value: object, depth: int = 0):
             yield from _tensors(v, depth + 1)
 
 
+@dataclass
+class Op:
+    """One torch call of a run that made or wrote tensors."""
+
+    line: int | None  # the line of the learner's code that made it (None: outside it, or the reference's run)
+    values: list[Tensor]  # what it made, as float64 copies
+    parents: list[int]  # the calls that made its tensor inputs
+    computed: bool  # from a tensor's values (not a constant: torch.zeros, torch.tensor, zeros_like)
+    passes_on: bool  # its result holds one of its inputs' numbers, unchanged (a selection that took one side whole,
+    # .detach(), a view, the sum or mean of one number): it agrees only with a value the reference passes on too
+    finite_inputs: bool  # every floating-point input finite
+
+
 class _Record(TorchFunctionMode):
     """Every tensor a run computes, in order: for each torch call that returns or writes tensors, (its line in
     `filename`, or None; the values it made; the calls that made its tensor inputs; whether it had tensor inputs). With
@@ -74,7 +97,7 @@ class _Record(TorchFunctionMode):
     def __init__(self, filename: str | None):
         super().__init__()
         self.filename = filename
-        self.ops: list[tuple[int | None, list[Tensor], list[int], bool]] = []
+        self.ops: list[Op] = []
         self.made: dict[int, int] = {}  # id(tensor): the call that last made or wrote it
         self.alive: list[Tensor] = []  # the tensors of `made`, kept so that no id is reused during the run
         self.numbers = 0
@@ -99,7 +122,12 @@ class _Record(TorchFunctionMode):
             values.append(t.detach().to("cpu", torch.float64, copy=True))
             self.made[id(t)] = len(self.ops)
             self.alive.append(t)
-        self.ops.append((self._line(), values, parents, bool(inputs) and func not in SHAPED_ONLY))
+        floats = [t for t in inputs if t.is_floating_point()]
+        self.ops.append(Op(self._line(), values, parents, bool(inputs) and func not in SHAPED_ONLY,
+                           any(i is not outputs[0] and i.numel() == outputs[0].numel() and i.dtype == outputs[0].dtype
+                               and torch.equal(i.detach().reshape(-1), outputs[0].detach().reshape(-1))
+                               for i in inputs),
+                           all(bool(torch.isfinite(t).all()) for t in floats)))
         return result
 
     def _line(self) -> int | None:
@@ -163,7 +191,7 @@ def _how(value: Tensor, reference: list[Tensor], atol: float, rtol: float) -> st
     """What the departing line's value is, beside the reference's value nearest to it (of one shape, the least mean
     absolute difference where both are finite, fewest positions finite in one and not the other first): where it is
     non-finite and the nearest is not; else one position where they differ, when they agree in at least half of
-    them (a value that differs everywhere has no nearest worth showing)."""
+    them (a value that differs everywhere has no nearest worth showing: ""). """
     same = [r for r in reference if _squeezed(r) == _squeezed(value)]
     if not same:
         return f"a {list(value.shape)} tensor, a shape none of its values has"
@@ -178,24 +206,28 @@ def _how(value: Tensor, reference: list[Tensor], atol: float, rtol: float) -> st
     nearest = min(same, key=distance).flatten()
     bad = ~torch.isfinite(v) & torch.isfinite(nearest)
     if bad.any():
-        kinds = sorted({"nan" if x != x else ("inf" if x > 0 else "-inf") for x in v[bad].tolist()})
-        count = int(bad.sum())
-        at = (f" at {count} position{'s' if count > 1 else ''} ({_positions(bad.reshape(value.shape))})"
-              if value.dim() else "")
-        return f"{' and '.join(kinds)}{at} where its nearest value is finite"
+        return f"{_nonfinite(v, bad, value)} where its nearest value is finite"
     differs = ~torch.isclose(v, nearest, rtol=rtol, atol=atol, equal_nan=True)
-    if int(differs.sum()) * 2 > v.numel():  # no value of the reference's is near it: none is said
-        return "values it never computes"
+    if int(differs.sum()) * 2 > v.numel() or not differs.any():  # none near it, or one equal to it made otherwise
+        return ""
     i = int(differs.nonzero()[0])
-    where = f"{[int(k) for k in torch.unravel_index(torch.tensor(i), value.shape)]}: " if value.dim() else ""
-    return (f"values it never computes, e.g. {where}{v[i].item():.4g} where its nearest value has "
-            f"{nearest[i].item():.4g} ({int(differs.sum())} of {v.numel()} differ)")
+    where = f" at {[int(k) for k in torch.unravel_index(torch.tensor(i), value.shape)]}" if value.dim() else ""
+    return (f"{v[i].item():.4g}{where} where its nearest value has {nearest[i].item():.4g} ({int(differs.sum())} of "
+            f"{v.numel()} differ)")
+
+
+def _nonfinite(v: Tensor, bad: Tensor, value: Tensor) -> str:
+    kinds = sorted({"nan" if x != x else ("inf" if x > 0 else "-inf") for x in v[bad].tolist()})
+    count = int(bad.sum())
+    at = (f" at {count} position{'s' if count > 1 else ''} ({_positions(bad.reshape(value.shape))})"
+          if value.dim() else "")
+    return f"{' and '.join(kinds)}{at}"
 
 
 def where(actual: object, expected: object, atol: float, rtol: float) -> str | None:
-    """Where the learner's code departs from the reference's on the call that returned `actual` (one sentence, over
-    two lines); None where that cannot be said (see the module's docstring). It never raises: a failure here must not
-    hide the test's own."""
+    """Where the learner's code departs from the reference's on the call that returned `actual` (one sentence); None
+    where that cannot be said (see the module's docstring). It never raises: a failure here must not hide the test's
+    own."""
     try:
         return _where(actual, expected, atol, rtol)
     except Exception:  # noqa: BLE001
@@ -224,22 +256,40 @@ def _where(actual: object, expected: object, atol: float, rtol: float) -> str | 
     if not isinstance(replayed, Tensor) or not transforms._equal(replayed, actual, atol, rtol) \
             or id(replayed) not in theirs.made:
         return None
-    arguments = [t.detach().to("cpu", torch.float64) for t in _tensors(call.arguments)]
-    reference = arguments + [v for _, values, _, _ in ours.ops for v in values]
-    on_path, todo = set(), [theirs.made[id(replayed)]]
+    ops, result = theirs.ops, theirs.made[id(replayed)]
+    on_path, todo = set(), [result]
     while todo:
         op = todo.pop()
         if op not in on_path:
             on_path.add(op)
-            todo += theirs.ops[op][2]
-    known = {op: any(_close(theirs.ops[op][1][0], r, atol, rtol) for r in reference) for op in on_path}
-    agrees = {op for op in on_path if known[op] and _distinctive(theirs.ops[op][1][0])}
+            todo += ops[op].parents
+
+    # non-finite values where the reference's result is finite: the line that first makes them from finite ones
+    e = expected.detach().double().cpu() if isinstance(expected, Tensor) else None
+    r = replayed.detach().double().cpu()
+    if e is not None and e.shape == r.shape and bool((~torch.isfinite(r) & torch.isfinite(e)).any()):
+        for op in sorted(on_path):
+            made = ops[op].values[0]
+            if ops[op].line is not None and ops[op].finite_inputs and not bool(torch.isfinite(made).all()):
+                bad = ~torch.isfinite(made.flatten())
+                return (f"Your code first makes {_nonfinite(made.flatten(), bad, made)} at line {ops[op].line} "
+                        f"(`{code_at(filename, ops[op].line)}`), from finite values.")
+        return None
+
+    arguments = [t.detach().to("cpu", torch.float64) for t in _tensors(call.arguments)]
+    reference = arguments + [v for o in ours.ops for v in o.values]
+    passed_on = arguments + [o.values[0] for o in ours.ops if o.passes_on]
+
+    def known(op: int) -> bool:  # a value passed on unchanged agrees only with one the reference passes on too
+        value = ops[op].values[0]
+        return any(_close(value, x, atol, rtol) for x in (passed_on if ops[op].passes_on else reference))
+
+    is_known = {op: known(op) for op in on_path}
+    agrees = {op for op in on_path if is_known[op] and _distinctive(ops[op].values[0])}
     children: dict[int, list[int]] = {}
     for op in on_path:
-        for parent in theirs.ops[op][2]:
+        for parent in ops[op].parents:
             children.setdefault(parent, []).append(op)
-
-    result = theirs.made[id(replayed)]
 
     def undone(op: int) -> bool:  # every way from it to the result passes through a value that agrees
         if op == result:
@@ -254,16 +304,17 @@ def _where(actual: object, expected: object, atol: float, rtol: float) -> str | 
                 todo += children.get(child, [])
         return True
 
-    constant = {op for op in on_path if not theirs.ops[op][3]}  # made from no tensor: torch.zeros, torch.tensor
+    constant = {op for op in on_path if not ops[op].computed}  # torch.zeros, torch.tensor, zeros_like
     for op in sorted(on_path):
-        line, values, parents, _ = theirs.ops[op]
-        if line is None or known[op] or op in constant or undone(op) \
+        line, parents = ops[op].line, ops[op].parents
+        if line is None or is_known[op] or op in constant or undone(op) \
                 or not all(p in agrees or p in constant for p in parents):
             continue
         given = [p for p in parents if p in agrees]
-        elsewhere = [p for p in given if theirs.ops[p][0] not in (None, line)]
-        source = (f"inputs it computes too (line {theirs.ops[max(elsewhere)][0]}'s)" if elsewhere
-                  else "inputs it computes too" if given else "your function's arguments")
-        return (f"{SAID} {line} (`{code_at(filename, line)}`): from {source}, "
-                f"that line makes {_how(values[0], reference, atol, rtol)}.")
+        elsewhere = [p for p in given if ops[p].line not in (None, line)]
+        inputs = (f"that line's inputs, line {ops[max(elsewhere)].line}'s values, it computes too" if elsewhere
+                  else "that line's inputs it computes too" if given else "that line reads your function's arguments")
+        how = _how(ops[op].values[0], reference, atol, rtol)
+        return (f"From line {line} (`{code_at(filename, line)}`) on, your code computes values the reference never "
+                f"does ({inputs}){f': that line makes {how}' if how else ''}.")
     return None
