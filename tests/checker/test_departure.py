@@ -152,3 +152,23 @@ def test_a_selection_that_takes_the_wrong_side_whole_is_placed_at_the_selection(
         said = departure.where(wrong(logprobs, old, advantages, mask),
                                ref.clipped_surrogate(logprobs, old, advantages, mask), 1e-5, 1e-4)
     assert said is not None and f"From line {_line_marked(_surrogate_takes_the_max)} " in said, said
+
+
+def _surrogate_bound_in_python(logprobs, old_logprobs, advantages, completion_mask, clip_eps=0.2):
+    high = 1 + 2 * clip_eps  # a number computed in Python: no torch call sees it made
+    ratio = (logprobs - old_logprobs.detach()).exp()
+    clipped = ratio.clamp(1 - clip_eps, high) * advantages.detach()  # departs here
+    return masked_mean(torch.minimum(ratio * advantages.detach(), clipped), completion_mask)
+
+
+def test_a_number_computed_in_python_that_the_reference_never_reads_is_said():
+    """The first values the reference never computes are made where the wrong number is read, not where it was
+    computed: the sentence says that line, and the number it reads that no torch call of the reference reads."""
+    logprobs = torch.tensor([[0.1, 0.3, 0.5]])
+    old, advantages, mask = torch.zeros(1, 3), torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3, dtype=torch.bool)
+    with observe.recording():
+        wrong = transforms.recording_calls(_surrogate_bound_in_python, inspect.unwrap(ref.clipped_surrogate))
+        said = departure.where(wrong(logprobs, old, advantages, mask),
+                               ref.clipped_surrogate(logprobs, old, advantages, mask), 1e-5, 1e-4)
+    assert said is not None and f"From line {_line_marked(_surrogate_bound_in_python)} " in said, said
+    assert "reads the number 1.4, which no torch call of the reference reads" in said, said

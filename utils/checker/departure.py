@@ -26,8 +26,9 @@ The departure is the first call on the path (in the order they ran) that
 - and whose value reaches the result along some way that passes through no value that agrees (where every way does,
   the departure was only a correct step written another way than the reference's).
 
-The sentence says "From line N (...) on, your code computes values the reference never does", that line's inputs,
-and, where one of the reference's values is near, how it differs. Each part is true by construction: a correct line
+The sentence says "From line N (...) on, your code computes values the reference never does", that line's tensor
+inputs, the Python numbers it reads that no torch call of the reference reads (computed outside torch's sight, such
+as `1 / 2 * beta`, they may be where the values part), and, where one of the reference's values is near, how it differs. Each part is true by construction: a correct line
 written another way than the reference's can only make it point earlier than the mistake. Nothing is said when the
 replay of the learner's function does not return the value the test compared, or when no call qualifies.
 """
@@ -38,6 +39,7 @@ import contextlib
 import inspect
 import io
 import linecache
+import math
 import re
 import sys
 import tokenize
@@ -87,6 +89,7 @@ class Op:
     passes_on: bool  # its result holds one of its inputs' numbers, unchanged (a selection that took one side whole,
     # .detach(), a view, the sum or mean of one number): it agrees only with a value the reference passes on too
     finite_inputs: bool  # every floating-point input finite
+    numbers: list[float]  # the Python numbers it was given (a factor, an offset: computed outside torch's sight)
 
 
 class _Record(TorchFunctionMode):
@@ -127,7 +130,9 @@ class _Record(TorchFunctionMode):
                            any(i is not outputs[0] and i.numel() == outputs[0].numel() and i.dtype == outputs[0].dtype
                                and torch.equal(i.detach().reshape(-1), outputs[0].detach().reshape(-1))
                                for i in inputs),
-                           all(bool(torch.isfinite(t).all()) for t in floats)))
+                           all(bool(torch.isfinite(t).all()) for t in floats),
+                           [float(x) for x in (*args, *kwargs.values())
+                            if isinstance(x, (int, float)) and not isinstance(x, bool)]))
         return result
 
     def _line(self) -> int | None:
@@ -214,6 +219,10 @@ def _how(value: Tensor, reference: list[Tensor], atol: float, rtol: float) -> st
     where = f" at {[int(k) for k in torch.unravel_index(torch.tensor(i), value.shape)]}" if value.dim() else ""
     return (f"{v[i].item():.4g}{where} where its nearest value has {nearest[i].item():.4g} ({int(differs.sum())} of "
             f"{v.numel()} differ)")
+
+
+def _number(x: float) -> str:
+    return f"{x:.4g}"
 
 
 def _nonfinite(v: Tensor, bad: Tensor, value: Tensor) -> str:
@@ -305,6 +314,8 @@ def _where(actual: object, expected: object, atol: float, rtol: float) -> str | 
         return True
 
     constant = {op for op in on_path if not ops[op].computed}  # torch.zeros, torch.tensor, zeros_like
+    used = [float(v) for v in call.arguments.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    used += [x for o in ours.ops for x in o.numbers]  # the numbers the reference reads
     for op in sorted(on_path):
         line, parents = ops[op].line, ops[op].parents
         if line is None or is_known[op] or op in constant or undone(op) \
@@ -312,8 +323,14 @@ def _where(actual: object, expected: object, atol: float, rtol: float) -> str | 
             continue
         given = [p for p in parents if p in agrees]
         elsewhere = [p for p in given if ops[p].line not in (None, line)]
-        inputs = (f"that line's inputs, line {ops[max(elsewhere)].line}'s values, it computes too" if elsewhere
-                  else "that line's inputs it computes too" if given else "that line reads your function's arguments")
+        inputs = (f"that line's tensor inputs, line {ops[max(elsewhere)].line}'s values, it computes too" if elsewhere
+                  else "that line's tensor inputs it computes too" if given
+                  else "that line's tensor inputs are your function's arguments")
+        theirs_only = [x for x in ops[op].numbers if not any(math.isclose(x, y, rel_tol=1e-6) for y in used)]
+        numbers = list(dict.fromkeys(_number(x) for x in theirs_only))
+        if numbers:  # a number computed in Python is out of torch's sight: one the reference never reads is said
+            inputs += (f"; it also reads the number{'s' if len(numbers) > 1 else ''} {', '.join(numbers[:3])}, which "
+                       "no torch call of the reference reads")
         how = _how(ops[op].values[0], reference, atol, rtol)
         return (f"From line {line} (`{code_at(filename, line)}`) on, your code computes values the reference never "
                 f"does ({inputs}){f': that line makes {how}' if how else ''}.")

@@ -122,10 +122,13 @@ class Stop:
     def arm(self) -> Stop:
         """Start watching: from now on a stop is raised in this thread (call it from the thread that runs the tests)."""
         self._thread_id = threading.get_ident()
+        # armed before the handler is installed: an interrupt that reaches the handler from the moment it is in place
+        # is raised, not only recorded (one that lands just before is Python's own KeyboardInterrupt, which the
+        # runner records as the learner's)
+        self.armed = True
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set from there
             self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
             self._sigint_installed = True
-        self.armed = True
         self._watcher = threading.Thread(target=self._watch, name="check-stop-watcher", daemon=True)
         self._watcher.start()
         return self
