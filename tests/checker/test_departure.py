@@ -37,22 +37,20 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, completion_mask, clip_
 
 @torch.no_grad()
 def compute_advantages(values, rewards, completion_mask, gamma=1.0, lam=0.95):
-    mask = completion_mask.to(values.dtype)
-    lengths = completion_mask.sum(dim=1)
-    if (lengths == 0).any():
+    valid = completion_mask.float().to(values.dtype)
+    last = completion_mask.sum(dim=1) - 1
+    if (last < 0).any():
         raise ValueError("a completion has no valid token")
-    batch, gen = values.shape
-    token_rewards = torch.zeros_like(values)
-    token_rewards[torch.arange(batch), lengths - 1] = rewards.to(values.dtype)
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # departs here: not masked
-    deltas = (token_rewards + gamma * next_values - values) * mask
-    advantages = torch.zeros_like(values)
-    running = torch.zeros_like(values[:, 0])
-    for t in reversed(range(gen)):
-        running = deltas[:, t] + gamma * lam * running
-        advantages[:, t] = running
-    advantages = advantages * mask
-    return advantages, (advantages + values) * mask
+    r = torch.zeros_like(values)
+    r[torch.arange(values.shape[0]), last] = rewards.to(values.dtype)
+    v_next = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # departs here: not masked
+    td = (r + gamma * v_next - values) * valid
+    adv = torch.zeros_like(values)
+    acc = torch.zeros_like(values[:, 0])
+    for t in range(values.shape[1] - 1, -1, -1):
+        acc = td[:, t] + gamma * lam * acc
+        adv[:, t] = acc
+    return adv * valid, (adv * valid + values) * valid
 
 
 def _said_line(capsys) -> int | None:
@@ -133,6 +131,15 @@ def test_a_loop_departure_at_a_helper_call_says_where_the_learners_loop_passes_a
                                             " (`total = total + probed(values[:, :1], m…`).")
 
 
+def _said_on_surrogate(wrong, logprobs):
+    """What departure.py says of a wrong clipped_surrogate on one call (old log-probs 0, advantages 1, 2, 3)."""
+    old, advantages, mask = torch.zeros(1, 3), torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3, dtype=torch.bool)
+    with observe.recording():
+        noted = transforms.recording_calls(wrong, inspect.unwrap(ref.clipped_surrogate))
+        return departure.where(noted(logprobs, old, advantages, mask),
+                               ref.clipped_surrogate(logprobs, old, advantages, mask), 1e-5, 1e-4)
+
+
 def _surrogate_takes_the_max(logprobs, old_logprobs, advantages, completion_mask, clip_eps=0.2):
     ratio = (logprobs - old_logprobs.detach()).exp()
     unclipped = ratio * advantages.detach()
@@ -145,12 +152,7 @@ def test_a_selection_that_takes_the_wrong_side_whole_is_placed_at_the_selection(
     """Every ratio above 1 + eps and every advantage positive: torch.maximum returns `unclipped` whole, a value the
     reference computes too (before its torch.minimum picks `clipped`). A value passed on unchanged agrees only with
     one the reference passes on too, so the line said is the selection's, not the mean's after it."""
-    logprobs = torch.tensor([[0.5, 0.7, 0.9]])
-    old, advantages, mask = torch.zeros(1, 3), torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3, dtype=torch.bool)
-    with observe.recording():
-        wrong = transforms.recording_calls(_surrogate_takes_the_max, inspect.unwrap(ref.clipped_surrogate))
-        said = departure.where(wrong(logprobs, old, advantages, mask),
-                               ref.clipped_surrogate(logprobs, old, advantages, mask), 1e-5, 1e-4)
+    said = _said_on_surrogate(_surrogate_takes_the_max, torch.tensor([[0.5, 0.7, 0.9]]))
     assert said is not None and f"From line {_line_marked(_surrogate_takes_the_max)} " in said, said
 
 
@@ -164,11 +166,6 @@ def _surrogate_bound_in_python(logprobs, old_logprobs, advantages, completion_ma
 def test_a_number_computed_in_python_that_the_reference_never_reads_is_said():
     """The first values the reference never computes are made where the wrong number is read, not where it was
     computed: the sentence says that line, and the number it reads that no torch call of the reference reads."""
-    logprobs = torch.tensor([[0.1, 0.3, 0.5]])
-    old, advantages, mask = torch.zeros(1, 3), torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3, dtype=torch.bool)
-    with observe.recording():
-        wrong = transforms.recording_calls(_surrogate_bound_in_python, inspect.unwrap(ref.clipped_surrogate))
-        said = departure.where(wrong(logprobs, old, advantages, mask),
-                               ref.clipped_surrogate(logprobs, old, advantages, mask), 1e-5, 1e-4)
+    said = _said_on_surrogate(_surrogate_bound_in_python, torch.tensor([[0.1, 0.3, 0.5]]))
     assert said is not None and f"From line {_line_marked(_surrogate_bound_in_python)} " in said, said
     assert "reads the number 1.4, which no torch call of the reference reads" in said, said
