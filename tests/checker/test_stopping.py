@@ -19,7 +19,7 @@ import torch
 import tests
 from solutions import part0_warmup as ref0
 from utils import models
-from utils.checker import implementations, pool, runner, stopping
+from utils.checker import implementations, pool, process, runner, stopping
 from utils.checker.memory import SECTIONS, memory
 from utils.checker.diagnosis import MistakeFinder
 from utils.checker.layout import ROOT
@@ -263,7 +263,7 @@ PHASES = {
     "the moment the tests are over, as check() disarms its watch":
         lambda mp: interrupt_inside(mp, stopping.Stop, "disarm"),
     "putting the process back after the tests":  # recorded then, and raised once everything is put back
-        lambda mp: interrupt_inside(mp, runner._ProcessState, "restore"),
+        lambda mp: interrupt_inside(mp, process.Saved, "restore"),
 }
 
 
@@ -314,7 +314,7 @@ def test_an_interrupt_wins_over_the_time_limit(monkeypatch, capsys):
         while True:
             time.sleep(0.01)
 
-    interrupt_inside(monkeypatch, runner._ProcessState, "restore")
+    interrupt_inside(monkeypatch, process.Saved, "restore")
     with pytest.raises(KeyboardInterrupt, match="interrupted"):
         check(get_logprobs, timeout=1)
     assert "⏱️" not in capsys.readouterr().out

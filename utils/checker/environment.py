@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
 from utils.checker import store
 from utils.checker.memory import memory
 from utils.checker.shapes import checker_wrapped
@@ -79,31 +77,6 @@ def is_the_reference(obj: object, reference: object) -> bool:
         seen.add(id(obj))
         obj = inner
     return True
-
-
-class ProcessSettings:
-    """The process-wide torch settings a learner's code can change in passing (`torch.set_grad_enabled(False)` instead
-    of `with torch.no_grad():`, a new default dtype, ...), captured so that they can be put back."""
-
-    def __init__(self):
-        self.grad = torch.is_grad_enabled()
-        self.dtype = torch.get_default_dtype()
-        self.device = torch.get_default_device() if hasattr(torch, "get_default_device") else None
-        self.anomaly = torch.is_anomaly_enabled()
-        self.deterministic = torch.are_deterministic_algorithms_enabled()
-
-    def restore(self) -> None:
-        # Only what changed: some setters import much of torch on first use (use_deterministic_algorithms: dynamo).
-        if torch.is_grad_enabled() != self.grad:
-            torch.set_grad_enabled(self.grad)
-        if torch.get_default_dtype() != self.dtype:
-            torch.set_default_dtype(self.dtype)
-        if self.device is not None and torch.get_default_device() != self.device:
-            torch.set_default_device(self.device)
-        if torch.is_anomaly_enabled() != self.anomaly:
-            torch.set_anomaly_enabled(self.anomaly)
-        if torch.are_deterministic_algorithms_enabled() != self.deterministic:
-            torch.use_deterministic_algorithms(self.deterministic)
 
 
 def _tests(names: list[str]) -> str:

@@ -9,13 +9,11 @@ of the notebook's part and prints one table of them (summary.py).
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import re
 import sys
 from collections.abc import Iterator
 
-from utils.checker import callees, environment, summary
+from utils.checker import callees, environment, process, summary
 from utils.checker.compare import NAMED_FACTOR, NO_PATTERN, RESEMBLES, split_message
 from utils.checker.layout import built_parts, exercise_names, part_defining
 from utils.checker.registry import explanation_line
@@ -39,43 +37,13 @@ def check(obj: object, part: str | None = None, timeout: float = DEFAULT_TIMEOUT
     if name is None:
         raise TypeError("check() takes the function or class you wrote, e.g. check(get_logprobs)")
     part = part or part_defining(name)
-    with no_progress_bars():
+    with process.borrowed():
         outcome = run_exercise_tests(part, name, obj, timeout=timeout, diagnosis_budget=DIAGNOSIS_BUDGET_S)
         callees.remember(part, name, obj, outcome)  # a later check of an exercise that calls this one needs it
         failing = []
         if not outcome.ok and not outcome.timed_out:  # a failure may lie in another exercise it calls
             failing = callees.failing_callees(obj, part, name, timeout=timeout)
     print(summary.wrapped(report(outcome, part, timeout, failing_callees=failing, verbose=verbose)))
-
-
-@contextlib.contextmanager
-def no_progress_bars() -> Iterator[None]:
-    """No progress bar is drawn inside the block: loading the shared model ("Loading weights 0/52"), a download, or a
-    training loop inside a test would draw one into the notebook's output under check()'s report (in Jupyter a bar
-    is a widget, which reaches the notebook whatever happens to the streams). Every tqdm bar, transformers',
-    huggingface_hub's and the course's own alike, is made through tqdm's class, which is told to make them disabled;
-    warnings and logging are left alone. Put back as it was afterwards, also after an interrupt."""
-    try:
-        import tqdm.std
-    except ImportError:  # no tqdm: no bars
-        yield
-        return
-    bar_class = tqdm.std.tqdm
-    original = bar_class.__dict__["__init__"]
-    position = list(inspect.signature(bar_class.__init__).parameters).index("disable") - 1  # after `self`
-
-    def disabled(self, *args, **kwargs):
-        if len(args) > position:
-            args = args[:position] + (True,) + args[position + 1:]
-        else:
-            kwargs["disable"] = True
-        original.__get__(self, type(self))(*args, **kwargs)
-
-    bar_class.__init__ = disabled
-    try:
-        yield
-    finally:
-        bar_class.__init__ = original
 
 
 def report(outcome: Outcome, part: str, timeout: float | None = None,
@@ -313,7 +281,7 @@ def check_all(namespace: dict | None = None, part: str | None = None, timeout: f
     if namespace is None:
         namespace = sys._getframe(1).f_globals  # the notebook's variables: check_all() is called from a cell
     part = part or part_in(namespace)
-    # No progress bar, the tests' (no_progress_bars) or one of its own: a saved notebook keeps a bar as a line of text.
+    # No progress bar, the tests' (process.no_progress_bars) or one of its own: a saved notebook keeps a bar as a line of text.
     rows = list(exercise_rows(part, namespace, timeout))
     if show:
         passed, total = summary.count_passed(rows)
@@ -338,7 +306,7 @@ def exercise_rows(part: str, namespace: dict, timeout: float | None = DEFAULT_TI
 
 def _row(part: str, name: str, obj: object, timeout: float | None) -> summary.Row:
     """What check(obj) finds, as a row: the same run, and no mistake named while an exercise it calls fails."""
-    with no_progress_bars():
+    with process.borrowed():
         outcome = run_exercise_tests(part, name, obj, timeout=timeout, diagnosis_budget=DIAGNOSIS_BUDGET_S)
         callees.remember(part, name, obj, outcome)  # a later check of an exercise that calls this one needs it
         failing = []

@@ -10,17 +10,14 @@ It must survive the learner's code and the machine it runs on:
 
 from __future__ import annotations
 
-import io
-import os
 import re
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
-from utils.checker import environment, pool, store
+from utils.checker import environment, pool, process, store
 from utils.checker.diagnosis import MistakeFinder
 from utils.checker.implementations import solutions_module
 from utils.checker.layout import test_modules_of, tests_of
@@ -161,49 +158,10 @@ def _without_notes(text: str) -> str:
     return text.split("\nLikely mistake", 1)[0].strip()
 
 
-class _ProcessState:
-    """What a pytest session in the learner's process may leave changed if it is cut short (a stop can land in the
-    middle of pytest's own cleanup), and what check() must not change: the standard streams (pytest captures them,
-    and check() sends its report to a buffer), the environment variables (conftest.py sets some for test runs only)
-    and torch's process-wide settings. Captured once, put back however the run ended."""
-
-    STREAMS = ("stdin", "stdout", "stderr")
-
-    def __init__(self):
-        self.streams = {name: getattr(sys, name) for name in self.STREAMS}
-        self.fds = {}
-        for fd in (0, 1, 2):
-            try:
-                self.fds[fd] = os.dup(fd)
-            except OSError:
-                pass  # a closed descriptor: nothing to put back
-        self.environ = dict(os.environ)
-        self.torch = environment.ProcessSettings()
-
-    def restore(self) -> None:
-        for name, stream in self.streams.items():
-            setattr(sys, name, stream)
-        for fd, saved in self.fds.items():
-            os.dup2(saved, fd)
-            os.close(saved)
-        self.fds = {}
-        for key in set(os.environ) - set(self.environ):  # key by key: the environment never looks empty meanwhile
-            del os.environ[key]
-        for key, value in self.environ.items():
-            if os.environ.get(key) != value:
-                os.environ[key] = value
-        self.torch.restore()
-
-
 def _session(part: str, name: str | list[str], plugins: list, *options: str) -> None:
     """One pytest session over the tests of exercise `name` (or of several, a list: then a plugin of `plugins`
     picks their tests), reporting only to `plugins` (which say what runs)."""
-    # pytest's report goes to a buffer, not the notebook: the Collector keeps what the learner needs. (Turning the
-    # terminal plugin off instead would break pytest's explanation of a failed `assert a == b`.)
-    sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
-    # The exercise tests need no plugin from other packages, and those can cost seconds (hypothesis's imports all of
-    # hypothesis at the end of the first session, a time when an interrupt must stop it at once).
-    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    process.quiet_session()  # put back by the caller's process.Saved
     names = [name] if isinstance(name, str) else list(name)
     # only the modules with tests of these exercises
     modules = sorted({m for n in names for m in test_modules_of(part, n)}) or [tests_of(part)]
@@ -224,7 +182,7 @@ def _run_stoppable(timeout: float | None, learners_tests: Callable[[Stop], None]
 
     The two run inside this function, not under a context manager: an interrupt can land between arming and their
     first line, and a context manager cannot skip its body (contextlib then fails with "generator didn't yield")."""
-    saved, stop, learner_done = _ProcessState(), Stop(timeout), False
+    saved, stop, learner_done = process.Saved(), Stop(timeout), False
     try:
         stop.arm()
         learners_tests(stop)

@@ -26,11 +26,12 @@ itself after its cleanup when the learner interrupted.
 from __future__ import annotations
 
 import ctypes
-import signal
 import threading
 import time
 
 import pytest
+
+from utils.checker import process
 
 REDELIVER_S = 1.0  # a stop that a running test swallowed is delivered again after this long
 POLL_S = 0.05      # how often the watcher looks at the clock
@@ -127,9 +128,9 @@ class Stop:
         # runner records as the learner's)
         self.armed = True
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set from there
-            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+            self._previous_sigint = process.set_sigint(self._on_sigint)
             self._sigint_installed = True
-        self._watcher = threading.Thread(target=self._watch, name="check-stop-watcher", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name=process.WATCHER, daemon=True)
         self._watcher.start()
         return self
 
@@ -144,8 +145,10 @@ class Stop:
         """Disarm, stop watching, and put the previous SIGINT handler back. Safe to call more than once."""
         self.disarm()
         self._done.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=1.0)  # it wakes at once: nothing of this check outlives it
         if self._sigint_installed:
-            signal.signal(signal.SIGINT, self._previous_sigint)
+            process.set_sigint(self._previous_sigint)
             self._sigint_installed = False
 
     def __enter__(self) -> Stop:
