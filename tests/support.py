@@ -20,6 +20,7 @@ import torch
 
 from utils.checker.compare import (CheckFailure, aside, assert_close, assert_equal, describe_difference, expect,  # noqa
                                    show)
+from utils.checker import pool
 from utils.checker.layout import ROOT
 from utils.checker.observe import anonymous
 from utils.checker.properties import (assert_defaults_match, assert_gradients_match, assert_hooks_clean,  # noqa
@@ -147,16 +148,17 @@ def run_script(module: str, *args: str, smoke: bool = True, timeout: int = 600) 
 # --- a model with ten blocks or more ------------------------------------------------------------------------------
 
 DEEP_LAYERS = 12  # GPT-2 small's count: block 1 is not block 10 or 11, and a layer is no longer one digit
-_deep: dict[str, object] = {}
 
 
 def deep_model():
     """A GPT-2-shaped TransformerBridge with 12 random blocks and d_model 16 (the embedded model's tokenizer), made
-    once per process and put back as made (no hooks, its first weights and flags, eval mode) at every call.
+    once per process, held by the checker's model pool (utils/checker/pool.py) and put back as made (no hooks, its
+    first weights and flags, eval mode) at every call.
 
     Every other test model has 4 blocks, where a layer read from one character of a key ("L10_q"[1]), or blocks
     chosen by a string prefix ("blocks.1" also starts "blocks.10"), cannot go wrong."""
-    if "model" not in _deep:
+
+    def make():
         from transformers import GPT2LMHeadModel
 
         from utils.models import bridge_from_hf, load_tiny_hf, tiny_hf_config
@@ -166,18 +168,12 @@ def deep_model():
             torch.manual_seed(0)
             hf_model = GPT2LMHeadModel(tiny_hf_config(len(tokenizer), tokenizer.eos_token_id, d_model=16,
                                                       n_layers=DEEP_LAYERS, n_heads=2, n_ctx=32))
-        model = bridge_from_hf(hf_model, tokenizer, "cpu")
-        pristine = {name: t.detach().clone() for name, t in model.state_dict().items()}
-        flags = {name: p.requires_grad for name, p in model.named_parameters()}
-        _deep.update(model=model, pristine=pristine, flags=flags)
-    model = _deep["model"]
-    model.reset_hooks()
-    with torch.no_grad():
-        model.load_state_dict(_deep["pristine"])
-    for name, p in model.named_parameters():
-        p.requires_grad_(_deep["flags"][name])
-        p.grad = None
-    return model.eval()
+        return bridge_from_hf(hf_model, tokenizer, "cpu").eval()
+
+    name = f"deep-{DEEP_LAYERS}"
+    model = pool.shared(name, make)
+    pool.restore(name)
+    return model
 
 
 def deep_adapters(model, targets=("q", "k", "v", "o", "mlp_in", "mlp_out"), seed: int = 0):

@@ -5,11 +5,13 @@ process is as it was before, in everything a notebook can see of it."""
 import _thread
 import importlib.util
 import os
+import random
 import signal
 import sys
 import threading
 import time
 
+import numpy
 import pytest
 import torch
 
@@ -57,6 +59,9 @@ def snapshot() -> dict:
         "file descriptors 0, 1, 2": fds,
         "torch's threads": (torch.get_num_threads(), torch.get_num_interop_threads()),
         "torch's grad mode": torch.is_grad_enabled(),
+        "torch's random state": torch.random.get_rng_state().tolist(),
+        "Python's random state": random.getstate(),
+        "numpy's random state": str(numpy.random.get_state()),
         "torch's default dtype": torch.get_default_dtype(),
         "torch's anomaly detection": torch.is_anomaly_enabled(),
         "torch's deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -109,6 +114,7 @@ def test_check_puts_the_process_back_as_it_was_whatever_happened(capsys):
     # An interrupt that reaches the process while SIGINT is ignored does nothing: the test gives itself Python's
     # default handler, as a notebook's kernel has (an earlier test of this worker may have left it ignored).
     default = signal.signal(signal.SIGINT, signal.default_int_handler)
+    torch.manual_seed(1234), random.seed(1234), numpy.random.seed(1234)  # the learner's random stream, not check()'s
     try:
         before = snapshot()
         for kind, fn in named.items():

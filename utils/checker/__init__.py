@@ -1,4 +1,5 @@
-"""The checker: what runs an exercise's tests and turns a failed one into a lesson. Imports run down this list:
+"""The checker: what runs an exercise's tests and turns a failed one into a lesson. Each module imports only modules
+above it in this list (utils/checker/README.md: the path from check() to its message, on one page):
 
     layout.py           where things are: the root, the parts, notebooks' cells and exercises (standard library only)
     transforms.py       the calls of the exercise under test: which one change of a call (an argument left at its
@@ -9,9 +10,15 @@
                         (`memory.forget()`): the wrong versions' runs and the classes of their trace departures, the
                         reference's runs and traces, the callees' outcomes, the implementations resolved (standard
                         library only)
+    pool.py             the shared models (the embedded GPT-2-style and Llama-style tiny ones, the tests' deep one),
+                        each made once per process, held by name and restored around every test
     observe.py          the log of what a test looked at, which is what a mistake's fingerprint is made of
+    departure.py        where the learner's code parts from the reference on a noted call: the first line of their code
+                        from which it computes values the reference never does, or that first makes NaN or inf
     compare.py          the diagnosing comparison: when a value differs from the reference's, say *how*; what a
                         message measured on the learner's run, and its details and asides (shown on request)
+    shapes.py           the reference's shape annotations (jaxtyping) checked at each call of whatever the checker
+                        tests (`checked_like`), and the mark on the checker's own wrappers (`mark_wrapper`)
     properties.py       checks beyond values: gradients, inputs left alone, hooks cleaned up, seeds, refusals
     trace.py            what a training loop did, in order (passes, zero_grad, backward, clip, steps), and where it
                         first departs from the reference's
@@ -20,17 +27,21 @@
     store.py            what the checker works out once for this code on this machine (the solution's passes, the
                         wrong versions' runs), kept on disk for the next process: only in a folder named by
                         RLHF_CHECKER_CACHE (off by default: check() writes nothing)
-    pool.py             the shared tiny model, loaded once per process and restored around every test
+    process.py          the process-wide changes check() makes around its test sessions (the standard streams,
+                        environment variables, SIGINT's handler, tqdm's bars, torch's settings), and putting them back
+                        (`Saved`, `borrowed`)
+    stopping.py         how a check stops early, at its time limit or the learner's interrupt, wherever it lands
     implementations.py  what `--impl` names: the solutions, the notebook's stubs, a learner's notebook or module
+    environment.py      never a false blame: a failure counts only if the course's own solution passes here
     diagnosis.py        the plugin that replays a failed test with each wrong version and names the one that matches
     plugin.py           the pytest plugin: --impl, --exercise, the fixtures (conftest.py loads it)
-    environment.py      never a false blame: a failure counts only if the course's own solution passes here
-    stopping.py         how a check stops early, at its time limit or the learner's interrupt, wherever it lands
     runner.py           one exercise's tests, in-process, against one object (check() and the meta-test)
     callees.py          the other exercises an exercise calls, in the learner's versions, and which fail their tests
     summary.py          one row per exercise (✅ ❌ ✏️ ⏱️ ⚠️, tests passed, the likely mistake) and the table of them
     notebook.py         `check()`, the line under each exercise in a notebook, and what it prints (short: the most
                         specific finding, each failure once; check(fn, verbose=True) for all); `check_all()`
+    integrity.py        whether a learner's exercise is the course's reference under another name (utils/grade.py
+                        flags it)
     worker.py           the process that checks one saved notebook: its definitions run, then each exercise's tests
     grading.py          one saved notebook checked in a worker, with a time limit (utils/progress.py, utils/grade.py)
     warm.py             `python -m utils.checker.warm --store DIR [parts]`: fill a store on purpose (a teacher, a grader)

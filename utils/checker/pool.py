@@ -1,11 +1,15 @@
-"""The shared models: the embedded tiny models, each loaded once per process and shared by every test session in it.
+"""The shared models: the embedded tiny models (and any other model the tests build once, such as tests/support.py's
+deep one), each made once per process and shared by every test session in it.
 
 check() starts a fresh pytest session each time; keeping the model here spares it a reload. Its weights are
-remembered when it loads, so that `restore()` can undo whatever a learner's code did to it (hooks left on, weights
-written, gradients, flags, train mode). Only this module holds the model.
+remembered when it is made, so that `restore()` can undo whatever a learner's code did to it (hooks left on, weights
+written, gradients, flags, train mode). Only this module holds the models, by name: what is remembered about a model
+(trace.reference_trace) is keyed by that name, never by `id()`, which a model made later could reuse.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 
 class _Pool:
@@ -19,10 +23,20 @@ _pool = _Pool()
 
 def tiny_model(name: str = "tiny"):
     """An embedded model on CPU ("tiny": GPT-2-style, "tiny-llama": Llama-style), loaded on first use."""
-    if name not in _pool.models:
+
+    def load():
         from utils.models import load_model
 
-        model = load_model(name, device="cpu")
+        return load_model(name, device="cpu")
+
+    return shared(name, load)
+
+
+def shared(name: str, make: Callable[[], object]):
+    """The model called `name`, made by `make()` the first time it is asked for, and put back as it was made at every
+    restore()."""
+    if name not in _pool.models:
+        model = make()
         pristine = [(module, table, key, t, t.detach().clone(), t.requires_grad)
                     for module in model.modules() for table in ("_parameters", "_buffers")
                     for key, t in getattr(module, table).items() if t is not None]
@@ -30,6 +44,11 @@ def tiny_model(name: str = "tiny"):
         _pool.pristine[name] = pristine
         _pool.models[name] = model
     return _pool.models[name]
+
+
+def name_of(model) -> str | None:
+    """The name the pool holds `model` under, or None if it is not one of the shared models."""
+    return next((name for name, held in _pool.models.items() if held is model), None)
 
 
 def is_loaded(name: str = "tiny") -> bool:
@@ -41,11 +60,12 @@ def forget() -> None:
     _pool.models, _pool.pristine = {}, {}
 
 
-def restore() -> None:
-    """Put every shared model back as it was loaded: no hooks, the original weights, gradients and flags, eval mode,
-    no attention pattern kept from the last forward pass."""
-    for name, model in list(_pool.models.items()):
-        _restore(model, _pool.pristine[name])
+def restore(name: str | None = None) -> None:
+    """Put every shared model (or only the one called `name`) back as it was made: no hooks, the original weights,
+    gradients and flags, eval mode, no attention pattern kept from the last forward pass."""
+    for held, model in list(_pool.models.items()):
+        if name is None or held == name:
+            _restore(model, _pool.pristine[held])
 
 
 def _restore(model, pristine: list) -> None:

@@ -10,8 +10,9 @@ While check() runs, in the notebook's own process:
   `pytest_configure`: offline, no wandb, shape checks on);
 - SIGINT's handler is check()'s own while the tests run (`set_sigint`, from stopping.Stop), so that Jupyter's
   interrupt button stops it at once; a watcher thread keeps the time limit (stopping.Stop, joined when it closes);
-- the learner's code may change torch's process-wide settings in passing (`torch.set_grad_enabled(False)`, a default
-  dtype): `TorchSettings`.
+- each test starts from the same random state, the first model load sets torch's thread count, and the learner's
+  code may change torch's process-wide settings in passing (`torch.set_grad_enabled(False)`, a default dtype):
+  `TorchSettings` puts all of them back.
 
 `Saved` captures all of it once and `restore()` puts it back however the run ended (runner._run_stoppable);
 `borrowed()` is the context manager around one whole check(), which also keeps the bars off and makes sure that no
@@ -28,6 +29,7 @@ import contextlib
 import inspect
 import io
 import os
+import random
 import signal
 import sys
 import threading
@@ -40,9 +42,15 @@ WATCHER = "check-stop-watcher"  # the name of stopping.Stop's thread
 
 class TorchSettings:
     """The process-wide torch settings a learner's code can change in passing (`torch.set_grad_enabled(False)` instead
-    of `with torch.no_grad():`, a new default dtype, ...), captured so that they can be put back."""
+    of `with torch.no_grad():`, a new default dtype, ...), and those the tests change on purpose: the random
+    generators (each test starts from the same seed, plugin.py) and the thread count (the first model load sets the
+    course's, utils/models.py). Captured so that they can be put back: the learner's random stream goes on after
+    check() as if it had not run."""
 
     def __init__(self):
+        self.threads = torch.get_num_threads()
+        self.random = (torch.random.get_rng_state(), random.getstate(),
+                       sys.modules["numpy"].random.get_state() if "numpy" in sys.modules else None)
         self.grad = torch.is_grad_enabled()
         self.dtype = torch.get_default_dtype()
         self.device = torch.get_default_device() if hasattr(torch, "get_default_device") else None
@@ -61,6 +69,13 @@ class TorchSettings:
             torch.set_anomaly_enabled(self.anomaly)
         if torch.are_deterministic_algorithms_enabled() != self.deterministic:
             torch.use_deterministic_algorithms(self.deterministic)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        generator, python, numpy = self.random
+        torch.random.set_rng_state(generator)
+        random.setstate(python)
+        if numpy is not None:
+            sys.modules["numpy"].random.set_state(numpy)
 
 
 class Saved:

@@ -891,8 +891,14 @@ def namespaces_of(*functions) -> tuple[dict, ...]:
 def reference_trace(key: str, run: Callable[[], object], *, model) -> object:
     """run() the first time `key` is asked for on `model`, its result from then on: the reference's trace of a fixed
     set-up does not change, and the mistake finder replays a failed trace test once per registered wrong version. Each
-    model (each architecture) has its own."""
-    key = (id(model), key)
+    shared model (each architecture) has its own, kept under the pool's name for it; a model that is not the pool's
+    is run for each call."""
+    from utils.checker import pool
+
+    name = pool.name_of(model)
+    if name is None:
+        return run()
+    key = (name, key)
     if key not in memory.reference_traces:  # kept for the life of the process, in memory.py
         memory.reference_traces[key] = run()
     return memory.reference_traces[key]
