@@ -194,7 +194,26 @@ def _deterministic(reference, arguments: dict[str, object], first: object) -> bo
 
 
 def covered(part: str) -> list[str]:
-    """The exercises of `part` that the battery can call (each needs a test in the part's test_properties.py)."""
+    """The exercises of `part` that the battery can call (each gets a test in the part's test_properties.py)."""
     from utils.checker.layout import exercise_names
 
     return [name for name in exercise_names(part) if call_of(_reference_of(part, name), name) is not None]
+
+
+def battery_tests_of(part: str) -> dict[str, object]:
+    """{test name: test} for a part's test_properties.py: one test per exercise the battery can call, marked with
+    `@exercise(...)` so that check() runs it with the exercise's other tests."""
+    import pytest
+
+    def beyond(name: str):
+        @pytest.mark.exercise(name)
+        def test(impl):
+            beyond_values(impl, part, name)
+
+        test.__name__ = test.__qualname__ = f"test_{name}_beyond_values"
+        test.__doc__ = (f"The property battery on {name} (tests/battery.py): the signature's defaults, a call that "
+                        "leaves them out, no returned tensor sharing memory with an argument, empty masks, and 0 as a "
+                        "value, wherever each applies.")
+        return test
+
+    return {f"test_{name}_beyond_values": beyond(name) for name in covered(part)}

@@ -55,15 +55,15 @@ def marked_in_source(path: Path) -> set[str]:
             and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)}
 
 
-# A test module whose source calls this makes its tests per exercise when imported (tests/generated.py: one for each
-# exercise whose arguments can be drawn); a session collects it for every exercise, and keeps the tests marked for
-# the one it checks.
-MAKES_TESTS = "generated_tests_of"
+# A test module whose source calls one of these makes its tests per exercise when imported (tests/generated.py: one
+# for each exercise whose arguments can be drawn; tests/battery.py: one for each exercise the battery can call); a
+# session collects it for every exercise, and keeps the tests marked for the one it checks.
+MAKES_TESTS = ("generated_tests_of", "battery_tests_of")
 
 
 def makes_tests(path: Path) -> bool:
-    """Whether a test module's source calls MAKES_TESTS (its marks are made when it is imported)."""
-    return any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == MAKES_TESTS
+    """Whether a test module's source calls one of MAKES_TESTS (its marks are made when it is imported)."""
+    return any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in MAKES_TESTS
                for node in ast.walk(ast.parse(path.read_text())))
 
 
