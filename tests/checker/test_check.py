@@ -1,6 +1,8 @@
 """check(), the line under each exercise in a notebook (utils/checker/notebook.py): it says when all is well, names a
 known mistake, keeps pytest's explanation of a failed comparison, and leaves the learner's environment alone."""
 
+import re
+
 import pytest
 
 from solutions import part0_warmup as ref
@@ -22,6 +24,21 @@ def test_every_part_has_a_test_package_with_its_meta_test():
     for part in parts():
         assert (ROOT / "tests" / part / "test_meta.py").exists(), f"tests/{part}/test_meta.py is missing"
         registry_of(part)
+
+
+def test_each_test_package_lists_its_modules_in_its_docstring():
+    """The index at the top of tests/<part>/__init__.py names every module of the package and no other (a pattern
+    such as `mistakes_<experiment>.py` stands for the files it matches): an index kept by hand cannot go stale."""
+    for part in parts():
+        package = ROOT / "tests" / part
+        doc = (package / "__init__.py").read_text()
+        listed = re.findall(r"^ {4}([\w<>]+\.py)\b", doc, re.MULTILINE)
+        patterns = [re.compile(re.sub(r"<\w+>", r"\\w+", name.replace(".", r"\."))) for name in listed]
+        present = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")
+        missing = [name for name in present if not any(pattern.fullmatch(name) for pattern in patterns)]
+        extra = [name for name, pattern in zip(listed, patterns) if not any(pattern.fullmatch(p) for p in present)]
+        assert not missing and not extra, (f"tests/{part}/__init__.py's index: add {missing}, remove {extra} (one line "
+                                           "each: the module and what its tests check)")
 
 
 def test_check_prints_pass_and_names_the_mistake(capsys):

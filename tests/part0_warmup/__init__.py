@@ -9,6 +9,8 @@ and compared with the reference:
     common.py                     what several of these modules share: random logits, tokenised prompts
     mistakes.py                   the known wrong versions of each exercise, and the REGISTRY of them
     test_meta.py                  the tests of these tests (tests/meta.py)
+    test_generated.py             each exercise on inputs drawn from its contract (tests/generated.py)
+    test_properties.py            the property battery on each exercise it can call (tests/battery.py)
 """
 
 from tests.part0_warmup.mistakes import REGISTRY  # noqa: F401

@@ -11,6 +11,8 @@ the way the course uses them: `with model.hooks(fwd_hooks=lora_hooks(model, adap
     test_meta.py                              the tests of these tests (tests/meta.py)
     common.py                                 what several of these modules share
     mistakes.py                               the known wrong versions, and the REGISTRY that names them
+    test_deep_models.py                       the exercises that find a block from an adapter's key, on 12 blocks
+    test_generated.py                         each exercise on inputs drawn from its contract (tests/generated.py)
 """
 
 from tests.part2_lora.mistakes import REGISTRY  # noqa: F401

@@ -13,6 +13,8 @@ the exercises the course runs on a LoRAModel are tested with one whose B is rand
     test_meta.py                    the tests of these tests (tests/meta.py)
     common.py                       what several of these modules share
     mistakes.py                     the known wrong versions, and the REGISTRY that names them
+    test_generated.py               each exercise on inputs drawn from its contract (tests/generated.py)
+    test_properties.py              the property battery on each exercise it can call (tests/battery.py)
 """
 
 from tests.part3_grpo.mistakes import REGISTRY  # noqa: F401

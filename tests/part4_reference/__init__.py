@@ -11,6 +11,8 @@ precomputed table) and the syncs that move it.
     test_sync_experiment.py                the reference-only control, the KL to the original, the script (provided)
     mistakes.py                            the known wrong versions of each exercise, and the REGISTRY
     common.py                              the set-up several modules share (adapters, samples, checks)
+    test_generated.py                      each exercise on inputs drawn from its contract (tests/generated.py)
+    test_meta.py                           the tests of these tests (tests/meta.py)
 """
 
 from tests.part4_reference.mistakes import REGISTRY  # noqa: F401

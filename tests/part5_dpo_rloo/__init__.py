@@ -12,6 +12,9 @@ leave-one-out advantages, the KL penalty in the reward, the clipped loss).
     test_against_trl.py                 the same computations against TRL's own code (only where trl is installed)
     mistakes.py                         the known wrong versions of each exercise, and the REGISTRY
     common.py                           the set-up several modules share (ragged inputs, pairs, checks)
+    test_generated.py                   each exercise on inputs drawn from its contract (tests/generated.py)
+    test_meta.py                        the tests of these tests (tests/meta.py)
+    test_properties.py                  the property battery on each exercise it can call (tests/battery.py)
 """
 
 from tests.part5_dpo_rloo.mistakes import REGISTRY  # noqa: F401

@@ -12,7 +12,11 @@ utils/harness.py) and compares with the reference, solutions/part6_lab.
                           each correction's exact expected gradient against the on-policy one
     test_lab_script.py    the lab's script (python -m solutions.part6_lab) and the experiments' refusals
     test_meta.py          the tests of these tests (tests/meta.py)
-    mistakes.py           the known wrong versions (mistakes_<experiment>.py), gathered into REGISTRY
+    mistakes.py           the known wrong versions of every experiment's exercises, gathered into REGISTRY
+    mistakes_<experiment>.py  the known wrong versions of one experiment's exercises
+    test_deep_models.py   lora_on_blocks on a model with 12 blocks: two-digit layer keys
+    test_generated.py     each exercise on inputs drawn from its contract (tests/generated.py)
+    test_properties.py    the property battery on each exercise it can call (tests/battery.py)
 
 Each module also runs its experiment (solutions/part6_lab/<experiment>.py) in its smoke setting (marked slow).
 """

@@ -20,6 +20,9 @@ reason, without them (pip install -r requirements-bench.txt).
     test_meta.py             the tests of these tests (tests/meta.py)
     mistakes.py              the known wrong versions of each exercise, and the REGISTRY that names them
     common.py                what several of these modules share
+    test_data_parallel.py    data parallelism under `accelerate`, measured here
+    test_deep_models.py      peft_state_dict on a model with 12 blocks: two-digit layer keys
+    test_generated.py        each exercise on inputs drawn from its contract (tests/generated.py)
 """
 
 from tests.part7_production.mistakes import REGISTRY  # noqa: F401
