@@ -1,5 +1,5 @@
-# The image `python -m utils.grade` runs in for a class you do not trust (README.md, "Grading a class"): Python and
-# the course's locked requirements, nothing else. The course itself and the submissions are mounted at run time, so
+# The image `python -m utils.grade` runs in for a class you do not trust (docs/teachers.md, "Grading a class"): Python
+# and the course's locked requirements, nothing else. The course itself and the submissions are mounted at run time, so
 # the image is built once per lock, not per course edit:
 #
 #     docker build -t rlhf-course-grader .

@@ -804,7 +804,7 @@ def test_trl_dpo_and_rloo_defaults_the_course_quotes(tmp_path):
     dpo = _defaults(trl.DPOConfig, tmp_path)
     expect(dpo.precompute_ref_log_probs is False, "trl.DPOConfig.precompute_ref_log_probs is not False by default: "
            "chapter 5 says DPOTrainer runs the reference on every batch by default")
-    for loss_types in (["sigmoid"], ["hinge"], ["ipo"], ["sigmoid", "sft"]):  # chapter 5 and the README
+    for loss_types in (["sigmoid"], ["hinge"], ["ipo"], ["sigmoid", "sft"]):  # chapter 5 and docs/numbers.md
         kept = trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type=loss_types).loss_type
         expect(list(kept) == loss_types, f"trl.DPOConfig(loss_type={loss_types}) became {kept}")
     import inspect

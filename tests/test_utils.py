@@ -412,7 +412,7 @@ def test_every_test_path_the_course_names_exists():
     for path in TESTS:
         assert (ROOT / path).exists(), f"utils/canary.py runs {path}, which does not exist"
     sources = [*ROOT.glob("utils/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("chapters/source/*.py"),
-               ROOT / "README.md", *ROOT.glob(".ci/*")]
+               ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob(".ci/*")]
     missing = []
     for source in sources:
         for found in re.findall(r"(?<![\w/.])tests/[\w/]*\w(?:\.py)?", source.read_text()):

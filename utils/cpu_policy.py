@@ -4,7 +4,7 @@ Torch runs CPU operations on OpenMP threads, one per core (`utils.models.set_cpu
 GNU OpenMP's threads keep spinning for a while before they sleep, to start the next one sooner. Alone, that saves a
 little. But a learner on a 2-core laptop often runs two course processes at once (a notebook kernel, and the tests or
 a script in a terminal): then each process's spinning threads hold the cores the other one's working threads need,
-and both crawl. `python bench/side_by_side.py` measures it; its figures are in README.md ("Side by side").
+and both crawl. `python bench/side_by_side.py` measures it; its figures are in docs/learners.md ("Side by side").
 
 The course therefore tells OpenMP to spin only briefly (WAIT_POLICY). OpenMP reads this once, when torch loads it, so
 it must be in the environment before `import torch`: importing `utils` or `solutions` sets it, `conftest.py` imports

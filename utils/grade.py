@@ -20,8 +20,8 @@ A learner is named by the notebook's file name; notebooks of the same name are t
 (alice/part0_warmup.ipynb -> alice/part0_warmup, written to feedback/alice__part0_warmup.md).
 
 This runs the learners' code, each notebook with a memory and a CPU-time limit, a temporary home folder and no
-network settings; for a class you do not trust, run it in the container of the repository's Dockerfile (README.md,
-"Grading a class").
+network settings; for a class you do not trust, run it in the container of the repository's Dockerfile
+(docs/teachers.md, "Grading a class").
 """
 
 from __future__ import annotations

@@ -250,8 +250,9 @@ class _Reports:
 
 
 def run_pytest_route(monkeypatch, impl: str) -> _Reports:
-    """`python -m pytest tests/part0_warmup/test_generate_no_cache.py --impl IMPL`, in this process (the route the
-    README offers beside check(): no check() around it, the mistake finder registered by the course's plugin)."""
+    """`python -m pytest tests/part0_warmup/test_generate_no_cache.py --impl IMPL`, in this process (the route
+    docs/learners.md offers beside check(): no check() around it, the mistake finder registered by the course's
+    plugin)."""
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setenv("RLHF_CHECKER_CACHE", "off")
     reports = _Reports()
