@@ -46,8 +46,9 @@ def test_a_scaffolded_exercise_fails_on_its_stub_and_the_meta_test_says_what_is_
     for path in (test_module, f"solutions/{PART}.py", f"chapters/source/{PART}.py", f"tests/{PART}/mistakes.py"):
         assert path in said, f"the scaffold does not say it wrote {path}:\n{said}"
     assert f"chapters/{PART}.ipynb" in said and "What is left" in said, said
-    assert f'beyond_values(impl, PART, "{NAME}")' in said, f"no property test to add is printed:\n{said}"
-    assert f"@exercise({NAME!r})" not in (copy / f"tests/{PART}/test_properties.py").read_text()  # left alone
+    index = (copy / f"tests/{PART}/__init__.py").read_text()
+    assert f"tests/{PART}/__init__.py" in said and f"    test_{NAME}.py" in index, index  # the package's index
+    assert "battery_tests_of" in (copy / f"tests/{PART}/test_properties.py").read_text()  # makes NAME's test itself
     fresh = run(["-m", "utils.notebooks", "--check", PART], copy)
     assert fresh.returncode == 0, f"the scaffold left the notebook stale:\n{fresh.stderr}"
 
@@ -94,7 +95,8 @@ def test_a_dry_run_names_what_it_would_write_in_each_kind_of_part(capsys):
     assert new_exercise.main([PART, NAME, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines() == [f"would change chapters/source/{PART}.py", f"would change solutions/{PART}.py",
-                                f"would create tests/{PART}/test_{NAME}.py", f"would change tests/{PART}/mistakes.py"]
+                                f"would create tests/{PART}/test_{NAME}.py", f"would change tests/{PART}/__init__.py",
+                                f"would change tests/{PART}/mistakes.py"]
     assert new_exercise.main(["part6_lab", NAME, "--after", "clip_fraction", "--dry-run"]) == 0
     out = capsys.readouterr().out
     for line in ("would change solutions/part6_lab/off_policy.py", "would change solutions/part6_lab/__init__.py",

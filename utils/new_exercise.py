@@ -19,8 +19,9 @@ It writes, for the exercise NAME of the part PART (CONTRIBUTING.md walks through
     tests/partN_<topic>/mistakes.py    one wrong-version placeholder, @mistake(kind) with a docstring to write, and
                                    its Exercise(...) entry in the part's REGISTRY (in a package part whose wrong
                                    versions live in mistakes_<module>.py, there, in its EXERCISES)
-    tests/partN_<topic>/test_properties.py   where the part has none yet: created with the battery's test of NAME;
-                                   where it exists, the lines to add are printed (the file is left alone)
+    tests/partN_<topic>/test_properties.py   where the part has none yet: created; it makes the battery's test of
+                                   each exercise the battery can call (tests/battery.py, battery_tests_of)
+    tests/partN_<topic>/__init__.py    the line of test_NAME.py in the package's index of its modules
 
 then runs `python -m utils.notebooks PART` (only that part's notebook is rebuilt) and prints what is left to do.
 Every placeholder says "TO WRITE", so `grep -rn "TO WRITE" chapters/source solutions tests` finds what is left.
@@ -70,7 +71,6 @@ class Plan:
     created: list[Path] = field(default_factory=list)
     solution: Path | None = None
     mistakes: Path | None = None
-    properties_to_add: str | None = None  # the lines to add to an existing test_properties.py
 
     def write(self, path: Path, text: str, created: bool = False) -> None:
         self.files[path] = text
@@ -370,37 +370,43 @@ def test_{name}_matches_reference(impl):
 '''
 
 
-def properties_test(name: str) -> str:
+def properties_module(part: str) -> str:
     return f'''\
-@exercise("{name}")
-def test_{name}_beyond_values(impl):
-    beyond_values(impl, PART, "{name}")
+"""The property battery on {part}'s exercises (tests/battery.py): the signature's defaults, a call that leaves them
+out, no returned tensor sharing memory with an argument, empty masks, and 0 as a value, wherever each applies. One
+test per exercise the battery can call, so that check() runs it with the exercise's other tests."""
+
+from tests.battery import battery_tests_of
+
+globals().update(battery_tests_of("{part}"))
 '''
 
 
-def properties_module(part: str, name: str) -> str:
-    return f'''\
-"""The property battery on {part}'s exercises (tests/battery.py): the signature's defaults, a call that leaves
-them out, no returned tensor sharing memory with an argument, empty masks, and 0 as a value, wherever each
-applies. One test per exercise the battery can call, so that check() runs it with the exercise's other tests."""
-
-from tests.battery import beyond_values
-from tests.support import exercise
-
-PART = "{part}"
-
-
-{properties_test(name)}'''
+def with_index_line(init: str, name: str) -> str:
+    """The test package's __init__.py with test_NAME.py's line added to the index of its modules (after the last line
+    of the index, aligned with the others)."""
+    lines = init.split("\n")
+    entries = [i for i, line in enumerate(lines) if re.match(r"^ {4}[\w<>]+\.py +\S", line)]
+    if not entries:
+        return init
+    column = len(re.match(r"^( {4}\S+ +)", lines[entries[0]]).group(1))
+    last = entries[-1]
+    while last + 1 < len(lines) and lines[last + 1].startswith(" " * column) and lines[last + 1].strip():
+        last += 1
+    entry = f"    test_{name}.py"
+    lines.insert(last + 1, entry.ljust(column) if len(entry) < column else entry + "  ")
+    lines[last + 1] += f"{name}: {PLACEHOLDER} (what its tests check)"
+    return "\n".join(lines)
 
 
 def plan_tests(plan: Plan) -> None:
     part, name = plan.part, plan.name
     plan.write(layout.tests_of(part) / f"test_{name}.py", test_code(part, name), created=True)
     properties = layout.tests_of(part) / "test_properties.py"
-    if properties.exists():
-        plan.properties_to_add = properties_test(name)
-    else:
-        plan.write(properties, properties_module(part, name), created=True)
+    if not properties.exists():
+        plan.write(properties, properties_module(part), created=True)
+    init = layout.tests_of(part) / "__init__.py"
+    plan.write(init, with_index_line(init.read_text(), name))
 
 
 # --- the wrong version and the registry ----------------------------------------------------------------------
@@ -549,15 +555,9 @@ def remaining_steps(plan: Plan) -> str:
               "needs (assert_gradients_match, assert_inputs_unchanged, assert_raises for each `raise`), always "
               "through the checker's assertions."),
     ]
-    if plan.properties_to_add:
-        steps.append(("6", f"{tests}/test_properties.py: add the battery's test (tests/checker/test_battery.py "
-                           "fails until it is there, while the battery can call the exercise):\n\n"
-                           + "\n".join("       " + line if line else "" for line in plan.properties_to_add.splitlines())
-                           + "\n"))
-    else:
-        steps.append(("6", f"{tests}/test_properties.py was created with the battery's test of {name}: delete that "
-                           "test (and the file, if it is its only one) if the battery cannot call the exercise (one "
-                           "that takes a model, Samples or a config: tests/battery.py, call_of)."))
+    steps.append(("6", f"{tests}/__init__.py: say in test_{name}.py's line of the index what its tests check. "
+                       f"{tests}/test_properties.py makes the battery's test of {name} by itself, once the battery "
+                       "can call it (not one that takes a model, Samples or a config: tests/battery.py, call_of)."))
     steps += [
         ("7", f"{rel(plan.mistakes)}: make _{name}_placeholder a real wrong version (its docstring is what a learner "
               "reads, its body the mistake), and register one of each other kind of mistake that applies in the "
