@@ -219,7 +219,7 @@ def stub_source(part: str, name: str) -> str:
 MARKS = re.compile(r"^# marks: difficulty (?P<difficulty>[1-3]) · importance (?P<importance>[1-3]) · "
                    r"(?P<minutes>[1-9]\d*) minutes(?: · points [1-9]\d*)?$")  # points: the grader's (layout.py)
 MARKS_EXAMPLE = "# marks: difficulty 2 · importance 3 · 15 minutes"
-# What the notebook says the minutes are: a size model (docs/learners.md, "How the minutes are made"), not people timed
+# What the notebook says the minutes are: a size model (docs/learners.md, "How the minutes are made"), no one timed
 MINUTES_ARE = "a size estimate, not timed on learners"
 HINT = re.compile(r"^# hint: (?P<text>\S.*)$")
 HINT_GOES_ON = re.compile(r"^#  +(?P<text>\S.*)$")  # a hint's next line: "#", two or more spaces, text
