@@ -1,5 +1,8 @@
 """Fixtures of the checker's tests: an empty memory (memory.py), a store on disk (test_store.py, test_warm.py), the work
-check() does."""
+check() does; a check() interrupted as Jupyter's button does."""
+
+import _thread
+import threading
 
 import pytest
 
@@ -7,6 +10,21 @@ from utils.checker import runner
 from utils.checker.diagnosis import MistakeFinder
 from utils.checker.memory import memory
 from utils.checker.plugin import UnderTest
+
+
+def check_interrupted(fn, after: float = 1.0) -> None:
+    """check(fn), interrupted `after` seconds in as Jupyter's interrupt button does: the KeyboardInterrupt must reach
+    the caller."""
+    from utils.checker.notebook import check
+
+    timer = threading.Timer(after, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            check(fn, timeout=30)
+    finally:
+        timer.cancel()
+        timer.join()
 
 
 CHECKER_DRAWN_EXAMPLES = 20  # the drawn examples of a check() in these tests (tests/generated.py: 100 for a learner)

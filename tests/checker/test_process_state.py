@@ -2,7 +2,6 @@
 check that passes, one that fails, one interrupted as Jupyter's button does, and one whose learner code raises, the
 process is as it was before, in everything a notebook can see of it."""
 
-import _thread
 import importlib.util
 import os
 import random
@@ -12,10 +11,10 @@ import threading
 import time
 
 import numpy
-import pytest
 import torch
 
 from solutions import part0_warmup as ref
+from tests.checker.conftest import check_interrupted
 from utils.checker.notebook import check
 from utils.checker.registry import registry_of
 
@@ -96,17 +95,6 @@ def get_logprobs_that_never_returns(logits, tokens, prefix_len=1):
         time.sleep(0.01)
 
 
-def interrupted(fn) -> None:
-    timer = threading.Timer(1.0, _thread.interrupt_main)  # what Jupyter's interrupt button does
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            check(fn, timeout=60)
-    finally:
-        timer.cancel()
-        timer.join()
-
-
 def test_check_puts_the_process_back_as_it_was_whatever_happened(capsys):
     wrong = registry_of("part0_warmup")["get_logprobs"].wrong[0]
     named = {"passing": ref.get_logprobs, "failing": wrong, "raising": get_logprobs_that_raises}
@@ -125,7 +113,7 @@ def test_check_puts_the_process_back_as_it_was_whatever_happened(capsys):
                 fn.__name__ = name
             assert not differences(before, snapshot()), (kind, differences(before, snapshot()))
         get_logprobs_that_never_returns.__name__ = "get_logprobs"
-        interrupted(get_logprobs_that_never_returns)
+        check_interrupted(get_logprobs_that_never_returns)
         assert not differences(before, snapshot()), ("interrupted", differences(before, snapshot()))
     finally:
         signal.signal(signal.SIGINT, default)
