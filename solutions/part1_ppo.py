@@ -26,14 +26,13 @@ import torch
 import torch.nn as nn
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from solutions.part0_warmup import get_logprobs
 from utils.contracts import (ENT_COEF, GAMMA, KL_WEIGHT, LAM, PHASES, PPO_CLIP_RANGE, TEMPERATURE, VF_COEF, above,
                              at_least, between, check_fields, contract, needs_old_values, nonempty, one_of,
                              value_clip)
 from utils.data import NEGATIVE, POSITIVE
-from utils.logger import RunLogger, print_figures, samples_table
+from utils.logger import RunLogger, print_figures, samples_table, tqdm
 from utils.masks import masked_mean, masked_var, masked_whiten
 from utils.models import load_model, require_hub_model
 from utils.plotting import plot_curves

@@ -31,7 +31,6 @@ import torch
 import torch.nn as nn
 from jaxtyping import Bool, Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs, get_logprobs
 from solutions.part1_ppo import kl_k3, reward_char_count
@@ -41,7 +40,7 @@ from utils.concurrency import run_sync
 from utils.contracts import (CLIP_RANGE, DR_GRPO_LENGTH, GROUP_SIZE, KL_WEIGHT, LORA_ALPHA, ONE_PROMPT_PER_COMPLETION,
                              STEPS, TEMPERATURE, a_number, above, at_least, at_most, check_fields, contract,
                              distinct_names, nonempty, one_of, optional)
-from utils.logger import RunLogger, print_figures, samples_table
+from utils.logger import RunLogger, print_figures, samples_table, tqdm
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.plotting import plot_curves
@@ -498,15 +497,17 @@ class GRPOTrainer:
     def train(self) -> RunLogger:
         cfg = self.cfg
         evaluate = cfg.task == "addition" and cfg.eval_every > 0
-        bar = tqdm(range(cfg.steps + 1), desc="GRPO steps")
-        for step in bar:
+        bar = tqdm(total=cfg.steps, desc="GRPO steps", unit="step")  # steps: the final evaluation is not one
+        for step in range(cfg.steps + 1):
             metrics = {}
             if evaluate and (step % cfg.eval_every == 0 or step == cfg.steps):
                 metrics["accuracy"] = self.evaluate()
             if step < cfg.steps:  # the last iteration only evaluates the final model
                 metrics |= self.step(step)
             self.logger.log(metrics, step=step)
-            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k in ("reward", "accuracy")})
+            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k in ("reward", "accuracy")}, refresh=False)
+            bar.update(1 if step < cfg.steps else 0)
+        bar.close()
         self.logger.finish()
         return self.logger
 

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs, get_logprobs
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
@@ -36,7 +35,7 @@ from solutions.part4_reference import ReferenceSettings, SyncedGRPOTrainer, refe
 from utils.contracts import (CLIP_RANGE, DPO_BETA, LORA_ALPHA, STEPS, above, at_least, at_most, check_fields, contract,
                              one_of, optional)
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
-from utils.logger import RunLogger, print_figures, samples_table
+from utils.logger import RunLogger, print_figures, samples_table, tqdm
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.plotting import plot_curves
@@ -289,15 +288,17 @@ class DPOTrainer:
 
     def train(self) -> RunLogger:
         cfg = self.cfg
-        bar = tqdm(range(cfg.steps + 1), desc=f"DPO steps ({cfg.reference} reference)")
-        for step in bar:
+        bar = tqdm(total=cfg.steps, desc=f"DPO steps ({cfg.reference} reference)", unit="step")
+        for step in range(cfg.steps + 1):
             metrics = {}
             if step in (0, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):
                 metrics["accuracy"] = self.evaluate()
-            if step < cfg.steps:  # the last iteration only evaluates the final model
+            if step < cfg.steps:  # the last iteration only evaluates the final model: not a step of the bar
                 metrics |= self.step(step)
             self.logger.log(metrics, step=step)
-            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k in ("loss", "accuracy")})
+            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k in ("loss", "accuracy")}, refresh=False)
+            bar.update(1 if step < cfg.steps else 0)
+        bar.close()
         self.logger.finish()
         return self.logger
 

@@ -1,10 +1,37 @@
-"""What a run shows while it trains: tables of samples, a history of metrics, and (only if asked) wandb."""
+"""What a run shows while it trains: a progress bar, tables of samples, a history of metrics, and (only if asked)
+wandb."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 from tabulate import tabulate
+from tqdm.std import tqdm as _text_bar
+
+
+def _in_jupyter_kernel() -> bool:
+    """Whether this process is a Jupyter kernel (a notebook's, Colab's, VS Code's), as tqdm.autonotebook tells."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
+class tqdm(_text_bar):
+    """tqdm's text bar (`tqdm.std.tqdm`), on stdout in a Jupyter kernel and on stderr elsewhere, as tqdm's default
+    (so that a script's stdout holds only its figures, which the tests parse).
+
+    Why not `tqdm.auto`'s widget: a notebook keeps of a widget only the text made when the bar was created, unless
+    the widgets' state is saved too (JupyterLab does not by default), so a saved and reopened notebook shows
+    "0/150" however far the bar went. A text bar redraws its line with a carriage return, which Jupyter, Colab and
+    VS Code show in place while it runs and again when the notebook is reopened: the saved output is the bar's last
+    state. stdout, because notebooks show stderr on a red background, as if something had gone wrong.
+    """
+
+    def __init__(self, *args, **kwargs):
+        if "file" not in kwargs and len(args) < 5 and _in_jupyter_kernel():  # file is tqdm's fifth argument
+            kwargs["file"] = sys.stdout
+        super().__init__(*args, **kwargs)
 
 
 def samples_table(rows: list[dict], max_chars: int = 60, floatfmt: str = ".3f") -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -108,6 +110,26 @@ def bridge_from_hf(hf_model, tokenizer, device: torch.device | str | None = None
     return TransformerBridge.boot_transformers(name, hf_model=hf_model, tokenizer=tokenizer, device=device)
 
 
+@contextmanager
+def no_loading_bar():
+    """transformers' progress bars off inside the block, and back as they were after it. For the embedded models'
+    loads: their weights load in milliseconds, so the "Loading weights" bar (one tick per tensor) says nothing, and a
+    notebook saved with it showed "0/52". Loads that take time (a Hub model, its download) keep their bars."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    with warnings.catch_warnings():  # huggingface_hub warns when HF_HUB_DISABLE_PROGRESS_BARS=0 overrides the switch
+        warnings.simplefilter("ignore")
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hf_logging.enable_progress_bar()
+
+
 def load_tiny_hf(path: str | Path = TINY_DIR):
     """An embedded model as a plain Hugging Face model (GPT2LMHeadModel, or LlamaForCausalLM for TINY_LLAMA_DIR),
     with its tokenizer."""
@@ -124,7 +146,8 @@ def load_tiny_hf(path: str | Path = TINY_DIR):
     classes = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}  # named, never trust_remote_code
     if model_type not in classes:
         raise ModelUnavailableError(f"the model at {path} is a {model_type!r}, not one of {sorted(classes)}")
-    hf_model = classes[model_type].from_pretrained(str(path), use_safetensors=True)
+    with no_loading_bar():  # milliseconds of work
+        hf_model = classes[model_type].from_pretrained(str(path), use_safetensors=True)
     return hf_model, tokenizer
 
 

@@ -9,14 +9,17 @@
 # 2. **Sample** text: draw completions token by token, with a temperature and a top-k.
 # 3. **Change** the model without copying it: a *forward hook* edits an activation on its way through.
 #
-# This warm-up makes you write each of them once, on the course's **embedded tiny model** (a ~0.85M-parameter GPT-2
-# that ships with the repository and runs on a laptop CPU), through **TransformerLens 4**. Later parts import what
-# you write here: `get_logprobs` becomes the heart of every loss, and the hook you write in section 5 is the same
-# mechanism that will carry a value head (Part 1) and a LoRA adapter (Part 2).
+# This warm-up makes you write each of them once, on the course's **embedded tiny model** (a ~0.85M-parameter GPT-2,
+# or with `MODEL = "tiny-llama"` a ~0.78M-parameter Llama-style model; both ship with the repository and run on a
+# laptop CPU), through **TransformerLens 4**. Later parts import what you write here: `get_logprobs` becomes the
+# heart of every loss, and the hook you write in section 5 is the same mechanism that will carry a value head (Part 1)
+# and a LoRA adapter (Part 2).
 #
 # **How to work.** Each exercise is a function whose body raises `NotImplementedError`. Replace the body, run the cell,
 # then run the `check(...)` line under it: it runs that exercise's tests against the reference solution in a few
 # seconds and, if something is off, tells you what the test expected and (usually) which mistake it looks like.
+# A test that needs a model runs once on each embedded model, whichever `MODEL` you picked: `[gpt2]` after its name
+# (or "on the GPT-2-style model") means the run on `"tiny"`, `[llama]` the run on `"tiny-llama"` (section 0).
 # Some stubs carry a `@contract(...)` line above them (from `utils/contracts.py`): it checks the *values* of the
 # arguments before your body runs (a negative temperature, a token id past the vocabulary, a NaN), so that a bad
 # call gets an error that names it. Keep it; your body only has to handle the inputs it lets through. A name in
@@ -39,7 +42,7 @@ from utils.models import load_model
 
 torch.manual_seed(0)
 model = load_model(MODEL)  # MODEL is set in the first cell: "tiny" or "tiny-llama" (or "gpt2" on a GPU)
-print(model.cfg.n_layers, "layers, d_model =", model.cfg.d_model, ", vocabulary of", model.cfg.d_vocab, "tokens")
+print(f"{model.cfg.n_layers} layers, d_model = {model.cfg.d_model}, a vocabulary of {model.cfg.d_vocab} tokens")
 
 # %% [markdown]
 # ## 0. Meet the model
@@ -137,11 +140,11 @@ print(samples_table([{"prompt": p, "completion": t} for p, t in zip(samples.prom
 # `model.generate` does this, through every hook point of the model (`sample(..., engine="bridge")` calls it).
 #
 # Then there is the cost of the hook points themselves. A decoding step does little arithmetic (one token per row),
-# so what it costs is mostly the *number* of operations, and the bridge runs about 225 modules per forward pass. While
-# no hook is active, `sample` takes a leaner road (its default, `engine="auto"`): `utils/decoder.py` computes the
-# same function straight from the bridge's weights, a dozen operations per layer, with a LoRA merged into the weights
-# and each distinct prompt run once. Its tests check that its logits are the bridge's. Compare all three, on equal
-# work:
+# so what it costs is mostly the *number* of operations, and the bridge runs about 225 modules per forward pass (about
+# 250 on the Llama-style model). While no hook is active, `sample` takes a leaner road (its default, `engine="auto"`):
+# `utils/decoder.py` computes the same function straight from the bridge's weights, a dozen operations per layer, with
+# a LoRA merged into the weights and each distinct prompt run once. Its tests check that its logits are the bridge's.
+# Compare all three, on equal work:
 
 # %%
 import time
@@ -234,7 +237,8 @@ print(samples_table(rows))
 # %% [markdown]
 # The unembedding matrix `model.W_U` maps the final residual stream to logits, so its column for a token is a
 # direction that makes that token likelier. Scale it to unit length (so that `scale` is a distance in the
-# residual stream, whose vectors here have a norm of a few tens), steer towards `" happy"` and watch its
+# residual stream, whose vectors after the last block have a norm of about 40 on the GPT-2-style model and about 180
+# on the Llama-style one, so the same scales move the Llama-style model less), steer towards `" happy"` and watch its
 # log-prob, then sample from the steered model with the context manager:
 
 # %%

@@ -119,9 +119,10 @@ from utils.sampling import Samples, sample
 #
 # With `B = 0` the adapted model *is* the base model. Check it, then give `B` random values and watch the greedy
 # samples change inside the context manager only (the base column is sampled after the `with` block, from the same
-# module). The values must be large enough: with a standard deviation of 0.05 the logits move by less than 2 and every
-# greedy token stays the same (a LoRA can change the distribution without changing its most likely token); with 0.2,
-# used here, they move by up to about 9, and all three completions change.
+# module). The values must be large enough: with a standard deviation of 0.05 the logits move by less than 2 (1.7 on
+# the GPT-2-style model, 0.8 on the Llama-style one) and every greedy token stays the same (a LoRA can change the
+# distribution without changing its most likely token); with 0.2, used here, they move by up to about 9 on the
+# GPT-2-style model and about 11 on the Llama-style one (the cell's last line), and all three completions change.
 
 # %%
 model = load_model(MODEL)
@@ -193,7 +194,10 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 # model computes what the hooked one did, with no hooks and no extra matmuls. `base_weight(model, key)` (below)
 # finds the weight an adapter updates. Watch the layout: the bridge's q/k/v are `nn.Linear`s, whose weight is
 # `[d_out, d_in]` (like $BA$), but `o` and the MLP are GPT-2's `Conv1D`, whose weight is `[d_in, d_out]` — there
-# the update goes in transposed. (Careful: `o` is square, so forgetting the transpose raises no error.)
+# the update goes in transposed. (Careful: `o` is square, so forgetting the transpose raises no error.) On the
+# Llama-style model every projection is an `nn.Linear`, `o` and the gated MLP's three included (`base_weight` says
+# `False` for each), so the transpose never happens there: a merge that forgets it is right on that model and wrong on
+# GPT-2's. `check()` tests your `merge_lora` on both, so a failure on the GPT-2-style model alone points here.
 #
 # `unmerge_lora` takes the update out again; it restores the weights up to float rounding, not bit for bit.
 
@@ -217,8 +221,9 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 # ## 6. Saving and loading an adapter
 #
 # An adapter is small: the one you train at the end of this part (rank 8 on `q`, `k`, `v` and `o` of the tiny model's
-# 4 blocks) is saved in 130 KiB, 32,768 parameters next to the model's 847,104 (3.2 MiB), and it is all you need to
-# share a fine-tune of a model everyone has.
+# 4 blocks) is saved in 130 KiB, 32,768 parameters next to the model's 847,104 (3.2 MiB) on the GPT-2-style model,
+# and in 114 KiB, 28,672 parameters next to 784,000 (3.0 MiB) on the Llama-style one, whose `k` and `v` are half as
+# wide (the last cell of this part prints yours). It is all you need to share a fine-tune of a model everyone has.
 # Save it with **safetensors** — a plain tensor format that, unlike a pickle, cannot run code when loaded — with
 # `rank` and `alpha` in its metadata. Loading checks that the file fits the adapters (same keys, same shapes) and
 # says what does not fit otherwise. It also compares the metadata's rank and alpha with the adapters': an adapter
@@ -257,9 +262,11 @@ print(f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.1%
 # or `--preset gpt2` for GPT-2 small on a GPU.)
 #
 # The training cell runs 60 phases and prints a table of samples every 20 (`table_every=20`: phases 0, 20, 40 and
-# the last). Expect about a minute on two free CPU cores (61 s: the README's "Part 2 in numbers"), and several times
+# the last). Expect about a minute on two free CPU cores (61 s: docs/numbers.md, "Part 2 in numbers"), and several times
 # that when other work shares the cores (3 minutes on two threads of a 2-core machine that other jobs kept busy
-# throughout). The progress bar shows the rate.
+# throughout). The progress bar shows the rate. The Llama-style model takes no longer: 72 s against the GPT-2-style
+# model's 87 s when we ran the two one after the other, each on one thread of a 2-core machine that another job kept
+# busy.
 
 # %% [provided] ppo_with_lora
 
@@ -283,7 +290,7 @@ with torch.no_grad():
     policy_lp, ref_lp = policy_and_reference_logprobs(lora_model, samples)
     fresh_lp = completion_logprobs(untouched, samples)
 print("reference == untouched model, bit for bit:", torch.equal(ref_lp, fresh_lp))
-print("adapted model differs from it by up to", (policy_lp - fresh_lp).abs().max().item(), "nats per token")
+print(f"adapted model differs from it by up to {(policy_lp - fresh_lp).abs().max():.3f} nats per token")
 shared = {p.data_ptr() for p in lora_model.parameters()}
 print("reference weights that the policy does not share:",
       sum(p.data_ptr() not in shared for p in trainer.reference.parameters()))

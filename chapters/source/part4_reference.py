@@ -251,7 +251,9 @@ for lora_sync in ("reference_only", "merge"):
 #
 # Every run logs its held-out accuracy, its KL to the reference of the moment (`kl`, k3, as Part 3 does) and its
 # KL to the *original* model (`kl_original`, exact), and at the end the accuracy of its saved adapter on a fresh
-# model. The plot shows the mean over seeds and the band from the lowest seed to the highest.
+# model. The plot shows the mean over seeds and the band from the lowest seed to the highest. The model is
+# `GRPOConfig()`'s, the GPT-2-style `"tiny"`, whatever `MODEL` says in the first cell: the settings and every figure
+# below are its.
 
 # %% [provided] SYNC_RUNS
 

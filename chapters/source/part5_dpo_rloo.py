@@ -19,7 +19,9 @@
 # each against the mean reward of the **other** $G-1$, without dividing by a standard deviation, and puts the KL
 # penalty into the reward rather than into the loss.
 #
-# We use Part 3's task: 2-digit additions, which the tiny model gets right 42.7% of the time on held-out problems.
+# We use Part 3's task: 2-digit additions, which the tiny model gets right 42.7% of the time on held-out problems
+# (the Llama-style one 41.5%). The DPO runs below train the model `MODEL` names; the RLOO and GRPO runs of section 9
+# train the GPT-2-style `"tiny"`. Every figure this chapter quotes is the GPT-2-style model's.
 # `dpo_loss` follows TRL's `DPOTrainer`, and `rloo_advantages`, `kl_penalized_rewards` and `rloo_loss` follow TRL's
 # `RLOOTrainer` (1.x); a test compares them with TRL's own code when TRL is installed.
 
@@ -32,7 +34,6 @@ import random
 from dataclasses import asdict, dataclass, replace
 
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs, get_logprobs           # Part 0, solved
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters         # Part 2, solved
@@ -41,7 +42,7 @@ from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, completion_loss_mask,
 from solutions.part4_reference import ReferenceSettings, SyncedGRPOTrainer, reference_kind       # Part 4
 from solutions.part5_dpo_rloo import DPO_LOSS_TYPES
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
-from utils.logger import RunLogger, samples_table
+from utils.logger import RunLogger, samples_table, tqdm  # tqdm: a text bar, saved with the notebook as it ended
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.plotting import plot_curves
@@ -310,7 +311,8 @@ print(samples_table([{"rewards": str(rewards[i:i + 4].tolist()),
 # reference runs once per step), takes leave-one-out advantages and the sequence-level loss. Prompts, rewards,
 # LoRA, evaluation and the loop are Part 3's; the reference, in whichever form `ReferenceSettings` asks for (an
 # old adapter, a synced one), is Part 4's. `rloo_vs_grpo` trains both from the same model and seed for the same
-# number of steps; GRPO keeps its `beta = 0`.
+# number of steps; GRPO keeps its `beta = 0`. That model is the configs' default, the GPT-2-style `"tiny"`, whatever
+# `MODEL` says in the first cell.
 
 # %% [provided] RLOOConfig
 

@@ -17,6 +17,13 @@
 #
 # Every experiment runs over several seeds and shows the spread: one seed ranks nothing.
 # `python -m solutions.part6_lab --json` runs them all with their defaults (about 10 minutes on 2 CPU cores).
+#
+# **The model: the GPT-2-style one, `"tiny"`, whatever `MODEL` says in the first cell.** Each experiment's `run` loads
+# it by name (`load_model("tiny")`, in `solutions/part6_lab/`), and the tests of this part's exercises use it too,
+# because every setting here (learning rates, steps, the reward model's pairs, the sizes of the sweeps) was chosen on
+# it and every figure this chapter quotes was measured on it. The Llama-style model would need settings of its own:
+# Part 3's GRPO needs a LoRA on all seven of its projections, 200 steps and a lower learning rate to gain on it what
+# the GPT-2-style model gains in 150.
 
 # %% [colab]
 
@@ -356,15 +363,16 @@ print("reward model:", hacking_figures["reward_model"])
 print("best-of-n (exact KL, the formula's bound):",
       [{k: p[k] for k in ("n", "kl", "kl_formula", "gold")} for p in hacking_figures["best_of_n"]])
 print("its peak:", hacking_figures["best_of_n_peak"])
-print("rise:", paired(hacking_figures["best_of_n_rise"]), " fall:", paired(hacking_figures["best_of_n_fall"]))
+print(f"rise: {paired(hacking_figures['best_of_n_rise'])}; fall: {paired(hacking_figures['best_of_n_fall'])}")
 print("the control's peaks:", [(c["sigma"], c["peak"]["n"], c["peak"]["gold"]) for c in hacking_figures["control"]])
 likelihood_alone, head_only = hacking_figures["likelihood_only"], hacking_figures["head_only"]
-print("the policy's likelihood alone:", [(p["n"], p["gold"]) for p in likelihood_alone["best_of_n"]],
-      " fall:", paired(likelihood_alone["best_of_n_fall"]))
-print("... the reward model against it, at its peak:", paired(likelihood_alone["reward_model_at_its_peak_minus_this"]),
-      " at the largest n:", paired(likelihood_alone["reward_model_minus_this_at_largest_n"]))
-print("head-only control: held-out accuracy", head_only["held_out_accuracy"], " best-of-n",
-      [(p["n"], p["gold"]) for p in head_only["best_of_n"]], " rise:", paired(head_only["best_of_n_rise"]))
+print(f"the policy's likelihood alone: {[(p['n'], p['gold']) for p in likelihood_alone['best_of_n']]}; "
+      f"fall: {paired(likelihood_alone['best_of_n_fall'])}")
+print("... the reward model against it, at its peak: "
+      f"{paired(likelihood_alone['reward_model_at_its_peak_minus_this'])}; "
+      f"at the largest n: {paired(likelihood_alone['reward_model_minus_this_at_largest_n'])}")
+print(f"head-only control: held-out accuracy {head_only['held_out_accuracy']}; best-of-n "
+      f"{[(p['n'], p['gold']) for p in head_only['best_of_n']]}; rise: {paired(head_only['best_of_n_rise'])}")
 print("... GRPO against it:", [{k: p[k] for k in ("step", "sqrt_kl", "gold")} for p in head_only["rl_curve"]["points"]])
 rl_curve = hacking_figures["rl_curve"]
 print("GRPO, beta = 0:", [{k: p[k] for k in ("step", "sqrt_kl", "gold")} for p in rl_curve["points"]])
@@ -483,7 +491,7 @@ from utils.data import POSITIVE
 mask = torch.arange(8)[None] < torch.tensor([2, 8, 4])[:, None]  # three completions of 2, 8 and 4 tokens
 for loss_type in ("grpo", "dapo", "dr_grpo"):
     print(f"{loss_type:8s}", [round(w, 4) for w in loss_token_weights(mask, loss_type).max(dim=1).values.tolist()],
-          "per token;  per sequence:", [round(w, 3) for w in loss_token_weights(mask, loss_type).sum(1).tolist()])
+          "per token; per sequence:", [round(w, 3) for w in loss_token_weights(mask, loss_type).sum(1).tolist()])
 
 # %% [markdown]
 # Under `"grpo"` every sequence weighs $1/B$ in all, whatever its length, so each token of the 8-token completion

@@ -61,12 +61,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer, RewardFunction, reward_exact_answer
 from utils.contracts import contract
 from utils.data import addition_pairs, addition_prompt
-from utils.logger import samples_table
+from utils.logger import samples_table, tqdm
 from utils.models import load_model
 from utils.plotting import pyplot_for
 from utils.sampling import completion_mask_from_ids, sample, tokenize_prompts

@@ -37,11 +37,11 @@ from dataclasses import dataclass
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
 from utils.contracts import contract, one_of, relation
 from utils.data import addition_pairs
+from utils.logger import tqdm
 from utils.models import load_model
 from utils.plotting import pyplot_for
 from utils.sampling import tokenize_prompts

@@ -28,7 +28,7 @@ training with shared random numbers: each trained configuration runs Part 3's gr
 on the same prompts, with the same sampler seed at each step, for each of the run's seeds; the lengths, outcomes and
 stops of every sampled completion are kept, and the read-out after training is paired the same way.
 
-What the evidence supports (README, "Part 6 in numbers"; seeds 0-9 and 10-19, one and two threads): one update of
+What the evidence supports (docs/lab.md, "Length bias"; seeds 0-9 and 10-19, one and two threads): one update of
 "grpo" pushes towards stopping after a right rather than a wrong answer more than "dr_grpo" does (+0.0028 and +0.0045,
 95% intervals above 0, 20 of 20 seeds positive), 2.6 to 2.8 times the push of the positive control, which is
 detected on both seed sets. Training for 30 steps does not show it: the read-out and the stop rates after training
@@ -48,13 +48,13 @@ from dataclasses import dataclass
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs
 from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
 from solutions.part3_grpo import GRPOConfig, RewardFunction, group_advantages, grpo_step, sample_groups
 from utils.contracts import DR_GRPO_LENGTH, at_least, contract, optional
 from utils.data import NEGATIVE, POSITIVE
+from utils.logger import tqdm
 from utils.models import load_model
 from utils.plotting import pyplot_for
 from utils.sampling import tokenize_prompts
@@ -150,8 +150,8 @@ class LengthBiasConfig:
 
     @classmethod
     def long(cls) -> "LengthBiasConfig":
-        """More samples per update, more seeds, longer runs, every configuration trained and measured (see the
-        README for its time)."""
+        """More samples per update, more seeds, longer runs, every configuration trained and measured (see
+        docs/lab.md for its time)."""
         return cls(steps=60, push_group_size=128, push_seeds=20, configurations=tuple(CONFIGURATIONS),
                    push_configurations=tuple(CONFIGURATIONS))
 

@@ -55,7 +55,6 @@ from dataclasses import dataclass, replace
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs, get_logprobs
 from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, completion_loss_mask, compose_rewards, group_advantages,
@@ -66,6 +65,7 @@ from solutions.part6_lab.length_bias import paired_statistics
 from utils.contracts import CLIP_RANGE, above, contract, optional
 from utils.data import addition_accuracy, addition_pairs
 from utils.decoder import LeanGPT2
+from utils.logger import tqdm
 from utils.models import load_model
 from utils.plotting import pyplot_for
 from utils.sampling import Samples, completion_mask_from_ids, tokenize_prompts
@@ -671,17 +671,16 @@ def run(seeds: list[int], smoke: bool = False, *, clip_fraction=clip_fraction,
         result["exact"].append(exact_seed(on_cpu, seed, exact, expected_grpo_objective=expected_grpo_objective,
                                           truncated_importance_weights=truncated_importance_weights))
     gap_run = (min(sweep.lags), sweep.corrections[0])  # the gap table's policy: the least stale run's, first correction
+    shared = sweep.share_lag0 and 0 in sweep.lags  # lag 0: one run for every correction, trained (and counted) once
     jobs = [("clip", ni, seed) for ni in ITERATIONS for seed in seeds] + \
-           [("sweep", (lag, c), seed) for lag in sweep.lags for c in sweep.corrections for seed in seeds]
+           [("sweep", (lag, c), seed) for lag in sweep.lags for c in sweep.corrections for seed in seeds
+            if not (shared and lag == 0 and c != sweep.corrections[0])]
     for kind, setting, seed in tqdm(jobs, desc="off_policy runs"):
         if kind == "clip":
             result["clip"].setdefault(setting, []).append(run_clip(seed, setting, base, smoke,
                                                                    clip_fraction=clip_fraction))
             continue
         lag, correction = setting
-        if lag == 0 and sweep.share_lag0 and correction != sweep.corrections[0]:
-            result["sweep"][correction][lag].append(result["sweep"][sweep.corrections[0]][lag][seeds.index(seed)])
-            continue
         log, trainer, stale = run_sweep(seed, lag, correction, base, sweep, smoke, held_out,
                                         clip_fraction=clip_fraction,
                                         truncated_importance_weights=truncated_importance_weights,
@@ -689,6 +688,9 @@ def run(seeds: list[int], smoke: bool = False, *, clip_fraction=clip_fraction,
         result["sweep"][correction][lag].append(log)
         if setting == gap_run:  # the gap table, on the policy this seed trained (and its weights LAG steps back)
             result["gap"].append(measure_gaps(trainer, stale, SMOKE["gap_prompts"] if smoke else GAP_PROMPTS))
+    if shared:  # the other corrections' lag-0 runs are the first correction's (Sweep.share_lag0)
+        for correction in sweep.corrections[1:]:
+            result["sweep"][correction][0] = list(result["sweep"][sweep.corrections[0]][0])
     return result
 
 

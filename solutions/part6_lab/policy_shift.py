@@ -24,12 +24,12 @@ import torch
 import torch.nn as nn
 from jaxtyping import Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from solutions.part0_warmup import completion_logprobs
 from solutions.part2_lora import LoRAModel
 from solutions.part3_grpo import GRPOConfig, GRPOTrainer, group_advantages, reward_exact_answer, sample_groups
 from utils.data import addition_accuracy, addition_pairs, addition_prompt
+from utils.logger import tqdm
 from utils.models import load_model
 from utils.plotting import pyplot_for
 from utils.sampling import Samples, completion_mask_from_ids, tokenize_prompts

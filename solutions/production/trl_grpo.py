@@ -56,7 +56,7 @@ from solutions.part1_ppo import reward_char_count
 from solutions.part7_production import to_lora_config, to_trl_config
 from utils.data import addition_accuracy, addition_pairs, addition_prompt
 from utils import cli
-from utils.logger import RunLogger, print_figures
+from utils.logger import RunLogger, print_figures, tqdm
 from utils.models import EMBEDDED, bridge_from_hf, count_parameters, load_tiny_hf, set_cpu_threads
 from utils.plotting import pyplot_for
 
@@ -159,7 +159,6 @@ def run_trl(cfg: GRPOConfig, save: str | Path | None = None, translate=to_trl_co
     accuracy evaluations excluded, "trainable": the LoRA's parameter count}."""
     from datasets import Dataset
     from peft import LoraConfig
-    from tqdm.auto import tqdm
     from transformers import PrinterCallback, ProgressCallback, TrainerCallback
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
