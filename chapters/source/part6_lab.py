@@ -1044,5 +1044,5 @@ off_policy.plot(off_policy_result);
 #   completion). Per-token weights, capped or not, correct each token's draw given its prefix, not the prefix nor the
 #   later tokens that set the reward; at lag 8's gap their cosines with the on-policy gradient were 0.81 to 0.998, and
 #   no correction, TRL's mask and the clip against the sampler each pointed away from it in one seed. That clip keeps
-#   the whole, unbounded ratio · A gradient of a token whose ratio left its range against its advantage (dual-clip
-#   PPO bounds it).
+#   the whole ratio · A gradient of a token whose ratio left its range against its advantage, unbounded for a ratio
+#   above $1+\epsilon_\text{high}$ with $A < 0$ (dual-clip PPO bounds that side).
