@@ -160,10 +160,11 @@ def meta_test(part: str):
 
         # Each wrong version's own runs are the fingerprints: all of them run first, then each is named from them
         # by the rule check() applies (diagnosis.py), with no replay of one wrong version in another's session.
-        withheld = compare.WITHHELD["readings"]
+        withheld = dict(compare.WITHHELD)
         with generated.without_model_draws():  # the wrong versions are caught by the other tests (see there)
             outcomes = [(wrong, run_exercise_tests(part, name, wrong, replays=False)) for wrong in entry.wrong]
-        MESSAGES.counts["readings withheld"] += compare.WITHHELD["readings"] - withheld
+        MESSAGES.counts["readings withheld"] += compare.WITHHELD["readings"] - withheld["readings"]
+        MESSAGES.counts["readings refuted"] += compare.WITHHELD["refuted"] - withheld["refuted"]
         for wrong, outcome in outcomes:
             assert outcome.failed, (f"{part}.{name}: the wrong version {wrong.__name__} ({inspect.getdoc(wrong)}) "
                                     "passes every test")
@@ -196,6 +197,7 @@ class MessageStats:
     def __init__(self):
         self.counts = {"messages": 0, "unconfirmed cause": 0, "named by replay": 0, "named by a change of a call": 0,
                        "placed at a loop's call": 0, LOOP_KEY: 0, "caught on both architectures": 0, "readings withheld": 0,
+                       "readings refuted": 0,
                        "a line where the code departs": 0, OWN_BODY: 0,
                        "that line is one the wrong version changed": 0}
         self.lines: list[int] = []
@@ -240,7 +242,8 @@ class MessageStats:
                 f"{summary.LINE_WIDTH} characters broken): median {printed[len(printed) // 2] if printed else 0}, "
                 f"longest {printed[-1] if printed else 0}; caught on both architectures "
                 f"{c.get('caught on both architectures', 0)}; readings withheld (a factor that two quantities of "
-                f"the call fit, or expected values all alike) {c.get('readings withheld', 0)}; the line where the "
+                f"the call fit, or expected values all alike) {c.get('readings withheld', 0)}, and taken back "
+                f"because another call of the check refutes them {c.get('readings refuted', 0)}; the line where the "
                 f"code departs from the reference said in {c.get('a line where the code departs', 0)} (of those in "
                 f"the wrong version's own body, {c.get(OWN_BODY, 0)}, a line it "
                 f"changed in {c.get('that line is one the wrong version changed', 0)})")

@@ -63,6 +63,40 @@ def test_a_constant_factor_is_named_by_the_argument_it_equals():
     assert "times 5, the size of dimension 1 of `logprobs`" in text, text
 
 
+def _wider_inputs():
+    g = torch.Generator().manual_seed(1)
+    logprobs, ref_logprobs = -torch.rand(6, 3, generator=g), -torch.rand(6, 3, generator=g)
+    return torch.randn(6, generator=g), logprobs, ref_logprobs, torch.ones(6, 3, dtype=torch.bool), 0.3
+
+
+def _five_times(rewards, logprobs, ref_logprobs, mask, beta):
+    return ref.kl_penalized_rewards(rewards, logprobs, ref_logprobs, mask, beta) * 5  # 5: gen on the first call only
+
+
+def _beta_from_a_size(rewards, logprobs, ref_logprobs, mask, beta):  # 0 on the first call's batch of 4 only
+    return ref.kl_penalized_rewards(rewards, logprobs, ref_logprobs, mask, beta * (logprobs.shape[0] - 4))
+
+
+@pytest.mark.parametrize("wrong, reading, refuted", [
+    (_beta_from_a_size, "; it equals the reference's result for the same call with `beta` at 0", True),
+    (_five_times, ", the size of dimension 1 of `logprobs`", True),
+    (_kl_penalized_rewards_ref_first, "; it equals the reference's result for the same call with `logprobs` and "
+                                      "`ref_logprobs` swapped", False),
+], ids=["beta-from-a-size", "a-factor-that-is-a-size-once", "swapped-on-every-call"])
+def test_a_reading_that_holds_on_one_call_only_is_refuted_by_the_checks_other_calls(wrong, reading, refuted):
+    """A coefficient computed from a size, 0 on the first call's shapes, reads there as the reference's result with
+    `beta` at 0; a factor of 5 reads there as the size of `gen`. On a call of other sizes neither holds, and
+    refuted_readings() takes them back (the runner then takes them out of the message). One that holds on both
+    calls stays."""
+    transforms.begin_session(wrong)
+    text = _message(wrong, *_inputs())
+    assert reading in text, text
+    with recording():
+        _checked(wrong)(*_wider_inputs())  # another test's call, of other sizes
+    refuted_now = transforms.refuted_readings()
+    assert any(reading in said for said in refuted_now) == refuted, (refuted_now, text)
+
+
 def test_a_value_from_elsewhere_gets_no_change_of_a_call():
     """The value compared was not returned by a noted call: nothing is replayed, whatever the last call was."""
     args = _inputs()

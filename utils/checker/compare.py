@@ -211,12 +211,17 @@ def _name_of(c: float, named: dict[str, float], rtol: float = 2e-3) -> str | Non
     return fits[0] if len(fits) == 1 and fits[0] not in PLAIN_FACTORS else None
 
 
-WITHHELD = {"readings": 0}  # readings not said because they would not hold on every call (the meta-test's figure)
+WITHHELD = {"readings": 0, "refuted": 0}  # readings not said because they would not hold on every call (the
+#                                           meta-test's figures): two quantities fit, or another call refutes it
 
 
 def _withheld() -> None:
     if not _BARE["on"]:  # hypothesis's search and shrinking say nothing at all: only what a message withheld counts
-        WITHHELD["readings"] += 1
+        count_withheld()
+
+
+def count_withheld(refuted: bool = False) -> None:
+    WITHHELD["refuted" if refuted else "readings"] += 1
 
 
 # --- the comparison -----------------------------------------------------------------------------------------
@@ -614,6 +619,7 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
         if by_call or offsets:  # a factor or an offset named by the quantities of the very call that returned it
             problem = describe_difference(actual, expected, mask=mask, group_size=group_size,
                                           factors=(factors or {}) | by_call, atol=atol, rtol=rtol, offsets=offsets)
+            transforms.keep_named_quantities(actual, problem, atol, rtol)  # said only if every call agrees
         # a change of the call is a reading only where it reproduces finite values: two calls that both give inf or
         # NaN where the reference's value is finite agree by overflowing, not by computing the same thing
         change = transforms.explain(actual, expected, atol, rtol) if _finite_differences(actual, expected, atol,

@@ -18,7 +18,12 @@ call here (`note_call`: the arguments, bound to the reference's parameters, and 
    once per variant, within fixed bounds (SITES, OPS, ELEMENTS): the first 12 such calls, a few variants each. A
    result that many slips give (all zeros, one number repeated, a whole number) is not searched (`_distinctive`).
 
-Only a change that reproduces the learner's result is said, in the learner's terms ("it equals the reference's
+A change is said only if it reproduces the learner's result on every noted call of that function in the check, not
+only on the one that failed: each reading said is kept (`_readings`), and once the learner's tests are over
+`refuted_readings()` re-applies it to every other noted call (`_sessions`, each call's arguments and result) and
+returns those that some call refutes, which the runner takes out of the messages (a loss type that equals another
+when every group has one completion, a size that equals another on one call's shapes). Only such a change is said,
+in the learner's terms ("it equals the reference's
 result for the same call with `beta` left at its default 0.0", "... with its `mean` over dimension 1 taken over
 dimension 0 instead"); so is which argument of the call a constant factor equals (`factors`). The reference runs on
 copies of the arguments, with the random state put back and no observation recorded, so the test itself sees nothing
@@ -63,6 +68,7 @@ class Calls:
         self.older: list[tuple[weakref.ref, Call]] = []  # (its result, the call without it), the latest OLDER
 
     def note(self, call: Call) -> None:
+        _remember_for_the_session(call)
         self.calls.append(call)
         if len(self.calls) > KEEP:
             first = self.calls.pop(0)
@@ -87,6 +93,96 @@ def _numbers(arguments: dict[str, object]) -> int:
 
 
 _calls: Calls | None = None
+
+SESSION_CALLS = 64  # the learner's calls kept for checking readings against: at most this many,
+SESSION_ELEMENTS = 1 << 20  # and this many numbers in their arguments in all (about 8 MB in float64),
+SAME_FORM = 2  # and at most this many of one form (the same shapes, dtypes and other arguments): a drawn test's
+#                hundred calls, and its shrinking's, leave room for the value tests' calls
+
+
+@dataclass
+class Reading:
+    """A change of the call said in a message: what it does to a call's arguments (or the axis slip it makes inside
+    the reference), the function whose call it reproduced, where in the result, and the words said."""
+
+    reference: object
+    learner: object
+    change: object  # a function of the arguments, or [(i, j), ...]: the reference's site i taken with its variant j
+    #                 (each of them reproduces the result), or ("times" | "plus", a function of the arguments): the
+    #                 reference's result times, or plus, a quantity of the call
+    path: tuple
+    text: str  # the words to take out of the message where another call refutes it
+    atol: float
+    rtol: float
+
+
+_sessions: dict[object, list[Call]] = {}  # the learner's function -> its noted calls in this check
+_readings: list[Reading] = []
+_under_test: dict[str, object] = {"obj": None, "numbers": 0}
+
+
+def begin_session(obj: object) -> None:
+    """A check of `obj` starts (runner.run_exercise_tests): its calls are kept from now on (not those of the wrong
+    versions its failures are replayed with), and the last check's calls and readings are forgotten."""
+    _sessions.clear()
+    _readings.clear()
+    _under_test.update(obj=obj, numbers=0)
+
+
+def _remember_for_the_session(call: Call) -> None:
+    if call.learner is None or call.learner is not _under_test["obj"]:
+        return
+    numbers = _numbers(call.arguments)
+    kept = _sessions.setdefault(call.learner, [])
+    form = _form(call.arguments)
+    if len(kept) < SESSION_CALLS and _under_test["numbers"] + numbers <= SESSION_ELEMENTS \
+            and sum(_form(c.arguments) == form for c in kept) < SAME_FORM:
+        kept.append(call)
+        _under_test["numbers"] += numbers
+
+
+def _form(arguments: dict[str, object]) -> tuple:
+    return tuple((k, tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (k, _short(v)) for k, v in arguments.items())
+
+
+def _reproduces(reading: Reading, call: Call) -> bool:
+    """Whether the reading, applied to `call`, makes the reference return what the learner's function returned."""
+    try:
+        got = _at(call.result, reading.path)
+    except (KeyError, IndexError, TypeError):
+        return True  # a result of another form: this call says nothing of the reading
+    if isinstance(got, Tensor) and got.dtype in (torch.bfloat16, torch.float16):
+        return True  # two ways to the same value round differently there: its tolerance is not the reading's
+    try:
+        if callable(reading.change):
+            changed = reading.change(call.arguments)
+            if changed is None:
+                return True  # a change this call cannot make (a dimension it does not have): it says nothing
+            wants = [_at(_run(call.reference, changed), reading.path)]
+        elif reading.change[0] in ("times", "plus"):
+            how, quantity = reading.change
+            want, q = _at(_run(call.reference, call.arguments), reading.path), quantity(call.arguments)
+            want, q = torch.as_tensor(want, dtype=torch.float64), torch.as_tensor(q, dtype=torch.float64)
+            wants = [want * q if how == "times" else want + q]
+        else:
+            wants = [_at(_run(call.reference, call.arguments, _Axes(where)), reading.path) for where in reading.change]
+        return all(_equal(want, got, reading.atol, reading.rtol) for want in wants)
+    except Exception:  # noqa: BLE001 - the reference refuses the changed call, or the slip is not there: not reproduced
+        return False
+
+
+def refuted_readings() -> list[str]:
+    """The words of each reading said in this check that some other noted call of the same function refutes: applied
+    to that call, the change (the factor, the offset) does not give what the learner's function returned there."""
+    refuted = []
+    for reading in _readings:
+        calls = [c for c in _sessions.get(reading.learner, []) if c.reference is reading.reference]
+        if not all(_reproduces(reading, call) for call in calls):
+            refuted.append(reading.text)
+    _sessions.clear()
+    _readings.clear()
+    _under_test.update(obj=None, numbers=0)
+    return refuted
 
 
 def start() -> Calls:
@@ -195,30 +291,44 @@ def _run(reference, arguments: dict[str, object], mode: TorchFunctionMode | None
 
 
 def _changes(reference, arguments: dict[str, object]):
-    """(how the call was changed, the changed arguments): each single change a slip of one expression makes."""
+    """(how the call was changed, the change: a function of a call's arguments): each single change a slip of one
+    expression makes, said for this call's arguments and applicable to another call's."""
     parameters = inspect.signature(reference).parameters
     for name, value in arguments.items():  # an argument that was given, left at its default
         default = parameters[name].default
         if default is not inspect.Parameter.empty and not _same_value(value, default):
             yield (f"`{name}` left at its default {default!r} (the call gave {_short(value)})",
-                   arguments | {name: default})
+                   lambda a, name=name, default=default: a | {name: default})
     for name, value in arguments.items():  # a flag read the other way round
         if isinstance(value, bool):
-            yield f"`{name}` flipped to {not value}", arguments | {name: not value}
+            yield (f"`{name}` flipped to {not value}",
+                   lambda a, name=name: a | {name: not a[name]} if isinstance(a.get(name), bool) else a)
     for name, value in arguments.items():  # a number taken as 0 (or 0 taken as "not given" is the default's case)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0:
-            yield f"`{name}` at 0 (the call gave {value!r})", arguments | {name: type(value)(0)}
+            yield (f"`{name}` at 0 (the call gave {value!r})",
+                   lambda a, name=name: a | {name: type(a[name])(0)} if name in a else a)
     for (a, x), (b, y) in itertools.combinations(arguments.items(), 2):  # two arguments of one kind swapped
         if isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape == y.shape and x.dtype == y.dtype \
                 or type(x) in (int, float) and type(y) is type(x) and x != y:
-            yield f"`{a}` and `{b}` swapped", arguments | {a: y, b: x}
+            yield f"`{a}` and `{b}` swapped", lambda c, a=a, b=b: _swapped(c, a, b)
     for name, value in arguments.items():  # a tensor read one position off along a dimension (logits[:, t] for t + 1)
         if isinstance(value, Tensor) and value.dim() >= 2:
             for d in range(1, value.dim()):
                 if value.shape[d] > 2:
                     for step, said in ((-1, "t + 1"), (1, "t - 1")):
                         yield (f"`{name}` read one position off along dimension {d} (its value at position {said} "
-                               "taken for position t)", arguments | {name: value.roll(step, d)})
+                               "taken for position t)",
+                               lambda a, name=name, d=d, step=step: a | {name: a[name].roll(step, d)}
+                               if isinstance(a.get(name), Tensor) and a[name].dim() > d else None)
+
+
+def _swapped(arguments: dict[str, object], a: str, b: str) -> dict[str, object] | None:
+    """`arguments` with `a` and `b` swapped, or None where the two are not of one kind in this call."""
+    x, y = arguments.get(a), arguments.get(b)
+    if isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape == y.shape and x.dtype == y.dtype \
+            or type(x) in (int, float) and type(y) is type(x):
+        return arguments | {a: y, b: x}
+    return None
 
 
 def _same_value(a: object, b: object) -> bool:
@@ -476,8 +586,9 @@ def _distinctive(value: object) -> bool:
     return bool(finite.ne(0).any()) and finite.unique().numel() > 1
 
 
-def _axis_slips(call: Call, path: tuple, actual: object, expected: object, atol: float, rtol: float) -> list[str]:
-    """Each slip of one axis inside the reference that makes it return `actual` for this call, said in its terms; none
+def _axis_slips(call: Call, path: tuple, actual: object, expected: object, atol: float, rtol: float) -> list[tuple]:
+    """(said in its terms, (site, variant)) of each slip of one axis inside the reference that makes it return `actual`
+    for this call; none
     where `actual` is not distinctive, the call's tensors are large, or the reference makes more than OPS torch
     calls."""
     if not _distinctive(actual) or _numbers(call.arguments) > ELEMENTS:
@@ -496,8 +607,8 @@ def _axis_slips(call: Call, path: tuple, actual: object, expected: object, atol:
             except Exception:  # noqa: BLE001 - a variant the reference refuses (a shape, an index) is no match
                 continue
             if _equal(result, actual, atol, rtol):
-                found.append(_said(seen.sites, i, j))
-    return list(dict.fromkeys(found))
+                found.append((_said(seen.sites, i, j), (i, j)))
+    return list({said: (said, where) for said, where in found}.values())
 
 
 def explain(actual: object, expected: object, atol: float, rtol: float) -> str | None:
@@ -514,47 +625,89 @@ def explain(actual: object, expected: object, atol: float, rtol: float) -> str |
     try:
         if not _equal(_at(_run(call.reference, call.arguments), path), expected, atol, rtol):
             return None  # the test compared with something else than the reference's result for this call
-        for change, arguments in _changes(call.reference, call.arguments):
+        for said, change in _changes(call.reference, call.arguments):
             try:
-                if _equal(_at(_run(call.reference, arguments), path), actual, atol, rtol):
-                    return f"{SAME_CALL} with {change}"
+                if _equal(_at(_run(call.reference, change(call.arguments)), path), actual, atol, rtol):
+                    return _reading(call, path, f"{SAME_CALL} with {said}", change, atol, rtol)[2:]
             except Exception:  # noqa: BLE001 - the reference may refuse a changed call: that change does not explain it
                 continue
-        slips = _axis_slips(call, path, actual, expected, atol, rtol)
+        slips = _axis_slips(call, path, actual, expected, atol, rtol)[:3]
         if slips:  # each that reproduces it: where several do, the learner's code tells which
-            return f"{SAME_CALL} with " + ", or with ".join(slips[:3])
+            return _reading(call, path, f"{SAME_CALL} with " + ", or with ".join(said for said, _ in slips),
+                            [where for _, where in slips], atol, rtol)[2:]
     except Exception:  # noqa: BLE001 - a replay that fails explains nothing, and must not hide the test's own failure
         return None
     return None
 
 
+def _reading(call: Call, path: tuple, text: str, change: object, atol: float, rtol: float) -> str:
+    """"; " + `text` (as a message says it), kept to be checked on the check's other calls of the same function
+    (refuted_readings)."""
+    if call.learner is _under_test["obj"]:
+        _readings.append(Reading(call.reference, call.learner, change, path, f"; {text}", atol, rtol))
+    return f"; {text}"
+
+
+def keep_named_quantities(actual: object, said: str, atol: float, rtol: float) -> None:
+    """Keep each factor or offset that `said` (a difference as described) names by a quantity of the call that returned
+    `actual` (call_factors, call_offsets), to be checked on the check's other calls of the same function: a factor
+    that is a dimension's size on this call's shapes may be another's on the next."""
+    found = _calls.returning(actual) if _calls is not None else None
+    if found is None:
+        return
+    call, path = found
+    if call.learner is not _under_test["obj"]:
+        return
+    for name, quantity in _named["factors"].items():
+        words = f" times {name}"
+        if words in said and ", " in name:  # "times 5, the size of ...": refuted, it stays "times 5"
+            _readings.append(Reading(call.reference, call.learner, ("times", quantity), path,
+                                     ", " + name.split(", ", 1)[1], atol, rtol))
+    for name, quantity in _named["offsets"].items():
+        words = f", which is {name}"
+        if words in said:
+            _readings.append(Reading(call.reference, call.learner, ("plus", quantity), path, words, atol, rtol))
+
+
+_named: dict[str, dict[str, object]] = {"factors": {}, "offsets": {}}  # the last call's quantities, as functions
+
+
 def call_factors(actual: object) -> dict[str, float]:
     """{name: value} of the numbers of the call that returned `actual`, for naming a constant factor: each numeric
-    argument, one over it, and the sizes of its tensors' dimensions and the number of True positions of its masks."""
+    argument, one over it, and the sizes of its tensors' dimensions and the number of True positions of its masks.
+    Each is also kept as a function of a call's arguments (`_named`), to check it on the check's other calls."""
+    _named["factors"] = makers = {}
     if _calls is None:
         return {}
     found = _calls.returning(actual)
     if found is None:
         return {}
     named: dict[str, float] = {}
+
+    def add(name: str, value: float, maker) -> None:
+        if name not in named:
+            named[name], makers[name] = value, maker
+
     for name, value in found[0].arguments.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
-            named[f"{value:g}, the value of `{name}` in the call"] = float(value)
-            named[f"1/{value:g}, one over `{name}`"] = 1 / value
+            add(f"{value:g}, the value of `{name}` in the call", float(value), lambda a, name=name: float(a[name]))
+            add(f"1/{value:g}, one over `{name}`", 1 / value, lambda a, name=name: 1 / a[name])
         elif isinstance(value, Tensor) and value.dtype == torch.bool and value.numel():
             count = int(value.sum())
             if count > 1:
-                named[f"{count}, the number of True positions of `{name}`"] = float(count)
-                named[f"1/{count}, one over the number of True positions of `{name}`"] = 1 / count
-    sizes: dict[int, str] = {}  # each size once, named after the first argument that has it
+                add(f"{count}, the number of True positions of `{name}`", float(count),
+                    lambda a, name=name: float(a[name].sum()))
+                add(f"1/{count}, one over the number of True positions of `{name}`", 1 / count,
+                    lambda a, name=name: 1 / float(a[name].sum()))
+    sizes: dict[int, tuple[str, str, int]] = {}  # each size once, named after the first argument that has it
     for name, value in found[0].arguments.items():
         if isinstance(value, Tensor):
             for d, n in enumerate(value.shape):
                 if n > 1:
-                    sizes.setdefault(n, f"the size of dimension {d} of `{name}`")
-    for n, where in sizes.items():
-        named.setdefault(f"{n}, {where}", float(n))
-        named.setdefault(f"1/{n}, one over {where}", 1 / n)
+                    sizes.setdefault(n, (f"the size of dimension {d} of `{name}`", name, d))
+    for n, (where, name, d) in sizes.items():
+        add(f"{n}, {where}", float(n), lambda a, name=name, d=d: float(a[name].shape[d]))
+        add(f"1/{n}, one over {where}", 1 / n, lambda a, name=name, d=d: 1 / a[name].shape[d])
     return named
 
 
@@ -562,6 +715,7 @@ def call_offsets(actual: object) -> dict[str, object]:
     """{name: value} of the quantities of the call that returned `actual` that an offset may equal: each numeric
     argument (not 0 or 1), each floating-point tensor argument of one dimension, and each such tensor times each such
     number ("`scale` times `direction`")."""
+    _named["offsets"] = makers = {}
     found = _calls.returning(actual) if _calls is not None else None
     if found is None:
         return {}
@@ -569,8 +723,15 @@ def call_offsets(actual: object) -> dict[str, object]:
                if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in (0, 1)}
     vectors = {name: v for name, v in found[0].arguments.items()
                if isinstance(v, Tensor) and v.dtype.is_floating_point and v.dim() == 1 and v.numel() > 1}
-    named: dict[str, object] = {f"`{n}` (the call gives {v:g})": v for n, v in numbers.items()}
-    named |= {f"`{n}`": v for n, v in vectors.items()}
-    named |= {f"`{n}` times `{m}`": v * x for n, v in vectors.items() for m, x in numbers.items()}
+    named: dict[str, object] = {}
+    for n, v in numbers.items():
+        named[f"`{n}` (the call gives {v:g})"] = v
+        makers[f"`{n}` (the call gives {v:g})"] = lambda a, n=n: float(a[n])
+    for n, v in vectors.items():
+        named[f"`{n}`"], makers[f"`{n}`"] = v, lambda a, n=n: a[n].detach().double()
+    for n, v in vectors.items():
+        for m, x in numbers.items():
+            named[f"`{n}` times `{m}`"] = v * x
+            makers[f"`{n}` times `{m}`"] = lambda a, n=n, m=m: a[n].detach().double() * float(a[m])
     return named
 
