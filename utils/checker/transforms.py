@@ -1,8 +1,8 @@
 """Which one change to the call gives the learner's result: the cause of a wrong value, measured rather than guessed.
 
 Every exercise function the checker tests is called through its shape-checking wrapper (shapes.py), which notes the
-call here (`note_call`: the arguments, bound to the reference's parameters, and the result). When a value test fails,
-`assert_close` asks `explain(actual, expected)`:
+call here (`recording_calls`: the arguments, bound to the reference's parameters, and the result). When a value test
+fails, `assert_close` asks `explain(actual, expected)`:
 
 1. which noted call returned `actual` (by identity: the very object the test compared, or an item of it; one of the
    last KEEP calls, or an earlier one whose tensor the test still holds);
