@@ -40,7 +40,7 @@ from utils.concurrency import run_sync
 from utils.contracts import (CLIP_RANGE, DR_GRPO_LENGTH, GROUP_SIZE, KL_WEIGHT, LORA_ALPHA, ONE_PROMPT_PER_COMPLETION,
                              STEPS, TEMPERATURE, a_number, above, at_least, at_most, check_fields, contract,
                              distinct_names, nonempty, one_of, optional)
-from utils.logger import RunLogger, print_figures, samples_table, tqdm
+from utils.logger import RunLogger, print_figures, run_steps, samples_table, tqdm
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.plotting import plot_curves
@@ -495,21 +495,11 @@ class GRPOTrainer:
         return metrics
 
     def train(self) -> RunLogger:
+        """cfg.steps steps, with the held-out accuracy every eval_every steps and at the end (utils/logger.py)."""
         cfg = self.cfg
-        evaluate = cfg.task == "addition" and cfg.eval_every > 0
-        bar = tqdm(total=cfg.steps, desc="GRPO steps", unit="step")  # steps: the final evaluation is not one
-        for step in range(cfg.steps + 1):
-            metrics = {}
-            if evaluate and (step % cfg.eval_every == 0 or step == cfg.steps):
-                metrics["accuracy"] = self.evaluate()
-            if step < cfg.steps:  # the last iteration only evaluates the final model
-                metrics |= self.step(step)
-            self.logger.log(metrics, step=step)
-            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k in ("reward", "accuracy")}, refresh=False)
-            bar.update(1 if step < cfg.steps else 0)
-        bar.close()
-        self.logger.finish()
-        return self.logger
+        evaluate = self.evaluate if cfg.task == "addition" and cfg.eval_every > 0 else None
+        return run_steps(cfg.steps, self.step, self.logger, "GRPO steps", ("reward", "accuracy"), evaluate,
+                         evaluate_at=lambda step: step % cfg.eval_every == 0)
 
 
 # --- The script ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from solutions.part4_reference import ReferenceSettings, SyncedGRPOTrainer, refe
 from utils.contracts import (CLIP_RANGE, DPO_BETA, LORA_ALPHA, STEPS, above, at_least, at_most, check_fields, contract,
                              one_of, optional)
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
-from utils.logger import RunLogger, print_figures, samples_table, tqdm
+from utils.logger import RunLogger, print_figures, run_steps, samples_table, tqdm
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.plotting import plot_curves
@@ -287,20 +287,12 @@ class DPOTrainer:
                 "logps/chosen": out["chosen"].mean().item(), "logps/rejected": out["rejected"].mean().item()}
 
     def train(self) -> RunLogger:
+        """cfg.steps steps, with the held-out accuracy at the start, every eval_every steps and at the end (Part 3's
+        loop, utils/logger.py)."""
         cfg = self.cfg
-        bar = tqdm(total=cfg.steps, desc=f"DPO steps ({cfg.reference} reference)", unit="step")
-        for step in range(cfg.steps + 1):
-            metrics = {}
-            if step in (0, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):
-                metrics["accuracy"] = self.evaluate()
-            if step < cfg.steps:  # the last iteration only evaluates the final model: not a step of the bar
-                metrics |= self.step(step)
-            self.logger.log(metrics, step=step)
-            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k in ("loss", "accuracy")}, refresh=False)
-            bar.update(1 if step < cfg.steps else 0)
-        bar.close()
-        self.logger.finish()
-        return self.logger
+        return run_steps(cfg.steps, self.step, self.logger, f"DPO steps ({cfg.reference} reference)",
+                         ("loss", "accuracy"), self.evaluate,
+                         evaluate_at=lambda step: step == 0 or bool(cfg.eval_every) and step % cfg.eval_every == 0)
 
 
 # --- 6. RLOO: leave-one-out advantages -------------------------------------------------------------------------

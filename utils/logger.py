@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 from tabulate import tabulate
 from tqdm.std import tqdm as _text_bar
@@ -82,6 +83,28 @@ class RunLogger:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def run_steps(steps: int, step: Callable[[int], dict], logger: RunLogger, desc: str, shown: tuple[str, ...],
+              evaluate: Callable[[], float] | None = None,
+              evaluate_at: Callable[[int], bool] = lambda step: False) -> RunLogger:
+    """The training loop of Parts 3 and 5: step(0), ..., step(steps - 1), each one's metrics logged at its step, and
+    `evaluate()` (logged as "accuracy", where given) before each step i with evaluate_at(i) and once more after the
+    last step. The bar counts the steps (the final evaluation is not one) and shows the metrics named in `shown`.
+    Returns the logger, finished."""
+    bar = tqdm(total=steps, desc=desc, unit="step")
+    for i in range(steps + 1):
+        metrics = {}
+        if evaluate is not None and (i == steps or evaluate_at(i)):
+            metrics["accuracy"] = evaluate()
+        if i < steps:  # the last pass only evaluates the final model
+            metrics |= step(i)
+        logger.log(metrics, step=i)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k in shown}, refresh=False)
+        bar.update(1 if i < steps else 0)
+    bar.close()
+    logger.finish()
+    return logger
 
 
 def print_figures(figures: dict, as_json: bool = False) -> None:

@@ -39,7 +39,7 @@ from solutions.part1_ppo import kl_exact, kl_k3, reward_char_count             #
 from solutions.part2_lora import LoRAModel, freeze_base, load_adapter, make_adapters  # Part 2, solved
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
 from utils.concurrency import run_sync
-from utils.logger import RunLogger, samples_table, tqdm  # tqdm: a text bar, saved with the notebook as it ended
+from utils.logger import RunLogger, run_steps, samples_table, tqdm  # tqdm: a text bar, saved as it ended
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.plotting import plot_curves

@@ -42,7 +42,7 @@ from solutions.part3_grpo import (GRPOConfig, GRPOTrainer, completion_loss_mask,
 from solutions.part4_reference import ReferenceSettings, SyncedGRPOTrainer, reference_kind       # Part 4
 from solutions.part5_dpo_rloo import DPO_LOSS_TYPES
 from utils.data import addition_accuracy, addition_pairs, addition_prompt, parse_answer
-from utils.logger import RunLogger, samples_table, tqdm  # tqdm: a text bar, saved with the notebook as it ended
+from utils.logger import RunLogger, run_steps, samples_table, tqdm  # tqdm: a text bar, saved as it ended
 from utils.masks import masked_mean
 from utils.models import load_model
 from utils.plotting import plot_curves
