@@ -308,8 +308,7 @@ def _changes(reference, arguments: dict[str, object]):
             yield (f"`{name}` at 0 (the call gave {value!r})",
                    lambda a, name=name: a | {name: type(a[name])(0)} if name in a else a)
     for (a, x), (b, y) in itertools.combinations(arguments.items(), 2):  # two arguments of one kind swapped
-        if isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape == y.shape and x.dtype == y.dtype \
-                or type(x) in (int, float) and type(y) is type(x) and x != y:
+        if _swapped(arguments, a, b) is not None and (isinstance(x, Tensor) or x != y):
             yield f"`{a}` and `{b}` swapped", lambda c, a=a, b=b: _swapped(c, a, b)
     for name, value in arguments.items():  # a tensor read one position off along a dimension (logits[:, t] for t + 1)
         if isinstance(value, Tensor) and value.dim() >= 2:
@@ -628,24 +627,24 @@ def explain(actual: object, expected: object, atol: float, rtol: float) -> str |
         for said, change in _changes(call.reference, call.arguments):
             try:
                 if _equal(_at(_run(call.reference, change(call.arguments)), path), actual, atol, rtol):
-                    return _reading(call, path, f"{SAME_CALL} with {said}", change, atol, rtol)[2:]
+                    return _reading(call, path, f"{SAME_CALL} with {said}", change, atol, rtol)
             except Exception:  # noqa: BLE001 - the reference may refuse a changed call: that change does not explain it
                 continue
         slips = _axis_slips(call, path, actual, expected, atol, rtol)[:3]
         if slips:  # each that reproduces it: where several do, the learner's code tells which
             return _reading(call, path, f"{SAME_CALL} with " + ", or with ".join(said for said, _ in slips),
-                            [where for _, where in slips], atol, rtol)[2:]
+                            [where for _, where in slips], atol, rtol)
     except Exception:  # noqa: BLE001 - a replay that fails explains nothing, and must not hide the test's own failure
         return None
     return None
 
 
 def _reading(call: Call, path: tuple, text: str, change: object, atol: float, rtol: float) -> str:
-    """"; " + `text` (as a message says it), kept to be checked on the check's other calls of the same function
+    """`text`, kept (as a message says it, after "; ") to be checked on the check's other calls of the same function
     (refuted_readings)."""
     if call.learner is _under_test["obj"]:
         _readings.append(Reading(call.reference, call.learner, change, path, f"; {text}", atol, rtol))
-    return f"; {text}"
+    return text
 
 
 def keep_named_quantities(actual: object, said: str, atol: float, rtol: float) -> None:
