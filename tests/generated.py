@@ -825,20 +825,27 @@ def on_generated_inputs(impl, part: str, name: str, examples: int | None = None)
         raise state["stub"]
 
 
-_MODEL_DRAWS = {"on": True}
+# The meta-test's runs of the registered wrong versions draw at most this many inputs per exercise: a wrong version
+# that they do not catch and name is run again with all of them (tests/meta.py)
+WRONG_VERSION_EXAMPLES = 10
+_DRAWS: dict = {"model": True, "examples": None}
 
 
 @contextlib.contextmanager
-def without_model_draws():
-    """The drawn-input tests of the exercises that run the embedded model skip themselves inside this block: the
-    meta-test's runs of the registered wrong versions, each of which would pay a forward pass per example and per
-    shrinking step (about 0.3 s each here), minutes in all. Those wrong versions are caught and named by the other
-    tests, and check() still runs these tests, and replays a wrong version on them, for a learner."""
-    _MODEL_DRAWS["on"] = False
+def drawing_for_wrong_versions(examples: int | None = WRONG_VERSION_EXAMPLES):
+    """Inside this block (the meta-test's runs of the registered wrong versions), the drawn-input tests of the
+    exercises that run the embedded model skip themselves, and the others draw at most `examples` inputs (None: as
+    many as a learner's check does). A forward pass per example and per shrinking step (about 0.3 s each here) would
+    cost minutes, and the generation of 100 examples for each wrong version that the draws do not catch a third of
+    the meta-test's time. The other tests catch and name the wrong versions of the model's exercises, and the meta-test
+    runs every wrong version of an exercise again with all the draws when the fewer do not catch and name one; check()
+    runs these tests in full for a learner, and replays a wrong version on them."""
+    before = dict(_DRAWS)
+    _DRAWS.update(model=False, examples=examples)
     try:
         yield
     finally:
-        _MODEL_DRAWS["on"] = True
+        _DRAWS.update(before)
 
 
 def generated_tests_of(part: str) -> dict[str, object]:
@@ -856,9 +863,9 @@ def generated_tests_of(part: str) -> dict[str, object]:
 
         @pytest.mark.exercise(name)
         def test(impl):
-            if not _MODEL_DRAWS["on"] and with_model:
+            if not _DRAWS["model"] and with_model:
                 pytest.skip("the drawn inputs with the embedded model are not run for the registered wrong versions")
-            on_generated_inputs(impl, part, name)
+            on_generated_inputs(impl, part, name, examples=_DRAWS["examples"])
 
         test.__name__ = test.__qualname__ = f"test_{name}_on_generated_inputs"
         test.__doc__ = f"{name} against the reference on inputs drawn from its contract (tests/generated.py)."

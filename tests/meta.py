@@ -160,15 +160,22 @@ def meta_test(part: str):
 
         # Each wrong version's own runs are the fingerprints: all of them run first, then each is named from them
         # by the rule check() applies (diagnosis.py), with no replay of one wrong version in another's session.
-        withheld = dict(compare.WITHHELD)
-        with generated.without_model_draws():  # the wrong versions are caught by the other tests (see there)
-            outcomes = [(wrong, run_exercise_tests(part, name, wrong, replays=False)) for wrong in entry.wrong]
+        # The drawn-input tests draw fewer inputs for them (generated.drawing_for_wrong_versions); where that leaves
+        # one of them uncaught or unnamed, all of them run again with every draw a learner's check makes.
+        for examples in (generated.WRONG_VERSION_EXAMPLES, None):
+            withheld = dict(compare.WITHHELD)
+            with generated.drawing_for_wrong_versions(examples):
+                outcomes = [(wrong, run_exercise_tests(part, name, wrong, replays=False)) for wrong in entry.wrong]
+            names = {wrong: outcome.diagnosis.named_from_runs(name) for wrong, outcome in outcomes}
+            if all(outcome.failed and any(m is wrong for m in names[wrong]) for wrong, outcome in outcomes):
+                break
+            MESSAGES.counts[DRAWN_AGAIN] += examples is not None
         MESSAGES.counts["readings withheld"] += compare.WITHHELD["readings"] - withheld["readings"]
         MESSAGES.counts["readings refuted"] += compare.WITHHELD["refuted"] - withheld["refuted"]
         for wrong, outcome in outcomes:
             assert outcome.failed, (f"{part}.{name}: the wrong version {wrong.__name__} ({inspect.getdoc(wrong)}) "
                                     "passes every test")
-            named = outcome.diagnosis.named_from_runs(name)
+            named = names[wrong]
             assert any(m is wrong for m in named), (
                 f"{part}.{name}: the wrong version {wrong.__name__} fails {[t for t, _ in outcome.failed]} but no "
                 "failure names it: make the failing check record what it saw (assert_close, assert_equal, expect, "
@@ -182,6 +189,7 @@ def meta_test(part: str):
 
 
 OWN_BODY = "that line in the wrong version's own body"
+DRAWN_AGAIN = "exercises whose wrong versions needed every draw"
 LOOP_KEY = "with the loop's line"
 LOOP_LINE = re.compile(r"Your code (passes its `\w+` there, at|makes that call at) line \d+")  # trace.passed_at
 MESSAGE_LINES = 10  # check()'s default message, at most (the rest behind check(fn, verbose=True))
@@ -199,7 +207,7 @@ class MessageStats:
                        "placed at a loop's call": 0, LOOP_KEY: 0, "caught on both architectures": 0, "readings withheld": 0,
                        "readings refuted": 0,
                        "a line where the code departs": 0, OWN_BODY: 0,
-                       "that line is one the wrong version changed": 0}
+                       "that line is one the wrong version changed": 0, DRAWN_AGAIN: 0}
         self.lines: list[int] = []
         self.printed: list[int] = []  # lines as printed, long ones broken (summary.wrapped)
 
@@ -246,7 +254,9 @@ class MessageStats:
                 f"because another call of the check refutes them {c.get('readings refuted', 0)}; the line where the "
                 f"code departs from the reference said in {c.get('a line where the code departs', 0)} (of those in "
                 f"the wrong version's own body, {c.get(OWN_BODY, 0)}, a line it "
-                f"changed in {c.get('that line is one the wrong version changed', 0)})")
+                f"changed in {c.get('that line is one the wrong version changed', 0)}); exercises whose wrong "
+                f"versions ran again with every drawn input (the fewer left one uncaught or unnamed): "
+                f"{c.get(DRAWN_AGAIN, 0)}")
 
 
 MESSAGES = MessageStats()

@@ -180,8 +180,8 @@ def test_notebook_runs_top_to_bottom_with_solutions(part, model, tmp_path, monke
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     # Each check() cell runs its exercise's tests: this run asks that they pass on the solutions' own source, which the
-    # parts' tests already run with the learner's number of drawn examples (tests/generated.py); fewer here
-    monkeypatch.setenv("RLHF_DRAWN_EXAMPLES", "20")
+    # parts' tests already run with the learner's number of drawn examples (tests/generated.py); a few here
+    monkeypatch.setenv("RLHF_DRAWN_EXAMPLES", "5")
     nb = notebooks.with_solutions(part)
     NotebookClient(nb, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(layout.CHAPTERS)}}).execute()

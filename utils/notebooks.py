@@ -45,7 +45,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.checker.layout import CHAPTERS, ROOT, SOLUTIONS, defined_names
+from utils.checker.layout import CHAPTERS, ROOT, SOLUTIONS, defined_names, parsed
 
 SOURCES = CHAPTERS / "source"
 # Where the course is published: the Colab badges (README.md and each notebook's first cell) and the Colab cell's
@@ -157,7 +157,7 @@ def _definitions(part: str) -> dict[str, list[tuple[list[str], ast.AST, Path]]]:
     found: dict[str, list[tuple[list[str], ast.AST, Path]]] = {}
     for path in solution_files(part):
         source = path.read_text()
-        tree, lines = ast.parse(source), source.splitlines()
+        tree, lines = parsed(source), source.splitlines()
         defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
         for n in tree.body:  # module-level constants (e.g. TARGETS) can be [provided] too
             if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):

@@ -12,6 +12,7 @@ an exercise). Everything else is prose, demos and training.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from pathlib import Path
@@ -47,9 +48,16 @@ def tests_of(part: str) -> Path:
     return TESTS / part
 
 
+@functools.lru_cache(maxsize=128)
+def parsed(source: str) -> ast.Module:
+    """The tree of a piece of source, parsed once per text (each check reads the same test modules and reference files
+    again; a changed file is a new text). The tree is shared: read it, never change it."""
+    return ast.parse(source)
+
+
 def marked_in_source(path: Path) -> set[str]:
     """The exercises that `@exercise("name")` marks in a test module's source name (read, not imported)."""
-    tree = ast.parse(path.read_text())
+    tree = parsed(path.read_text())
     return {node.args[0].value for node in ast.walk(tree)
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "exercise"
             and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)}
@@ -64,7 +72,7 @@ MAKES_TESTS = ("generated_tests_of", "battery_tests_of")
 def makes_tests(path: Path) -> bool:
     """Whether a test module's source calls one of MAKES_TESTS (its marks are made when it is imported)."""
     return any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in MAKES_TESTS
-               for node in ast.walk(ast.parse(path.read_text())))
+               for node in ast.walk(parsed(path.read_text())))
 
 
 def test_modules_of(part: str, exercise: str) -> list[Path]:
