@@ -64,6 +64,9 @@ TRL_CONFIGS = {  # what each config shows: the defaults, then the knobs whose tr
                                             mask_truncated_completions=True, format_weight=0.3, max_grad_norm=0.5,
                                             seed=3), 3),
 }
+# A group split between processes: the completions of a step divide among them, its prompts do not. Not among
+# TRL_CONFIGS, which test_against_trl.py builds in one process, where TRL asks for whole groups.
+SPLIT_GROUPS = {"3 prompts on 2 processes (a group split between them)": (GRPOConfig(n_prompts=3, group_size=4), 2)}
 
 TRL_CONFIG_HINT = ("see the table knobs.GRPO_TO_TRL: TRL counts optimizer steps (steps × num_iterations) and "
                    "completions per process (n_prompts × group_size / world_size)")
@@ -71,7 +74,7 @@ TRL_CONFIG_HINT = ("see the table knobs.GRPO_TO_TRL: TRL counts optimizer steps 
 
 @exercise("to_trl_config")
 def test_to_trl_config_matches_reference(impl, tmp_path):
-    for label, (cfg, world_size) in TRL_CONFIGS.items():
+    for label, (cfg, world_size) in {**TRL_CONFIGS, **SPLIT_GROUPS}.items():
         what = f"to_trl_config({label}, world_size={world_size})"
         out = impl.to_trl_config(dataclasses.replace(cfg), str(tmp_path), world_size)
         expected = ref.to_trl_config(cfg, str(tmp_path), world_size)
