@@ -796,7 +796,8 @@ def on_generated_inputs(impl, part: str, name: str, examples: int | None = None)
     start = len(log) if log is not None else 0
     state: dict[str, object] = {"stub": None}
 
-    @settings(SETTINGS, max_examples=examples or (EXAMPLES_WITH_MODEL if uses_model(part, name) else EXAMPLES))
+    @settings(SETTINGS, max_examples=examples or (EXAMPLES_WITH_MODEL if uses_model(part, name) else EXAMPLES),
+              phases=SETTINGS.phases if _DRAWS["shrink"] else (Phase.explicit, Phase.generate))
     @given(st.data())
     def example(data):
         if log is not None:
@@ -828,7 +829,7 @@ def on_generated_inputs(impl, part: str, name: str, examples: int | None = None)
 # The meta-test's runs of the registered wrong versions draw at most this many inputs per exercise: a wrong version
 # that they do not catch and name is run again with all of them (tests/meta.py)
 WRONG_VERSION_EXAMPLES = 10
-_DRAWS: dict = {"model": True, "examples": None}
+_DRAWS: dict = {"model": True, "examples": None, "shrink": True}
 
 
 @contextlib.contextmanager
@@ -839,9 +840,14 @@ def drawing_for_wrong_versions(examples: int | None = WRONG_VERSION_EXAMPLES):
     cost minutes, and the generation of 100 examples for each wrong version that the draws do not catch a third of
     the meta-test's time. The other tests catch and name the wrong versions of the model's exercises, and the meta-test
     runs every wrong version of an exercise again with all the draws when the fewer do not catch and name one; check()
-    runs these tests in full for a learner, and replays a wrong version on them."""
+    runs these tests in full for a learner, and replays a wrong version on them.
+
+    Nor is a difference shrunk to the smallest input that shows it (a quarter of a tensor exercise's meta-test, py-spy
+    on ppo_loss, 2026-11-30): the meta-test asks whether each wrong version is caught and named by its own runs, and
+    whether the message keeps the rules of its form, which hold for any input that shows the difference. A learner's
+    check() shrinks, and so do the replays that compare the learner's run with a wrong version's."""
     before = dict(_DRAWS)
-    _DRAWS.update(model=False, examples=examples)
+    _DRAWS.update(model=False, examples=examples, shrink=False)
     try:
         yield
     finally:

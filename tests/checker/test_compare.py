@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from tests.support import CheckFailure, assert_close, assert_equal, assert_raises, describe_difference
+from tests.support import (CheckFailure, assert_close, assert_equal, assert_gradients_match, assert_raises,
+                           describe_difference)
 
 torch.manual_seed(0)
 E = torch.randn(6, 5)
@@ -100,6 +101,25 @@ def test_gradients_are_compared():
         assert_close(x * 2, (x * 2).detach(), "y")
     with pytest.raises(CheckFailure, match=r"\.item\(\)"):
         assert_close((x.sum() * 2).item(), x.sum() * 2, "loss")
+
+
+def test_a_gradient_that_differs_is_summed_up_as_gradients_whatever_the_form_of_the_difference():
+    """The loss values are right and only the gradient differs, in one number, some rows or some positions: the other
+    failures' summary ("Also failing: ... where gradients differ") says what the test found, a gradient, not values."""
+    from utils.checker.notebook import gist
+
+    x0 = torch.randn(3, 4)
+    scalar = torch.randn(())
+    weight = torch.tensor([[1.0], [1.0], [0.5]])
+    cases = [((lambda x: (x ** 2).sum()), (lambda x: (x.detach() * x).sum()), scalar),  # one number
+             ((lambda x: (x ** 2).sum(-1)), (lambda x: (x ** 2 * weight + x.detach() ** 2 * (1 - weight)).sum(-1)), x0),
+             ((lambda x: x ** 2), (lambda x: torch.where(torch.arange(4) == 1, x.detach() ** 2, x ** 2)), x0[0])]
+    for reference, wrong, x in cases:
+        assert_close(wrong(x), reference(x), "the loss")  # its values are right
+        with pytest.raises(CheckFailure) as failure:
+            assert_gradients_match(wrong, reference, (x,), what="f")
+        assert gist(str(failure.value)) == "where gradients differ", str(failure.value)
+    assert gist("f(x): positions [1] are wrong, the other 3 are right.") == "where values differ"
 
 
 def test_failure_message_shows_expected_and_got():

@@ -319,6 +319,9 @@ def test_an_interrupt_wins_over_the_time_limit(monkeypatch, capsys):
 INTERRUPT_IN_A_FRESH_PROCESS = """
 import contextlib, io, json, os, signal, sys, threading, time, _thread
 sys.path.insert(0, os.getcwd())
+# Python's own handler, as a kernel or a terminal has it: a process started in the background by a shell inherits
+# SIGINT ignored, and Python then keeps it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from utils.checker.notebook import check
 
 def generate_no_cache(model, tokens, max_new_tokens, temperature=1.0, top_k=None):  # drops the prompt

@@ -107,8 +107,9 @@ def _sample_no_greedy(logits, temperature=1.0, top_k=None):
 
 
 def _sample_top_k_after_softmax_unnormalised(logits, temperature=1.0, top_k=None):
-    """top-k zeroes the other tokens' probabilities after the softmax and samples from what is left without the
-    temperature: the temperature must divide the logits before the softmax."""
+    """The temperature never divides the logits, so every temperature samples as temperature 1 does: divide the
+    logits by the temperature before the softmax (top-k keeps the same tokens whether it is taken on the logits or on
+    the probabilities)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = logits.softmax(-1)

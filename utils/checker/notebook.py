@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 
 from utils.checker import callees, environment, process, summary
-from utils.checker.compare import NAMED_FACTOR, NO_PATTERN, RESEMBLES, split_message
+from utils.checker.compare import GRADIENT_OF, NAMED_FACTOR, NO_PATTERN, RESEMBLES, split_message
 from utils.checker.layout import built_parts, exercise_names, part_defining
 from utils.checker.registry import explanation_line
 from utils.checker.runner import Outcome, run_exercise_tests
@@ -174,7 +174,9 @@ def label(test: str) -> str:
 
 # What a failure found, in a few words (for the tests listed after the first): each read off a phrase that only the
 # checker's findings use (never a test's label, which may name shapes, NaN rewards or gradients), in this order; a
-# failure that none of them fits is counted as "with another finding".
+# failure that none of them fits is counted as "with another finding". A difference found in what a comparison of
+# gradients compares (GRADIENT_OF: the label properties.assert_gradients_match writes) is one of gradients, whatever
+# its form (a factor, some rows, one number): a test that checks the loss and then its gradient found the gradient.
 _GISTS = (
     (re.compile(r"^NotImplementedError"), "not written"),
     (re.compile(r"\bshould raise an? (\w+) \("), "where no {0} was raised"),
@@ -187,15 +189,16 @@ _GISTS = (
     (re.compile(r"\bchanged (?:its argument `[^`]+` in place|the model's weights|which parameters of)|\btook `[^`]+` "
                 r"out of its argument"),
      "where the call changed what it was given"),
-    (re.compile(r"\bno gradient flows back\b|\bcarry a gradient that the reference's do not\b"),
+    (re.compile(r"\bno gradient (?:flows back|reaches it)\b|\bcarry a gradient that the reference's do not\b|"
+                r"\ba gradient reaches it, but it is exactly 0\b|\bsends a gradient into it and the reference "
+                r"does not\b"),
      "where the gradient is missing or extra"),
-    (re.compile(r"^the gradient of .*: \d+ of \d+ values differ|^the gradient of .*: every value (?:is|has)\b"),
-     "where gradients differ"),
+    (re.compile(rf"^{GRADIENT_OF}.*? with respect to "), "where gradients differ"),
     (re.compile(r"\bshape \([\d, ]*\), expected \("), "where shapes differ"),
     (re.compile(r"\b(?:NaN|inf) at \d+ of \d+ positions\b|where the expected value is finite|\bexpected NaN\b"),
      "with a NaN or inf"),
-    (re.compile(r"\d+ of \d+ values differ|\bevery value (?:is|has)\b|\bgot [^,]+, expected\b|\brows? \[[\d, ]+\] "
-                r"(?:are|is) wrong|\bonly positions \["), "where values differ"),
+    (re.compile(r"\d+ of \d+ values differ|\bevery value (?:is|has)\b|\bgot [^,]+, expected\b|\b(?:rows?|positions?) "
+                r"\[[\d, ]+\](?:\.\.\.)? (?:are|is) wrong|\bonly positions \["), "where values differ"),
     (re.compile(r"\bthe default of `\w+` is\b|`\w+` has no default\b|\bthere is no parameter `"),
      "on the signature's defaults"),
 )

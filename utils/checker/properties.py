@@ -29,8 +29,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from utils.checker.compare import (CheckFailure, aside, assert_close, assert_equal, describe_difference, expect,
-                                   refusal_left_out, show)
+from utils.checker.compare import (GRADIENT_OF, CheckFailure, aside, assert_close, assert_equal, describe_difference,
+                                   expect, refusal_left_out, show)
 from utils.checker.observe import freeze, observe, same
 
 # --- gradients -----------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def _gradients_match(impl_fn, ref_fn, args, kwargs, what, wrt, modules, seed, at
                                                     "with torch.tensor / .item() has none."), observed="no gradient")
     for name, want in ref_grads.items():
         got = impl_grads[name]
-        label = f"the gradient of {what} with respect to `{name}`"
+        label = f"{GRADIENT_OF}{what} with respect to `{name}`"
         want_zero = want is None or not want.abs().max().item() > 0
         got_zero = got is None or not got.abs().max().item() > 0
         if want_zero and got_zero:
@@ -148,11 +148,16 @@ def _gradients_match(impl_fn, ref_fn, args, kwargs, what, wrt, modules, seed, at
 
 # --- inputs left alone ---------------------------------------------------------------------------------------
 
-def _snapshot(value: object, path: str, out: dict[str, object], depth: int = 0) -> None:
+def _snapshot(value: object, path: str, out: dict[str, object], depth: int = 0,
+              versions: dict[str, int] | None = None) -> None:
+    """The values of `value` under `path` into `out`; and into `versions`, where given, the version counter of each
+    tensor that is not a model's (torch counts every in-place write into a tensor, whatever it wrote)."""
     if depth > 4:
         return
     if isinstance(value, Tensor):
         out[path] = value.detach().clone()
+        if versions is not None:
+            versions[path] = value._version
     elif isinstance(value, nn.Module):
         for name, t in value.state_dict(keep_vars=False).items():
             out[f"{path}.{name}"] = t.detach().clone()
@@ -165,18 +170,18 @@ def _snapshot(value: object, path: str, out: dict[str, object], depth: int = 0) 
             if isinstance(field_value, (str, int, float, bool, type(None))):
                 out[f"{path}.{f.name}"] = field_value
             else:
-                _snapshot(field_value, f"{path}.{f.name}", out, depth + 1)
+                _snapshot(field_value, f"{path}.{f.name}", out, depth + 1, versions)
     elif isinstance(value, (list, tuple)):
         if all(isinstance(v, (str, int, float, bool, type(None))) for v in value):
             out[path] = list(value)
         else:
             out[f"{path} (length)"] = len(value)
             for i, v in enumerate(value[:64]):
-                _snapshot(v, f"{path}[{i}]", out, depth + 1)
+                _snapshot(v, f"{path}[{i}]", out, depth + 1, versions)
     elif isinstance(value, dict):
         out[f"{path} (keys)"] = sorted(map(str, value))
         for k, v in value.items():
-            _snapshot(v, f"{path}[{k!r}]", out, depth + 1)
+            _snapshot(v, f"{path}[{k!r}]", out, depth + 1, versions)
 
 
 def _tensors_in(value: object, path: str, out: dict[str, Tensor], modules: bool, depth: int = 0,
@@ -251,6 +256,9 @@ def aliases(result: object, arguments: dict[str, object]) -> list[tuple[str, str
     return found
 
 
+OBSERVED_CHANGES = 3  # the changed inputs whose new values a failure's fingerprint records
+
+
 def assert_inputs_unchanged(fn: Callable, *args, what: str, may_alias: bool | None = None, **kwargs):
     """Call fn(*args, **kwargs), fail if it changed any of its arguments in place, or (unless `may_alias`) returned
     a tensor that shares memory with one of them, and return its result.
@@ -268,13 +276,19 @@ def assert_inputs_unchanged(fn: Callable, *args, what: str, may_alias: bool | No
     except (TypeError, ValueError):
         named = {f"argument {i}": a for i, a in enumerate(args)} | kwargs
     before: dict[str, object] = {}
+    versions: dict[str, int] = {}
     for name, value in named.items():
-        _snapshot(value, name, before)
+        _snapshot(value, name, before, versions=versions)
     result = fn(*args, **kwargs)
     after: dict[str, object] = {}
+    versions_after: dict[str, int] = {}
     for name, value in named.items():
-        _snapshot(value, name, after)
+        _snapshot(value, name, after, versions=versions_after)
     changed = [path for path in before if not same(before[path], after.get(path), rtol=0, atol=0)]
+    # written in place, though what was written equals what was there (a penalty of 0 subtracted, a mask that keeps
+    # every position): the same mistake, which other inputs show as a change of values
+    written = [path for path, version in versions.items()
+               if path not in changed and path in versions_after and versions_after[path] != version]
     detail = ""
     if changed and isinstance(before[changed[0]], Tensor) and isinstance(after.get(changed[0]), Tensor):
         detail = describe_difference(after[changed[0]], before[changed[0]], atol=0, rtol=0) or ""
@@ -282,7 +296,11 @@ def assert_inputs_unchanged(fn: Callable, *args, what: str, may_alias: bool | No
     weights = [p for p in changed if "." in p and p.split(".")[0] in named and isinstance(named[p.split(".")[0]],
                                                                                           nn.Module)]
     flags = [p for p in changed if p.endswith("(which parameters require grad)")]
-    observe(f"{what} leaves its inputs unchanged", changed)
+    # what each changed input became, not only which changed: two mistakes that both write into an argument (one
+    # scales it, the other sets it to something else) are different mistakes, and a fingerprint of names alone would
+    # take one for the other (the first OBSERVED_CHANGES, as the message names the first three)
+    observe(f"{what} leaves its inputs unchanged", {path: after.get(path) for path in changed[:OBSERVED_CHANGES]}
+            | ({"(and more)": len(changed)} if len(changed) > OBSERVED_CHANGES else {}))
     if flags and len(flags) == len(changed):
         turned = sorted(set(before[flags[0]]) ^ set(after[flags[0]]))
         shared = aliases(result, named)
@@ -303,6 +321,13 @@ def assert_inputs_unchanged(fn: Callable, *args, what: str, may_alias: bool | No
                            f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}. The caller still "
                            "needs it as it was: compute a new value instead of writing into the one you were given "
                            "(x = x * m rather than x *= m; mask = mask & keep rather than mask &= keep; no "
+                           "masked_fill_ or other trailing-underscore methods on an input)")
+    observe(f"{what} writes into none of its inputs", written)
+    if written:
+        raise CheckFailure(f"{what} wrote into its argument `{written[0]}` in place"
+                           f"{f' (and {len(written) - 1} more)' if len(written) > 1 else ''}, though here the values "
+                           "it wrote equal those it found. The caller still needs it as it was: compute a new value "
+                           "instead of writing into the one you were given (x = x * m rather than x *= m; no "
                            "masked_fill_ or other trailing-underscore methods on an input)")
     record = isinstance(result, dict) and not any(isinstance(v, nn.Module) for v in result.values())
     if may_alias is False or may_alias is None and not record:
