@@ -51,6 +51,17 @@ def set_cpu_threads(n: int | None = None) -> int:
     return n
 
 
+def manual_seed(n: int) -> None:
+    """torch.manual_seed(n) where a GPU may be in use; on a machine without one, only the CPU's generator, which is all
+    that torch.manual_seed seeds there: it also queues a seeding of each accelerator torch was built for (CUDA, XPU,
+    MTIA), each with its caller's stack formatted, about a millisecond under pytest. The checker seeds before every
+    test and every replay: that was a tenth of a meta-test's time (py-spy, 2026-11-30)."""
+    if torch.cuda.is_available():
+        torch.manual_seed(n)
+    else:
+        torch.random.default_generator.manual_seed(n)
+
+
 def tiny_hf_config(vocab_size: int, eos_id: int, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
                    n_ctx: int = 64):
     """The tiny model's architecture: a GPT-2 with every dimension shrunk (~0.85M parameters)."""

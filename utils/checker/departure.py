@@ -50,7 +50,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from utils.checker import fingerprint, transforms
+from utils import models
+from utils.checker import transforms
 
 OPS = 400  # torch calls in one run, at most
 ELEMENTS = 1 << 18  # numbers kept of one run's tensors, at most
@@ -151,7 +152,7 @@ def _quiet_run(fn, arguments: dict[str, object], signature: inspect.Signature, m
     with torch.random.fork_rng(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fingerprint.seed(0)
+        models.manual_seed(0)
         with mode:
             return fn(*bound.args, **bound.kwargs)
 

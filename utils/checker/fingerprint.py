@@ -72,17 +72,6 @@ def rng_state() -> tuple:
     return torch.get_rng_state(), random.getstate()
 
 
-def seed(n: int) -> None:
-    """torch.manual_seed(n) where a GPU may be in use; on a machine without one, only the CPU's generator, which is all
-    that torch.manual_seed seeds there: it also queues a seeding of each accelerator torch was built for (CUDA, XPU,
-    MTIA), each with its caller's stack formatted, about a millisecond under pytest. The checker seeds before every
-    test and every replay: that was a tenth of a meta-test's time (py-spy, 2026-11-30)."""
-    if torch.cuda.is_available():
-        torch.manual_seed(n)
-    else:
-        torch.random.default_generator.manual_seed(n)
-
-
 def set_rng_state(state: tuple) -> None:
     torch.set_rng_state(state[0])
     random.setstate(state[1])

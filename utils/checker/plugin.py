@@ -18,7 +18,8 @@ import random  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from utils.checker import fingerprint, implementations, pool  # noqa: E402
+from utils import models  # noqa: E402
+from utils.checker import implementations, pool  # noqa: E402
 from utils.checker.diagnosis import MistakeFinder  # noqa: E402
 from utils.checker.layout import part_of  # noqa: E402
 
@@ -109,7 +110,7 @@ def pytest_collection_modifyitems(config, items):
 def _same_random_state_for_every_test():
     """Each test starts from the same random state, whatever ran before it: a failure can be replayed exactly
     (the mistake finder does so with each registered wrong version), and a test never depends on the order."""
-    fingerprint.seed(0)
+    models.manual_seed(0)
     random.seed(0)
 
 
