@@ -162,12 +162,18 @@ def meta_test(part: str):
         # by the rule check() applies (diagnosis.py), with no replay of one wrong version in another's session.
         # The drawn-input tests draw fewer inputs for them (generated.drawing_for_wrong_versions); where that leaves
         # one of them uncaught or unnamed, all of them run again with every draw a learner's check makes.
+        # On the Llama-style model, each wrong version runs only until a test fails there too (FirstFailureOnLlama);
+        # the second round, where needed, runs everything.
         for examples in (generated.WRONG_VERSION_EXAMPLES, None):
             withheld = dict(compare.WITHHELD)
             with generated.drawing_for_wrong_versions(examples):
-                outcomes = [(wrong, run_exercise_tests(part, name, wrong, replays=False)) for wrong in entry.wrong]
+                outcomes = [(wrong, run_exercise_tests(
+                    part, name, wrong, replays=False,
+                    plugins=(FirstFailureOnLlama(),) if examples and not getattr(wrong, "only_on", None) else ()))
+                    for wrong in entry.wrong]
             names = {wrong: outcome.diagnosis.named_from_runs(name) for wrong, outcome in outcomes}
-            if all(outcome.failed and any(m is wrong for m in names[wrong]) for wrong, outcome in outcomes):
+            if all(outcome.failed and any(m is wrong for m in names[wrong]) and architectures_agree(wrong, outcome)
+                   for wrong, outcome in outcomes):
                 break
             MESSAGES.counts[DRAWN_AGAIN] += examples is not None
         MESSAGES.counts["readings withheld"] += compare.WITHHELD["readings"] - withheld["readings"]
@@ -189,7 +195,7 @@ def meta_test(part: str):
 
 
 OWN_BODY = "that line in the wrong version's own body"
-DRAWN_AGAIN = "exercises whose wrong versions needed every draw"
+DRAWN_AGAIN = "exercises whose wrong versions needed every draw and every test"
 LOOP_KEY = "with the loop's line"
 LOOP_LINE = re.compile(r"Your code (passes its `\w+` there, at|makes that call at) line \d+")  # trace.passed_at
 MESSAGE_LINES = 10  # check()'s default message, at most (the rest behind check(fn, verbose=True))
@@ -255,7 +261,8 @@ class MessageStats:
                 f"code departs from the reference said in {c.get('a line where the code departs', 0)} (of those in "
                 f"the wrong version's own body, {c.get(OWN_BODY, 0)}, a line it "
                 f"changed in {c.get('that line is one the wrong version changed', 0)}); exercises whose wrong "
-                f"versions ran again with every drawn input (the fewer left one uncaught or unnamed): "
+                f"versions ran again with every drawn input and every test on the Llama-style model (the fewer "
+                f"left one uncaught, unnamed, or caught on one architecture only): "
                 f"{c.get(DRAWN_AGAIN, 0)}")
 
 
@@ -331,6 +338,48 @@ def changed_lines(wrong, solution) -> tuple[range, set[int]]:
 
 
 ARCHITECTURE_ID = re.compile(r"\[(?:.*-)?(gpt2|llama)(?:-.*)?\]$")  # a test id's architecture (plugin.ARCHITECTURES)
+
+
+def architecture_of(nodeid: str) -> str | None:
+    found = ARCHITECTURE_ID.search(nodeid)
+    return found.group(1) if found else None
+
+
+class FirstFailureOnLlama:
+    """A plugin for the meta-test's runs of a registered wrong version: the tests on the Llama-style model run after
+    those on the GPT-2-style one, and only those whose twin failed there, until one fails. What the meta-test asks of
+    the Llama-style runs is that the mistake is caught there too (check_both_architectures); the wrong version is named,
+    and its message judged, from the rest. The skipped tests are a third of the runs of the exercises that train the
+    model. A wrong version whose runs then do not say all of that is run again with every test (meta_test)."""
+
+    def __init__(self):
+        self.failed: set[str] = set()
+        self.caught_on_llama = False
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        items.sort(key=lambda item: architecture_of(item.nodeid) == "llama")  # stable: each kind in its order
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        if architecture_of(item.nodeid) != "llama":
+            return
+        found = ARCHITECTURE_ID.search(item.nodeid)
+        twin = item.nodeid[:found.start(1)] + "gpt2" + item.nodeid[found.end(1):]
+        if self.caught_on_llama or twin not in self.failed:
+            pytest.skip("the meta-test: not needed on the Llama-style model")
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            self.failed.add(report.nodeid)
+            self.caught_on_llama |= architecture_of(report.nodeid) == "llama"
+
+
+def architectures_agree(wrong, outcome) -> bool:
+    """Whether a run says what check_both_architectures asks: caught on the Llama-style model wherever it is caught
+    on the GPT-2-style one (unless the wrong version is marked wrong on one only)."""
+    caught = {architecture_of(t) for t, _ in outcome.failed} - {None}
+    return getattr(wrong, "only_on", None) is not None or "gpt2" not in caught or "llama" in caught
 
 
 def check_both_architectures(part: str, name: str, wrong, outcome) -> None:

@@ -163,6 +163,44 @@ def test_the_first_departure_of_real_loops():
         message, message
 
 
+def gradient_loop(model, optimizer, scheduler, data, target, *, detach_prediction=False, target_from_model=False):
+    """One epoch of toy_loop's minibatches, with the helper given a prediction cut off from autograd (the loss keeps
+    a path to the parameters through another term, so backward runs) or a target that carries the model's gradient:
+    the same values as the reference's either way."""
+    for rows in ([0, 1], [2, 3]):
+        prediction = model(data[rows])
+        goal = target[rows] + 0.0 * prediction if target_from_model else target[rows]
+        given = prediction.detach() if detach_prediction else prediction
+        loss = helper_loss(given, goal) + 0.0 * prediction.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def test_an_argument_that_loses_or_gains_a_gradient_path_departs_at_the_call_it_is_passed_to():
+    """The values a probed call is given are the reference's, but not their path for the gradient: the departure is
+    placed at that call, before any value downstream differs (issue 41.2)."""
+    def run(**mistake):
+        model, optimizer, scheduler, data, target = toy_setup()
+        with tracing(model, optimizer, scheduler, rows=data, probes={"helper_loss": ("prediction", "target")},
+                     namespaces=(globals(),)) as trace:
+            gradient_loop(model, optimizer, scheduler, data, target, **mistake)
+        return trace
+
+    want = run()
+    assert first_departure(run(), want, per_epoch=2) is None
+    message = first_departure(run(detach_prediction=True), want, per_epoch=2).message
+    assert message.startswith("The `prediction` your code passes to helper_loss (call 1 of helper_loss, epoch 1, "
+                              "minibatch 1) has the reference's values but carries no gradient, where the "
+                              "reference's does"), message
+    assert "Your code passes its `given` there" in message, message
+    message = first_departure(run(target_from_model=True), want, per_epoch=2).message
+    assert message.startswith("The `target` your code passes to helper_loss (call 1 of helper_loss, epoch 1, "
+                              "minibatch 1) has the reference's values but carries a gradient, where the "
+                              "reference's is a constant"), message
+
+
 def _forward(rows, grad=True, hooks=()):
     return Event("forward", {"grad": grad, "hooks": frozenset(hooks), "rows": tuple(rows), "sampling": False,
                              "passes": 1})

@@ -219,9 +219,10 @@ def _run_stoppable(timeout: float | None, learners_tests: Callable[[Stop], None]
 
 
 def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None = None,
-                       diagnosis_budget: float | None = None, replays: bool = True) -> Outcome:
+                       diagnosis_budget: float | None = None, replays: bool = True, plugins: tuple = ()) -> Outcome:
     """Run the tests of exercise `name` of `part` against `obj`, in this process, and return what happened.
     replays=False records each test's run without replaying the wrong versions (diagnosis.py): the meta-test's way.
+    plugins: more pytest plugins for the session (the meta-test's, which skip what it need not run).
 
     Raises KeyboardInterrupt, once everything is put back, if the run was interrupted.
     """
@@ -232,7 +233,7 @@ def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None 
 
     def learners_tests(stop: Stop) -> None:
         transforms.begin_session(obj)
-        _session(part, name, [collector, finder, UnderTest(part, name, obj), StopAtBoundaries(stop)])
+        _session(part, name, [collector, finder, UnderTest(part, name, obj), StopAtBoundaries(stop), *plugins])
 
     def then(stop: Stop) -> None:
         _withhold_refuted_readings(outcome)

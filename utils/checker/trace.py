@@ -262,9 +262,12 @@ def _probe(recorder: _Recorder, name: str, helper: Callable, arguments: tuple[st
                 given = dict(bound.arguments)
                 bound.apply_defaults()
                 seen = {a: freeze(v) for a, v in bound.arguments.items() if arguments is None or a in arguments}
+                # which of them autograd can differentiate through (a path back to what the loop trains)
+                graded = frozenset(a for a in seen if isinstance(bound.arguments[a], Tensor)
+                                   and bound.arguments[a].requires_grad)
             except TypeError:
-                given, seen = {}, {}  # a call the helper itself will refuse: its error is the learner's to see
-            recorder.add(kind, name=name, arguments=seen, caller=_caller(sys._getframe(1), given))
+                given, seen, graded = {}, {}, frozenset()  # a call the helper will refuse: the learner's error to see
+            recorder.add(kind, name=name, arguments=seen, graded=graded, caller=_caller(sys._getframe(1), given))
         recorder.depth += 1
         try:
             return helper(*args, **kwargs)
@@ -683,6 +686,19 @@ class _Describer:
                     return self.departure(f"The `{argument}` {PASSES} {name} ({place}) differs from the "
                                           f"reference's: {problem}.{passed_at(g, argument)}", "call", name, k,
                                           argument, actual)
+            # the same values, but not the same path for the gradient: where a loss loses its way back to the
+            # parameters (a value computed without autograd), or gains one through what should be a constant
+            for argument in w.detail["arguments"]:
+                mine, ours = (argument in e.detail.get("graded", ()) for e in (g, w))
+                if mine != ours:
+                    place = f"call {k} of {name}" + (f", {where}" if where else "")
+                    fact = ("carries no gradient, where the reference's does: the loss has no path back through it "
+                            "to the parameters the loop trains" if ours else
+                            "carries a gradient, where the reference's is a constant (no gradient): the loss "
+                            "differentiates through it")
+                    return self.departure(f"The `{argument}` {PASSES} {name} ({place}) has the reference's values "
+                                          f"but {fact}.{passed_at(g, argument)}", "call", name, k, argument,
+                                          "with a gradient" if mine else "without a gradient")
             return None
         return None
 
