@@ -182,6 +182,8 @@ def test_notebook_runs_top_to_bottom_with_solutions(part, model, tmp_path, monke
     # Each check() cell runs its exercise's tests: this run asks that they pass on the solutions' own source, which the
     # parts' tests already run with the learner's number of drawn examples (tests/generated.py); a few here
     monkeypatch.setenv("RLHF_DRAWN_EXAMPLES", "5")
+    # and on the notebook's own model only (utils/checker/plugin.py): the parts' tests run them on both
+    monkeypatch.setenv("RLHF_ONE_ARCHITECTURE", "1")
     nb = notebooks.with_solutions(part)
     NotebookClient(nb, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(layout.CHAPTERS)}}).execute()
@@ -191,3 +193,19 @@ def test_notebook_runs_top_to_bottom_with_solutions(part, model, tmp_path, monke
             assert "✅" in text, f"{part}: `{cell.source}` did not pass with the solution filled in:\n{text}"
     nbformat.write(nb, tmp_path / f"{part}.ipynb")  # kept for a look when a run fails
     assert os.path.getsize(tmp_path / f"{part}.ipynb") > 0
+
+
+def test_one_architecture_is_chosen_only_when_asked_and_only_the_notebooks_model(monkeypatch):
+    """RLHF_ONE_ARCHITECTURE=1 (the notebook runs above) keeps the model RLHF_MODEL names; without it, or for a model
+    that is neither embedded one, the tests marked both_architectures run on both."""
+    from utils.checker.plugin import ARCHITECTURES, architectures
+
+    monkeypatch.delenv("RLHF_ONE_ARCHITECTURE", raising=False)
+    monkeypatch.setenv("RLHF_MODEL", "tiny-llama")
+    assert architectures() == ARCHITECTURES
+    monkeypatch.setenv("RLHF_ONE_ARCHITECTURE", "1")
+    assert architectures() == {"llama": "tiny-llama"}
+    monkeypatch.setenv("RLHF_MODEL", "tiny")
+    assert architectures() == {"gpt2": "tiny"}
+    monkeypatch.setenv("RLHF_MODEL", "gpt2")
+    assert architectures() == ARCHITECTURES

@@ -137,7 +137,7 @@ def assert_nothing_left_behind(sigint_handler, stdout):
 
 @pytest.mark.slow
 def test_an_interrupt_anywhere_in_check_stops_it_at_once(monkeypatch, capsys):
-    """Jupyter's interrupt button pressed at 12 moments spread over one check(): while pytest starts and collects
+    """Jupyter's interrupt button pressed at 8 moments spread over one check(): while pytest starts and collects
     (the test file imported again), while a fixture loads the model (loaded again), during the learner's tests, while
     the wrong versions are replayed, while the course's solution runs the failed tests, while pytest cleans up. Each
     time check() raises KeyboardInterrupt at once and leaves nothing behind, and the next check() works."""
@@ -154,7 +154,7 @@ def test_an_interrupt_anywhere_in_check_stops_it_at_once(monkeypatch, capsys):
     forget()
     timed_check()
     seconds = {}
-    moments = 12  # each phase is also interrupted on its own, from its pytest hook (the tests below)
+    moments = 8  # each phase is also interrupted on its own, from its pytest hook (the tests below)
     for i in range(moments):
         for _ in range(3):  # a check() that finished before the interrupt came is tried again, within its duration
             delay = 0.01 + 0.8 * min(durations) * i / (moments - 1)

@@ -92,9 +92,21 @@ def pytest_configure(config):
         plugins.register(MistakeFinder(controls=True), "mistake-finder")
 
 
+def architectures() -> dict[str, str]:
+    """The embedded models a test marked `both_architectures` runs on: both, except where RLHF_ONE_ARCHITECTURE=1
+    asks for the one RLHF_MODEL names (the test suite's runs of the notebooks, tests/test_notebooks.py, which check
+    that each notebook runs and its check() cells pass: the parts' own tests run every exercise on both models)."""
+    if os.environ.get("RLHF_ONE_ARCHITECTURE") == "1":
+        chosen = {k: v for k, v in ARCHITECTURES.items() if v == os.environ.get("RLHF_MODEL", "tiny")}
+        if chosen:
+            return chosen
+    return ARCHITECTURES
+
+
 def pytest_generate_tests(metafunc):
     if "tiny_model" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_architectures"):
-        metafunc.parametrize("tiny_model", list(ARCHITECTURES.values()), indirect=True, ids=list(ARCHITECTURES))
+        chosen = architectures()
+        metafunc.parametrize("tiny_model", list(chosen.values()), indirect=True, ids=list(chosen))
 
 
 def pytest_collection_modifyitems(config, items):
