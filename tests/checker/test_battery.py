@@ -65,6 +65,30 @@ def test_a_returned_view_of_an_argument_is_refused_unless_the_reference_returns_
     assert_inputs_unchanged(lambda t: t * 1, x, what="f")
 
 
+def test_an_argument_written_in_place_with_the_values_it_had_is_said_as_such_and_told_apart_by_what_it_became():
+    """An in-place write that leaves the values as they were (a penalty of 0 subtracted) is the same mistake as one
+    that changes them: said as a write, before the alias it leaves (fresh set P). And a fingerprint records what a
+    changed argument became, not only its name: scaling it and setting it to something else are two mistakes."""
+    from utils.checker import observe as observing
+
+    def penalised(rewards, kl, beta=0.1):
+        rewards -= beta * kl
+        return rewards
+
+    text = failure(assert_inputs_unchanged, penalised, torch.ones(3), torch.zeros(3), what="f(...)", may_alias=True)
+    assert "wrote into its argument `rewards` in place, though here the values it wrote equal those it found" in text
+    assert "shares its memory" not in text
+    assert_inputs_unchanged(lambda rewards, kl: rewards - 0.1 * kl, torch.ones(3), torch.zeros(3), what="f")
+
+    def seen(change) -> list:
+        with observing.recording() as log:
+            failure(assert_inputs_unchanged, change, torch.ones(3), what="g(x)")
+        return [value for what, value, _ in log if what.endswith("leaves its inputs unchanged")]
+
+    scaled, mixed = seen(lambda x: x.mul_(0.3)), seen(lambda x: x.copy_(torch.full((3,), 0.5)))
+    assert not observing.same(scaled, mixed), (scaled, mixed)
+
+
 def test_an_entry_taken_out_of_an_argument_is_said_as_such_not_as_an_in_place_operation():
     adapters = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
 
