@@ -678,11 +678,11 @@ class _Describer:
             name = g.detail["name"]
             k = sum(e.kind == "call" and e.detail["name"] == name for e in theirs[:i + 1])
             mask = w.detail["arguments"].get(self.masks.get(name))
+            place = f"call {k} of {name}" + (f", {where}" if where else "")
             for argument, expected in w.detail["arguments"].items():
                 actual = g.detail["arguments"].get(argument)
                 problem = _value_difference(actual, expected, atol, rtol, mask, self.masks.get(name, "the mask"))
                 if problem is not None:
-                    place = f"call {k} of {name}" + (f", {where}" if where else "")
                     return self.departure(f"The `{argument}` {PASSES} {name} ({place}) differs from the "
                                           f"reference's: {problem}.{passed_at(g, argument)}", "call", name, k,
                                           argument, actual)
@@ -691,7 +691,6 @@ class _Describer:
             for argument in w.detail["arguments"]:
                 mine, ours = (argument in e.detail.get("graded", ()) for e in (g, w))
                 if mine != ours:
-                    place = f"call {k} of {name}" + (f", {where}" if where else "")
                     fact = ("carries no gradient, where the reference's does: the loss has no path back through it "
                             "to the parameters the loop trains" if ours else
                             "carries a gradient, where the reference's is a constant (no gradient): the loss "
