@@ -251,10 +251,12 @@ kl_gradients.plot(kl_result);
 #    flaw we set: proxy = gold + σ·noise, the noise fixed per answer, as a reward model's errors are.
 # 4. **GRPO against it**, Part 3's trainer with a fresh LoRA, while the exact verifier's score of the same samples is
 #    logged with weight 0; gold is drawn against $\sqrt{\mathrm{KL}}$, as Gao et al. draw it.
-# 5. **The proxy taken apart.** Its two halves, each on its own: a **head-only** reward model (no likelihood term,
-#    the same pairs, the same recipe), and the **frozen policy's own likelihood** with no head. Best-of-n against the
-#    second keeps, as n grows, the pool's most likely answer: a pull towards the policy's mode, with no learned part to
-#    exploit.
+# 5. **The proxy taken apart.** The trained reward model's two terms, read apart from the same forward pass: its
+#    **likelihood term** alone (its own, fine-tuned, log-likelihood of the completion) and its **head term** alone;
+#    their sum is the proxy. Two controls beside them, each what its name says: the **frozen policy's likelihood**
+#    (no training, no head: best-of-n against it keeps, as n grows, the pool's most likely answer, a pull towards the
+#    policy's mode with no learned part to exploit), and a **head-only reward model**, retrained on the same pairs
+#    from the same start without the likelihood term.
 # 6. **A verifier with a bug**, exploited; and **`beta`**, set against the curve of the run without it.
 
 # %% [setup]
@@ -334,18 +336,15 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 #   the peak we are looking for; this way the standard error of a difference between two evaluations, taken over the
 #   prompts, is about 0.015.
 #
-# `python -m solutions.part6_lab --rm-pairs 100 500 2500` runs best-of-n and GRPO against reward models trained on
-# that many pairs (a longer run, not part of the lab's default: 12 minutes on a 2-core machine shared with other jobs).
-# This varies the reward model's training data, not its size: it is the same tiny model every time. Gao et al.'s
-# fig. 1 varies the number of the reward model's parameters; how much data it was trained on is a separate experiment
-# of theirs, which this one mirrors (a sweep of size would need reward models of several sizes, and the course ships
-# one tiny model). Over seeds 0, 1, 2 the held-out accuracy was 77-82%, 88-92% and 94-100%, and the peak of
-# best-of-n's mean gold moved up, 42% to 64% to 76%, and out from n = 8 (KL 1.02 nats) to n = 16 (KL 1.40) with 500
-# pairs, but no further with 2,500 (n = 16, KL 1.33: the exact KL of one n depends on which answers the judge ranks
-# on top). Each fall after the peak was resolved: 16.2 ± 2.8, 12.9 ± 2.7 and 11.1 ± 2.9 points down to
-# n = 256. GRPO's peak moved from √KL 0.25-0.48 (gold 26-27%) with 100 pairs to 0.74-0.97 (29-33%) with 500 and
-# 0.56-0.95 (30-33%) with 2,500, a real peak in every seed of every size; seed by seed the peaks of the two larger
-# ones overlap, for both methods.
+# `python -m solutions.part6_lab --rm-pairs-per-prompt 1 2 4` runs best-of-n and GRPO against reward models trained
+# on 1, 2 and 4 pairs of each of the same 300 training prompts, each for the same 150 optimizer steps (a longer run,
+# not part of the lab's default: about 3 minutes on 2 cores): only the number of pairs changes. This varies the reward
+# model's training data, not its size: it is the same tiny model every time. Gao et al.'s fig. 1 varies the number of
+# the reward model's parameters; how much data it was trained on is a separate experiment of theirs, which this one
+# mirrors. Over seeds 0, 1, 2, with 300, 600 and 1,200 pairs, the held-out accuracy was 87-93%, 92-96% and 94-96%;
+# best-of-n's mean gold peaked at n = 16 each time, higher with more pairs (60.8%, 67.7%, 69.6%), and fell less after
+# it (13.9 ± 2.9, 6.9 ± 2.1 and 6.8 ± 2.9 points down to n = 256, each resolved). GRPO had a real peak in every seed
+# of every size, and seed by seed the sizes overlap.
 
 # %%
 from solutions.part6_lab import hacking
@@ -371,7 +370,10 @@ print(f"the policy's likelihood alone: {[(p['n'], p['gold']) for p in likelihood
 print("... the reward model against it, at its peak: "
       f"{paired(likelihood_alone['reward_model_at_its_peak_minus_this'])}; "
       f"at the largest n: {paired(likelihood_alone['reward_model_minus_this_at_largest_n'])}")
-print(f"head-only control: held-out accuracy {head_only['held_out_accuracy']}; best-of-n "
+for term, figures in hacking_figures["proxy_terms"].items():
+    print(f"the trained reward model's {term} alone: held-out accuracy {figures['held_out_accuracy']}; best-of-n "
+          f"{[(p['n'], p['gold']) for p in figures['best_of_n']]}; fall: {paired(figures['best_of_n_fall'])}")
+print(f"head-only reward model (retrained): held-out accuracy {head_only['held_out_accuracy']}; best-of-n "
       f"{[(p['n'], p['gold']) for p in head_only['best_of_n']]}; rise: {paired(head_only['best_of_n_rise'])}")
 print("... GRPO against it:", [{k: p[k] for k in ("step", "sqrt_kl", "gold")} for p in head_only["rl_curve"]["points"]])
 rl_curve = hacking_figures["rl_curve"]
@@ -404,18 +406,21 @@ hacking.plot(hacking_result);
 #   n distinct samples would.
 # - **The control says why.** With proxy = gold + σ·noise fixed per answer, the peak comes earlier and lower as σ
 #   grows: n = 16 (69%) at σ = 0.5, n = 8 (44%) at σ = 1, n = 4 (33%) at σ = 2.
-# - **The proxy taken apart (left, brown and purple).** The pull towards the policy's mode does not make gold fall.
-#   Best-of-n against the frozen policy's likelihood alone rises by 19.8 ± 4.9 points, to 45.3% at n = 16, and stays
-#   there: from then on it nearly always keeps the pool's most likely answer, which is right on 29 of the 64 prompts
-#   (n = 16 minus n = 256: +0.03 ± 0.06 points). So the reward model's fall comes with what Bradley-Terry training
-#   added to that likelihood, the head and the likelihood's own fine-tuning: a bigger search finds the answers they
-#   overrate. Whether the reward model's peak lies above the mode's 45.3%, and its end below it, is not resolved at
-#   64 prompts (+5.9 ± 6.3 and −8.6 ± 7.2 points, paired). A learned scorer without the likelihood term, the
-#   head-only control, is a poor judge (56% to 61% of held-out pairs right, against 86% to 90%) and is exploited
-#   almost at once: best-of-n's rise, +1.8 ± 1.0 points at n = 2, is not resolved, gold is back below the policy's
-#   own 25.6% by n = 4 and falls to 3.4% at n = 256. GRPO against it (dashed, middle) gains 0.9 to 3.7 points by
-#   step 4 or 8 (resolved in each seed), then collapses to 1.2% to 5.5% gold by step 20, at 5.1 to 9.8 nats from the
-#   reference; against the reward model, likelihood term included, no seed went past 3.2 nats in 40 steps.
+# - **The proxy taken apart (left).** Read apart, the trained reward model's likelihood term alone ranks the same
+#   held-out pairs right as the whole proxy, to four decimals (86% to 90%), and best-of-n against it is the proxy's
+#   curve (cyan on blue): the same peak of 51.2% at n = 8 and the same fall, 14.5 ± 3.1 points to n = 256. Its head
+#   term alone is a coin toss (50% to 58% of held-out pairs right) whose scores are too small to reorder the
+#   likelihood's: best-of-n against it alone loses gold from n = 4 on, down to 1.5% at n = 256. So the judging and
+#   the over-optimisation both live in the likelihood term, and in what Bradley-Terry training did to it: the frozen
+#   policy's likelihood (brown) rises by 19.8 ± 4.9 points, to 45.3% at n = 16, and stays there, since from then on
+#   it nearly always keeps the pool's most likely answer, right on 29 of the 64 prompts (n = 16 minus n = 256: +0.03
+#   ± 0.06 points). Whether the reward model's peak lies above the mode's 45.3%, and its end below it, is not resolved
+#   at 64 prompts (+5.9 ± 6.3 and −8.6 ± 7.2 points, paired). The head-only reward model (purple), retrained without
+#   the likelihood term, is a poor judge too (56% to 61%) and is exploited almost at once: best-of-n's rise, +1.8 ±
+#   1.0 points at n = 2, is not resolved, gold is back below the policy's own 25.6% by n = 4 and falls to 3.4% at
+#   n = 256. GRPO against it (dashed, middle) gains 0.9 to 3.7 points by step 4 or 8 (resolved in each seed), then
+#   collapses to 1.2% to 5.5% gold by step 20, at 5.1 to 9.8 nats from the reference; against the reward model,
+#   likelihood term included, no seed went past 3.2 nats in 40 steps.
 # - **GRPO (middle) rises, peaks and falls, in every seed.** Gold goes from 24.5% to a peak of 27% to 32% (at
 #   √KL 0.25 to 0.72), then down to 9% to 21% where the run is furthest from its reference (√KL 1.3 to 1.8), while
 #   the proxy keeps climbing. Each rise (2.4 to 7.3 points) and fall (10 to 18 points) is more than twice the
@@ -423,19 +428,20 @@ hacking.plot(hacking_result);
 #   teacher-forced part of the gold score the same runs could not show this: 128 sampled completions give a standard
 #   error of 0.04. Follow the points in order and the KL wanders (with no KL term nothing holds it): gold tracks the
 #   distance from the reference, not the number of steps.
-# - **`beta` against the unleashed curve (middle, orange and green): more than early stopping.** `beta` 0, 0.5 and 2
-#   end at KL 1.82, 0.37 and 0.03 nats with gold 20%, 32% and 28%. Gao et al. found that a KL penalty acts like early
-#   stopping: it does not lift gold above what the unpenalised run reaches at the same KL. Here `beta` = 0.5 ended
-#   above the best gold the unleashed run showed at any of its evaluations in seeds 1 and 2 (by 4.4 ± 1.0 and
-#   2.7 ± 0.6 points, paired over the 128 prompts) and level with it in seed 0 (+0.6 ± 0.7): stopping the unleashed
-#   run early, at any evaluation, would not have matched it in two seeds of three. Against what the unleashed run
-#   showed at the same KL or less it ended 4.4 to 6.0 points higher in every seed, though in seeds 0 and 2 the
-#   unleashed run's evaluations jumped from 0.07-0.10 nats past the penalised run's 0.29, so that comparison is at a
-#   lower KL. The unleashed run is evaluated every 4 steps: a higher peak between two evaluations is not ruled out.
-#   `beta` = 2 holds the policy so close (0.03 nats) that it climbs less: 2.9 to 6.3 points below `beta` = 0.5 in
-#   each seed. Why the penalty did better here than in Gao et al.'s runs this lab does not test. Two differences
-#   stand out: Part 3's `beta` is k3 in the loss, whose gradient follows a forward KL (section 1), where they put the
-#   KL in PPO's reward; and these are 40-step runs at one learning rate.
+# - **`beta` against the unleashed curve (middle, orange and green).** `beta` 0, 0.5 and 2 end at KL 1.82, 0.37 and
+#   0.03 nats with gold 20%, 32% and 28%. Gao et al. found that a KL penalty acts like early stopping: it does not
+#   lift gold above what the unpenalised run reaches at the same KL. Here `beta` = 0.5 ended above the best gold the
+#   unleashed run showed at any of its evaluations in seeds 1 and 2 (by 4.4 ± 1.0 and 2.7 ± 0.6 points) and level
+#   with it in seed 0 (+0.6 ± 0.7); but these ± are over the 128 prompts of one run, not over seeds, and the unleashed
+#   run is seen every 4 steps only. Measured as Gao et al. state it (`python -m solutions.part6_lab --leash`: 10
+#   seeds, the unleashed run evaluated after every step, each penalised run's end against the unleashed run's gold
+#   where it first reached the same KL, the KL term as k3 in the loss and as k1 in the reward, two learning rates;
+#   docs/lab.md has the table), the penalised runs ended 1.4 to 4.7 points above in all eight settings and every
+#   seed, each 95% t-interval over the seeds clear of 0: here the penalty is more than early stopping. Why it
+#   differs from Gao et al.'s runs (PPO, far larger reward models, thousands of steps) this lab does not test.
+#   `beta` = 2 with k3 in the loss holds the policy so close (0.03 nats) that it climbs less: 2.9 to 6.3 points
+#   below `beta` = 0.5 in each seed here, 4.7 over the 10 seeds (interval [−5.7, −3.8]); with k1 in the reward the
+#   same `beta` holds it at 0.14 to 0.30 nats and ends above `beta` = 0.5.
 # - **The buggy verifier (right).** `all([])` is True, so a completion with no number passes. GRPO finds it: the buggy
 #   reward goes from 25% to 100% while the gold score goes to 0% in every seed. The fix is one condition,
 #   `numbers and all(...)`; better, judge with the strict verifier (Part 3's `reward_exact_answer`).
@@ -1008,15 +1014,17 @@ off_policy.plot(off_policy_result);
 # - **A learned reward is a proxy, and a search finds its blind spots** (section 2). Best-of-n against a reward model
 #   that ranks 86-90% of held-out pairs right doubled gold (25.6% to 51.2% at n = 8), then lost 14.5 ± 3.1 points of
 #   it by n = 256 (paired over prompts); the bigger the proxy's error, the earlier the peak. Picking the policy's own
-#   most likely answer never fell: the fall is the learned part's. Measured exactly, best-of-n's KL is below
+#   most likely answer never fell; the trained reward model's likelihood term alone, read from the same pass, fell
+#   exactly as the whole proxy did: the fall is the fine-tuned likelihood's. Measured exactly, best-of-n's KL is below
 #   $\log n - (n-1)/n$, which assumes no ties (2.57 nats against 4.55 at n = 256).
 # - **A bug in a verifier is a reward to be collected** (section 2): `all` of no numbers is True, and a completion with
 #   no number at all took the buggy reward to 100%, the gold score to 0.
 # - **`beta` is a leash, and here more than early stopping** (section 2): against a reward model whose gold peaks
 #   along the run, `beta` 0 ran past the peak (KL 1.82 nats, gold 20%), `beta` 2 held the policy so close that it
-#   climbed less (KL 0.03, gold 28%), and `beta` 0.5 ended at KL 0.37 with gold 32%, above the best the unleashed run
-#   showed anywhere in two seeds of three (by 4.4 ± 1.0 and 2.7 ± 0.6 points), where Gao et al. found a KL penalty
-#   no better than stopping early.
+#   climbed less (KL 0.03, gold 28%), and `beta` 0.5 ended at KL 0.37 with gold 32%. Over 10 seeds, at matched KL,
+#   with the KL term in the loss or in the reward and at two learning rates, every penalised run ended 1.4 to 4.7
+#   points above what stopping the unleashed run at that KL would have given (`--leash`), where Gao et al. found a
+#   KL penalty no better than stopping early.
 # - **Where a loss's length bias comes from is one line of arithmetic** (section 3): `"grpo"` gives each token of an
 #   L-token answer the weight 1/(B L), so a long wrong answer is penalised less per token; `"dr_grpo"` and `"dapo"`
 #   give every token of a batch one weight (and on one batch they are the same update).

@@ -25,8 +25,9 @@ Run the package as a script for every experiment with its defaults (at most 10 m
     python -m solutions.part6_lab                 # all five experiments, 3 seeds each, plots in lab_*.png
     python -m solutions.part6_lab --json          # ... ending with a JSON line of the figures
     python -m solutions.part6_lab --only kl_gradients hacking
-    python -m solutions.part6_lab --rm-pairs 100 500 2500   # hacking's longer variant: 3 reward models, trained
-                                                            # on 100, 500 and 2,500 pairs
+    python -m solutions.part6_lab --rm-pairs-per-prompt 1 2 4   # hacking's data sweep: 3 reward models, trained
+                                                                # on 1, 2, 4 pairs of each of the same 300 prompts
+    python -m solutions.part6_lab --leash         # beta against early stopping at matched KL, over 10 seeds
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
+from dataclasses import replace
 
 from solutions.part6_lab.hacking import (bradley_terry_loss, last_token_scores,  # noqa: F401 (re-exported)
                                          reward_every_number_right, reward_model_batch, reward_model_scores)
@@ -68,17 +70,32 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plots", default="lab", help="prefix of the saved figures, e.g. lab_hacking.png "
                                                        "('' for none)")
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
-    parser.add_argument("--rm-pairs", type=cli.at_least(1), nargs="+", metavar="PAIRS",
+    parser.add_argument("--rm-pairs-per-prompt", type=cli.at_least(1), nargs="+", metavar="PAIRS",
                         help="instead of the experiments: best-of-n and GRPO against reward models trained on this "
-                             "many pairs each, e.g. 100 500 2500 (hacking's longer variant: several minutes)")
+                             "many pairs per prompt each, e.g. 1 2 4, of the same prompts for the same number of "
+                             "steps (hacking's data sweep: several minutes)")
+    parser.add_argument("--leash", action="store_true",
+                        help="instead of the experiments: beta against early stopping at matched KL, the KL term in "
+                             "the loss and in the reward, at two learning rates, over 10 seeds (--seeds to change; "
+                             "about half an hour)")
     args = parser.parse_args(argv)
 
     smoke = bool(os.environ.get("RLHF_SMOKE"))
+    if args.leash:
+        from solutions.part6_lab.hacking import HackingConfig, LeashConfig, leash_figures, run_leash
+        leash = LeashConfig.smoke() if smoke else LeashConfig()
+        leash = replace(leash, seeds=args.seeds) if args.seeds is not None else leash
+        start = time.perf_counter()
+        figures = {"smoke": smoke, "leash": leash_figures(run_leash(leash, HackingConfig.smoke() if smoke else None))}
+        figures["leash_seconds"] = round(time.perf_counter() - start, 1)
+        print_figures(figures, args.json)
+        return figures
     seeds = list(range(args.seeds if args.seeds is not None else 2 if smoke else 3))
     figures: dict = {"seeds": seeds, "smoke": smoke}
-    if args.rm_pairs:
-        from solutions.part6_lab.hacking import rm_sizes_figures
-        figures.update(rm_sizes_figures(seeds, args.rm_pairs))
+    if args.rm_pairs_per_prompt:
+        from solutions.part6_lab.hacking import HackingConfig, SweepConfig, rm_sizes_figures
+        figures.update(rm_sizes_figures(seeds, args.rm_pairs_per_prompt, HackingConfig.smoke() if smoke else None,
+                                        SweepConfig.smoke() if smoke else None))
         print_figures(figures, args.json)
         return figures
     start = time.perf_counter()

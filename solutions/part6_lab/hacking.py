@@ -27,10 +27,11 @@ The "H" of RLHF is a reward model learned from human preferences. Here the prefe
    rarer right answers in other forms are sampled (evaluate). rl_peak says where gold peaks in each seed's run and
    whether the peak is real: a rise from the start, and a fall to the far end of the curve (the largest KL the run
    reached), each larger than twice the standard error of the paired difference over the prompts.
-5. The two halves of the proxy, apart. The head-only control: a reward model without the likelihood term
-   (head_only_scores), trained on the same pairs from the same start, with best-of-n and a shorter GRPO run (beta = 0)
-   against it: what is left when only a learned scorer can be exploited. And best-of-n against the frozen policy's
-   own likelihood alone (policy_likelihood): the pull towards the policy's mode, with no learned part to exploit.
+5. The proxy taken apart: the trained reward model's likelihood term alone and its head term alone, read from the
+   same model (PROXY_TERMS; their sum is the proxy), best-of-n against each. And two controls, each what its name
+   says: best-of-n against the frozen policy's own likelihood (policy_likelihood), the pull towards the policy's mode
+   with no learned part to exploit; and a head-only reward model (head_only_scores) retrained on the same pairs from
+   the same start without the likelihood term, with best-of-n and a shorter GRPO run (beta = 0) against it.
 6. The same GRPO against a verifier with a plausible bug (reward_every_number_right: `all` of no numbers is
    True), exploited; the fixed verifier is the exact one, logged as the gold score.
 7. beta as the leash: GRPO against the same reward model with the KL term at each of `betas`; at the end of each run,
@@ -39,9 +40,12 @@ The "H" of RLHF is a reward model learned from human preferences. Here the prefe
    KL (unleashed_comparison: Gao et al. found that a KL penalty acts like early stopping).
 
 Every run is repeated over the seeds (a seed draws the pairs, trains the reward model and runs RL), and the figures
-are means over seeds with the per-seed values beside them. The longer variant (run_rm_sizes; `python -m
-solutions.part6_lab --rm-pairs 100 500 2500`) varies the reward model's training pairs, its data, not its number of
-parameters: the reward model is the same tiny model in every case (Gao et al.'s fig. 1 varies the parameters).
+are means over seeds with the per-seed values beside them. Two longer variants: the data sweep (run_rm_sizes;
+`python -m solutions.part6_lab --rm-pairs-per-prompt 1 2 4`) varies the reward model's training pairs per prompt of
+the same prompts, for the same number of steps: its data, not its number of parameters (Gao et al.'s fig. 1 varies
+the parameters). The leash (run_leash; `python -m solutions.part6_lab --leash`) sets each penalised run's end against
+the unleashed run at the same KL, over 10 seeds, with the KL term in the loss (k3) and in the reward (k1,
+grpo_step_kl_in_reward), at two learning rates.
 
     run(seeds, smoke=False, *, bradley_terry_loss=..., reward_model_scores=..., cfg=None) -> result
     summarize(result) -> JSON-ready dict;  plot(result, path=None) -> Figure
@@ -62,7 +66,10 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from solutions.part3_grpo import GRPOConfig, GRPOTrainer, RewardFunction, reward_exact_answer
+from solutions.part0_warmup import get_logprobs
+from solutions.part3_grpo import (GRPOConfig, GRPOStepOutput, GRPOTrainer, RewardFunction, completion_loss_mask,
+                                  compose_rewards, group_advantages, grpo_loss, grpo_step, reward_exact_answer,
+                                  sample_groups)
 from utils.contracts import contract
 from utils.data import addition_pairs, addition_prompt
 from utils.logger import samples_table, tqdm
@@ -168,8 +175,8 @@ class HackingConfig:
     rm_prompts: int = 300                 # train additions whose samples make the preference pairs
     rm_group: int = 8                     # answers sampled per prompt; a pair is one right and one wrong answer
     held_prompts: int = 100               # held-out additions whose pairs measure the reward model's accuracy
-    rm_pairs: int | None = None           # keep at most this many training pairs (None: all; the size sweep sets it)
-    rm_epochs: int = 4                    # passes of Bradley-Terry training over the pairs
+    rm_epochs: int = 4                    # passes of Bradley-Terry training over the pairs ...
+    rm_steps: int | None = None           # ... or exactly this many optimizer steps, whatever the pairs (the sweep)
     rm_batch: int = 32                    # pairs per reward-model step
     rm_lr: float = 3e-4                   # the whole reward model trains (model and head), with AdamW
     bon_samples: int = 256                # best-of-n: completions sampled per eval prompt, the pool n is drawn from
@@ -245,6 +252,18 @@ def head_only_scores(reward_model_scores, rm, head, prompts: list[str], completi
     return reward_model_scores(rm, head, ids, mask)
 
 
+def likelihood_term_scores(reward_model_scores, rm, head, prompts: list[str], completions: list[str]) -> Tensor:
+    """The trained reward model's likelihood term alone: the first half of proxy_scores, from the same forward pass of
+    the same trained `rm`, without the head's correction (`head` and `reward_model_scores` are not used)."""
+    ids, mask = reward_model_batch(rm.tokenizer, prompts, completions, rm.cfg.device)
+    prompt_len = tokenize_prompts(rm.tokenizer, prompts, rm.cfg.device)[0].shape[1]
+    return completion_log_likelihood(rm(ids, attention_mask=mask), ids, mask, prompt_len)
+
+
+PROXY_TERMS = {"likelihood_term": likelihood_term_scores, "head_term": head_only_scores}  # proxy_scores' two terms:
+# each read from the trained reward model (head_only_scores on it is its head term alone), their sum is the proxy
+
+
 def policy_likelihood(policy):
     """The other half of the decomposition: the frozen policy's own log-likelihood of each completion (summed over the
     completion and its EOS), no head, no training. Best-of-n against it keeps the pool's most likely answer as n
@@ -294,26 +313,38 @@ def train_reward_model(triples, cfg: HackingConfig, seed: int, bradley_terry_los
     rm.requires_grad_(True)
     optimizer = torch.optim.AdamW([*rm.parameters(), *head.parameters()], lr=cfg.rm_lr, weight_decay=0.0)
     rng, losses = random.Random(seed), []
-    for _ in range(cfg.rm_epochs):
-        order = rng.sample(triples, len(triples))
-        for start in range(0, len(order), cfg.rm_batch):
-            batch = order[start:start + cfg.rm_batch]
-            chosen, rejected = _pair_scores(reward_model_scores, rm, head, batch, scorer)
-            loss = bradley_terry_loss(chosen, rejected)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+    for batch in _batches(triples, cfg, rng):
+        chosen, rejected = _pair_scores(reward_model_scores, rm, head, batch, scorer)
+        loss = bradley_terry_loss(chosen, rejected)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
     rm.requires_grad_(False)
     head.requires_grad_(False)
     return rm, head, losses
 
 
+def _batches(triples: list, cfg: HackingConfig, rng: random.Random):
+    """The reward model's batches: cfg.rm_epochs passes over the pairs, each in a new order; or, with cfg.rm_steps,
+    that many batches, the passes going on (each in a new order) until they are made."""
+    made = 0
+    for _ in range(cfg.rm_epochs if cfg.rm_steps is None else 10 ** 9):
+        order = rng.sample(triples, len(triples))
+        for start in range(0, len(order), cfg.rm_batch):
+            if cfg.rm_steps is not None and made == cfg.rm_steps:
+                return
+            made += 1
+            yield order[start:start + cfg.rm_batch]
+
+
 def reward_model_reward(reward_model_scores, rm, head, scorer=proxy_scores):
-    """The reward model as a GRPO reward function: (prompts, completions) -> one score each, batched, no gradient."""
+    """The reward model as a GRPO reward function: (prompts, completions) -> one score each, batched, no gradient.
+    The model and head it reads are kept on it (.rm, .head)."""
     @torch.no_grad()
     def proxy(prompts: list[str], completions: list[str]) -> list[float]:
         return scorer(reward_model_scores, rm, head, prompts, completions).tolist()
+    proxy.rm, proxy.head = rm, head
     return proxy
 
 
@@ -458,18 +489,23 @@ def evaluate(trainer: GRPOTrainer, prompts: list[str], cfg: HackingConfig, rewar
 
 
 def grpo_run(base, reward_fn, name: str, cfg: HackingConfig, seed: int, beta: float, lr: float, eval_prompts,
-             bar) -> dict:
+             bar, step_fn=grpo_step, keep_samples: bool = True) -> dict:
     """GRPO (Part 3's trainer, a fresh LoRA on `base`) for cfg.steps steps against `reward_fn`, the exact verifier
-    logged beside it with weight 0. Returns the per-step training means and the evaluations."""
+    logged beside it with weight 0; each step is `step_fn` (Part 3's grpo_step, the KL term in the loss, or
+    grpo_step_kl_in_reward). Returns the per-step training means and the evaluations (every cfg.eval_every steps, and
+    at the end; without their samples unless `keep_samples`)."""
     grpo = GRPOConfig(steps=cfg.steps, n_prompts=cfg.n_prompts, group_size=cfg.group_size,
                       max_new_tokens=cfg.max_new_tokens, lr=lr, beta=beta, eval_every=0, table_every=10 ** 9,
                       seed=seed)
     rewards = [RewardFunction(name, reward_fn), RewardFunction("gold", reward_exact_answer, 0.0)]
-    trainer = GRPOTrainer(grpo, model=base, reward_functions=rewards)
+    trainer = GRPOTrainer(grpo, model=base, reward_functions=rewards, grpo_step=step_fn)
     history, evals = [], []
     for step in range(cfg.steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            evals.append({"step": step, **evaluate(trainer, eval_prompts, cfg, reward_fn, seed)})
+            found = evaluate(trainer, eval_prompts, cfg, reward_fn, seed)
+            if not keep_samples:
+                del found["samples"]
+            evals.append({"step": step, **found})
         if step < cfg.steps:
             metrics = trainer.step(step + 1)  # its table prints at multiples of table_every: never, here
             history.append({"step": step, "reward": metrics[f"reward/{name}"], "gold": metrics["reward/gold"],
@@ -487,7 +523,7 @@ def reward_model_for_seed(base, cfg: HackingConfig, seed: int, bradley_terry_los
     the same order from the same start, under "head_only"."""
     rng = random.Random(seed)
     train_triples = preference_triples(base, rng.sample(addition_pairs("train"), cfg.rm_prompts), cfg.rm_group,
-                                       cfg.max_new_tokens, seed)[:cfg.rm_pairs]
+                                       cfg.max_new_tokens, seed)
     held_triples = preference_triples(base, rng.sample(addition_pairs("held_out"), cfg.held_prompts), cfg.rm_group,
                                       cfg.max_new_tokens, seed + 1)
 
@@ -499,6 +535,8 @@ def reward_model_for_seed(base, cfg: HackingConfig, seed: int, bradley_terry_los
                 "rm_held_accuracy": pair_accuracy(reward_model_scores, rm, head, held_triples, scorer)}
 
     out = {**judge(proxy_scores), "pairs": len(train_triples), "held_pairs": len(held_triples)}
+    out["terms_held_accuracy"] = {term: pair_accuracy(reward_model_scores, out["rm"], out["head"], held_triples, scorer)
+                                  for term, scorer in PROXY_TERMS.items()}
     if head_only:
         out["head_only"] = judge(head_only_scores)
     return out
@@ -538,8 +576,10 @@ def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_ter
         runs = {beta: grpo_run(base, proxy, "proxy", cfg, seed, beta, cfg.lr, eval_prompts, bar) for beta in cfg.betas}
         buggy = grpo_run(base, reward_every_number_right, "buggy", cfg, seed, 0.0, cfg.buggy_lr,
                          eval_prompts, bar)
-        row = {"seed": seed, **judge, "best_of_n": best_of_n, "control": control, "likelihood_only": likelihood_only,
-               "runs": runs, "buggy": buggy}
+        terms = {term: best_of_n_curve(pool, reward_model_reward(reward_model_scores, proxy.rm, proxy.head, scorer),
+                                       cfg.bon_ns) for term, scorer in PROXY_TERMS.items()}
+        row = {"seed": seed, **judge, "best_of_n": best_of_n, "proxy_terms": terms, "control": control,
+               "likelihood_only": likelihood_only, "runs": runs, "buggy": buggy}
         if cfg.head_only:
             head_judge = row.pop("head_only")
             head_proxy = reward_model_reward(reward_model_scores, head_judge.pop("rm"), head_judge.pop("head"),
@@ -557,27 +597,74 @@ def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_ter
     return result
 
 
-def run_rm_sizes(seeds: list[int], pairs=(100, 500, 2500), cfg: HackingConfig | None = None) -> dict:
-    """The longer variant, a sweep of the reward model's training data: reward models trained on `pairs` pairs each
-    (the same model and recipe; enough training additions are drawn to make them), per seed; against each, best-of-n
-    and a GRPO run at beta = 0 (its evaluations, without the samples), to see where each peaks."""
+@dataclass
+class SweepConfig:
+    """The data sweep (the longer variant `--rm-pairs-per-prompt`): reward models trained on 1, 2, 4 ... pairs per
+    prompt of one fixed set of training prompts, each with the same number of optimizer steps, so that the number of
+    pairs is the only thing that changes (the prompts, the steps, the model and the recipe do not)."""
+
+    prompts: int = 300                    # training additions, the same for every size (with enough pairs each)
+    group: int = 64                       # answers sampled per prompt: the pairs are its distinct right-wrong pairs
+    rm_steps: int = 150                   # optimizer steps of every reward model (4 passes over 1,200 pairs)
+
+    @classmethod
+    def smoke(cls) -> "SweepConfig":
+        return cls(prompts=6, group=16, rm_steps=2)
+
+
+@torch.no_grad()
+def pairs_by_prompt(policy, additions: list[tuple[int, int]], group: int, max_new_tokens: int, seed: int,
+                    ) -> list[list[tuple[str, str, str]]]:
+    """For each addition, in order, the distinct (prompt, right answer, wrong answer) triples among `group` samples
+    of `policy`, in an order drawn with `seed`."""
+    rng = random.Random(seed)
+    prompts = [addition_prompt(a, b) for a, b in additions]
+    torch.manual_seed(seed)
+    found = []
+    for start in range(0, len(prompts), 32):  # 32 prompts' samples at a time
+        chunk = prompts[start:start + 32]
+        out = sample(policy, [p for p in chunk for _ in range(group)], max_new_tokens=max_new_tokens)
+        gold = reward_exact_answer(out.prompts, out.texts)
+        for i, prompt in enumerate(chunk):
+            rows = range(i * group, (i + 1) * group)
+            right = list(dict.fromkeys(out.texts[r] for r in rows if gold[r] == 1.0))
+            wrong = list(dict.fromkeys(out.texts[r] for r in rows if gold[r] == 0.0))
+            found.append(rng.sample([(prompt, c, r) for c in right for r in wrong], len(right) * len(wrong)))
+    return found
+
+
+def run_rm_sizes(seeds: list[int], per_prompt=(1, 2, 4), cfg: HackingConfig | None = None,
+                 sweep: SweepConfig | None = None) -> dict:
+    """The longer variant, a sweep of the reward model's training data with nothing else changed: per seed, one set
+    of sweep.prompts training additions that each have at least max(per_prompt) distinct right-wrong pairs among
+    sweep.group samples, and reward models trained on the first k pairs of each prompt, for each k of `per_prompt`,
+    every one for sweep.rm_steps optimizer steps from the same start (the same model and recipe). Against each,
+    best-of-n on the seed's one pool and a GRPO run at beta = 0 (its evaluations, without the samples)."""
     cfg = cfg or HackingConfig()
+    sweep = sweep or SweepConfig()
+    stepped = replace(cfg, rm_steps=sweep.rm_steps)
     bon_prompts, eval_prompts = _eval_prompts(cfg.bon_prompts), _eval_prompts(cfg.eval_prompts)
-    out = {"config": asdict(cfg), "seeds": list(seeds), "sizes": {}}
-    bar = tqdm(total=len(pairs) * len(seeds) * cfg.steps, desc="reward models' training pairs: GRPO steps")
-    for size in pairs:
-        sized = HackingConfig(**{**asdict(cfg), "rm_prompts": math.ceil(size / 0.6), "rm_pairs": size})
-        rows = []
-        for seed in seeds:
-            base = load_model("tiny")
-            judge = reward_model_for_seed(base, sized, seed, bradley_terry_loss, reward_model_scores)
-            proxy = reward_model_reward(reward_model_scores, judge.pop("rm"), judge.pop("head"))
-            pool = answer_pool(base, bon_prompts, cfg.bon_samples, cfg.max_new_tokens, seed)
-            rl = grpo_run(base, proxy, "proxy", cfg, seed, 0.0, cfg.lr, eval_prompts, bar)
-            rows.append({"seed": seed, "pairs": judge["pairs"], "held_accuracy": round(judge["rm_held_accuracy"], 4),
-                         "best_of_n": _rounded(best_of_n_curve(pool, proxy, cfg.bon_ns)),
-                         "rl_evals": [{k: v for k, v in e.items() if k != "samples"} for e in rl["evals"]]})
-        out["sizes"][size] = rows
+    out = {"config": asdict(cfg), "sweep": asdict(sweep), "seeds": list(seeds), "sizes": {k: [] for k in per_prompt}}
+    bar = tqdm(total=len(per_prompt) * len(seeds) * cfg.steps, desc="reward models' training pairs: GRPO steps")
+    for seed in seeds:
+        base = load_model("tiny")
+        rng = random.Random(seed)
+        additions = rng.sample(addition_pairs("train"), min(len(addition_pairs("train")), 2 * sweep.prompts))
+        found = [p for p in pairs_by_prompt(base, additions, sweep.group, cfg.max_new_tokens, seed)
+                 if len(p) >= max(per_prompt)][:sweep.prompts]
+        held = preference_triples(base, rng.sample(addition_pairs("held_out"), cfg.held_prompts), cfg.rm_group,
+                                  cfg.max_new_tokens, seed + 1)
+        pool = answer_pool(base, bon_prompts, cfg.bon_samples, cfg.max_new_tokens, seed)
+        for k in per_prompt:
+            triples = [t for pairs in found for t in pairs[:k]]
+            rm, head, _ = train_reward_model(triples, stepped, seed, bradley_terry_loss, reward_model_scores)
+            proxy = reward_model_reward(reward_model_scores, rm, head)
+            rl = grpo_run(base, proxy, "proxy", cfg, seed, 0.0, cfg.lr, eval_prompts, bar, keep_samples=False)
+            out["sizes"][k].append({"seed": seed, "prompts": len(found), "pairs": len(triples),
+                                    "rm_steps": sweep.rm_steps,
+                                    "held_accuracy": round(pair_accuracy(reward_model_scores, rm, head, held), 4),
+                                    "best_of_n": _rounded(best_of_n_curve(pool, proxy, cfg.bon_ns)),
+                                    "rl_evals": rl["evals"]})
     bar.close()
     return out
 
@@ -797,6 +884,8 @@ def summarize(result: dict) -> dict:
         "reward_model": {"pairs": [s["pairs"] for s in seeds],
                          "train_accuracy": [round(s["rm_train_accuracy"], 4) for s in seeds],
                          "held_out_accuracy": [round(s["rm_held_accuracy"], 4) for s in seeds]},
+        "proxy_terms": {term: {"held_out_accuracy": [round(s["terms_held_accuracy"][term], 4) for s in seeds],
+                               **_best_of_n_figures([s["proxy_terms"][term] for s in seeds])} for term in PROXY_TERMS},
         **({"head_only": _head_only_figures(seeds)} if "head_only" in seeds[0] else {}),
         "likelihood_only": _likelihood_only_figures(seeds),
     }
@@ -840,8 +929,12 @@ def plot(result: dict, path=None):
     ax = axes[0]
     curves = [("reward model", [s["best_of_n"] for s in seeds], "tab:blue", "-")]
     if "head_only" in seeds[0]:
-        curves.append(("head-only control", [s["head_only"]["best_of_n"] for s in seeds], "tab:purple", "--"))
-    curves.append(("the policy's likelihood alone", [s["likelihood_only"] for s in seeds], "tab:brown", "-."))
+        curves.append(("head-only reward model (retrained)", [s["head_only"]["best_of_n"] for s in seeds], "tab:purple",
+                       "--"))
+    if "proxy_terms" in seeds[0]:
+        curves += [("its likelihood term alone", [s["proxy_terms"]["likelihood_term"] for s in seeds], "tab:cyan", "-"),
+                   ("its head term alone", [s["proxy_terms"]["head_term"] for s in seeds], "tab:pink", "-")]
+    curves.append(("the frozen policy's likelihood", [s["likelihood_only"] for s in seeds], "tab:brown", "-."))
     curves += [(f"control, sigma={sigma:g}", [s["control"][sigma] for s in seeds], colour, ":")
                for sigma, colour in zip(result["config"]["sigmas"], ("tab:green", "tab:olive", "tab:gray"))]
     for label, per_seed, colour, style in curves:
@@ -897,19 +990,22 @@ def plot(result: dict, path=None):
     return fig
 
 
-def rm_sizes_figures(seeds: list[int], pairs=(100, 500, 2500), cfg: HackingConfig | None = None) -> dict:
-    """run_rm_sizes' figures: for each number of training pairs (the reward model's data size, not its number of
-    parameters: the tiny model is the same in all), the pairs made, the held-out pair accuracy, best-of-n's peak (n,
-    exact KL, gold), per seed and over seeds, the mean curve and its paired rise and fall; GRPO's peak along the run
-    (rl_peak: each seed's start, peak and far end, and whether the peak is real); and the seconds it took."""
+def rm_sizes_figures(seeds: list[int], per_prompt=(1, 2, 4), cfg: HackingConfig | None = None,
+                     sweep: SweepConfig | None = None) -> dict:
+    """run_rm_sizes' figures: for each number of training pairs per prompt (the reward model's data size, the prompts
+    and the optimizer steps fixed; not its number of parameters: the tiny model is the same in all), the prompts,
+    pairs and steps, the held-out pair accuracy, best-of-n's peak (n, exact KL, gold), per seed and over seeds, the
+    mean curve and its paired rise and fall; GRPO's peak along the run (rl_peak: each seed's start, peak and far end,
+    and whether the peak is real); and the seconds it took."""
     import time
 
     start = time.perf_counter()
     figures: dict = {}
-    for size, rows in run_rm_sizes(seeds, tuple(pairs), cfg)["sizes"].items():
+    for size, rows in run_rm_sizes(seeds, tuple(per_prompt), cfg, sweep)["sizes"].items():
         rl = rl_peak([r["rl_evals"] for r in rows])
-        figures[f"rm_pairs_{size}"] = {
-            "pairs": [r["pairs"] for r in rows], "held_accuracy": [r["held_accuracy"] for r in rows],
+        figures[f"rm_pairs_per_prompt_{size}"] = {
+            "prompts": [r["prompts"] for r in rows], "pairs": [r["pairs"] for r in rows],
+            "rm_steps": rows[0]["rm_steps"], "held_accuracy": [r["held_accuracy"] for r in rows],
             "peak": _peak([r["best_of_n"] for r in rows]),
             "peak_per_seed": [{k: p[k] for k in ("n", "kl", "gold")} for p in
                               (max(r["best_of_n"], key=lambda p: p["gold"]) for r in rows)],
@@ -923,21 +1019,166 @@ def rm_sizes_figures(seeds: list[int], pairs=(100, 500, 2500), cfg: HackingConfi
     return figures
 
 
+# --- The leash against early stopping, as Gao et al. measured it (the longer variant `--leash`) ------------------
+
+def grpo_step_kl_in_reward(model, optimizer, reward_functions, reference, prompts, cfg) -> GRPOStepOutput:
+    """One GRPO step with the KL term in the reward, where REINFORCE and RLOO put it (and Gao et al. 2022): each
+    completion's reward is the reward functions' total minus cfg.beta times k1 = sum over its tokens of log pi - log
+    ref (the sampled tokens, no gradient), then group advantages as usual, and a clipped loss without a KL term. The
+    score-function gradient of E[reward - beta * k1] is the gradient of the reward minus beta times the exact reverse
+    KL's (Tang & Munos 2025, arXiv:2506.09477); Part 3's grpo_step puts k3 in the loss instead, whose gradient is the
+    forward KL's (experiment 1). One update per batch (cfg.num_iterations = 1), as the lab's runs do."""
+    if cfg.num_iterations != 1:
+        raise ValueError("the KL-in-reward step makes one update per batch: num_iterations must be 1")
+    samples = sample_groups(model, prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
+    rewards, per_function = compose_rewards(reward_functions, samples.prompts, samples.texts)
+    mask = completion_loss_mask(samples, cfg.mask_truncated_completions)
+    logprobs = get_logprobs(model(samples.ids, attention_mask=samples.attention_mask), samples.ids,
+                            samples.prompt_len)
+    ref_logprobs = reference(samples) if cfg.beta != 0 else None
+    if ref_logprobs is not None:
+        k1 = ((logprobs.detach() - ref_logprobs) * samples.completion_mask).sum(1)
+        rewards = rewards - cfg.beta * k1.to(rewards.device, rewards.dtype)
+    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards).to(samples.ids.device)
+    loss = grpo_loss(logprobs, None, None, advantages, mask, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                     beta=0.0, loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.adapters.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    return GRPOStepOutput(loss.item(), samples, rewards, per_function, advantages, mask, ref_logprobs, None,
+                          [logprobs.detach()])
+
+
+KL_PLACES = {"loss_k3": grpo_step, "reward_k1": grpo_step_kl_in_reward}  # where the KL term goes: the step that puts it
+
+
+def gold_at_kl(path: list[dict], kl: float) -> float | None:
+    """The gold of a run at the first moment its KL reached `kl`, reading its evaluations ({kl, gold}, in step order)
+    as a path with straight lines between them: what stopping that run early, at that KL, would have given. None if
+    the run never reached it."""
+    if kl <= path[0]["kl"]:
+        return path[0]["gold"]
+    for a, b in zip(path, path[1:]):
+        if a["kl"] <= kl <= b["kl"]:
+            t = (kl - a["kl"]) / (b["kl"] - a["kl"]) if b["kl"] > a["kl"] else 0.0
+            return a["gold"] + t * (b["gold"] - a["gold"])
+    return None
+
+
+@dataclass
+class LeashConfig:
+    """The longer variant's settings: each seed's reward model (the lab's recipe, HackingConfig) and, at each learning
+    rate, the unleashed run (beta = 0) evaluated after every step, and a run at each beta with the KL term in each
+    place, evaluated at its start and end."""
+
+    seeds: int = 10
+    lrs: tuple[float, ...] = (1.5e-3, 3e-3)
+    betas: tuple[float, ...] = (0.5, 2.0)
+    places: tuple[str, ...] = ("loss_k3", "reward_k1")
+
+    @classmethod
+    def smoke(cls) -> "LeashConfig":
+        return cls(seeds=2, lrs=(1.5e-3,), betas=(0.5,))
+
+
+def run_leash(leash: LeashConfig | None = None, cfg: HackingConfig | None = None) -> dict:
+    """Every seed's reward model, and against it, at each learning rate, the unleashed run and the penalised runs
+    (each beta, each KL place): their evaluations, without samples."""
+    leash = leash or LeashConfig()
+    cfg = cfg or HackingConfig()
+    eval_prompts = _eval_prompts(cfg.eval_prompts)
+    every_step, ends_only = replace(cfg, eval_every=1), replace(cfg, eval_every=cfg.steps)
+    runs_per_seed = len(leash.lrs) * (1 + len(leash.betas) * len(leash.places))
+    bar = tqdm(total=leash.seeds * runs_per_seed * cfg.steps, desc="the leash: GRPO steps")
+    out = {"config": asdict(cfg), "leash": asdict(leash), "per_seed": []}
+    for seed in range(leash.seeds):
+        base = load_model("tiny")
+        judge = reward_model_for_seed(base, cfg, seed, bradley_terry_loss, reward_model_scores)
+        proxy = reward_model_reward(reward_model_scores, judge.pop("rm"), judge.pop("head"))
+        row = {"seed": seed, "held_accuracy": judge["rm_held_accuracy"], "runs": {}}
+        for lr in leash.lrs:
+            row["runs"][f"lr={lr:g} unleashed"] = grpo_run(base, proxy, "proxy", every_step, seed, 0.0, lr,
+                                                           eval_prompts, bar, keep_samples=False)["evals"]
+            for place in leash.places:
+                for beta in leash.betas:
+                    row["runs"][f"lr={lr:g} {place} beta={beta:g}"] = grpo_run(
+                        base, proxy, "proxy", ends_only, seed, beta, lr, eval_prompts, bar, step_fn=KL_PLACES[place],
+                        keep_samples=False)["evals"]
+        out["per_seed"].append(row)
+    bar.close()
+    return out
+
+
+def leash_figures(result: dict) -> dict:
+    """For each learning rate, KL place and beta: per seed, the penalised run's end (KL, gold) and the unleashed run's
+    gold at that KL (gold_at_kl, its first arrival there), their difference; over seeds, the paired difference's mean,
+    standard error and 95% t-interval (paired_statistics; a seed whose unleashed run never reached the KL is counted
+    under "unreached" and leaves no interval). Gao et al.'s finding is a difference of 0: the penalty acts like
+    stopping early. And for each learning rate and place, the largest beta's end gold minus the smallest's, paired the
+    same way."""
+    from solutions.part6_lab.length_bias import paired_statistics
+
+    leash, seeds = result["leash"], result["per_seed"]
+    out: dict = {"seeds": [s["seed"] for s in seeds], "held_accuracy": [round(s["held_accuracy"], 4) for s in seeds],
+                 "matched_kl": [], "beta_against_beta": []}
+    for lr in leash["lrs"]:
+        unleashed = [s["runs"][f"lr={lr:g} unleashed"] for s in seeds]
+        for place in leash["places"]:
+            ends = {}
+            for beta in leash["betas"]:
+                ends[beta] = [s["runs"][f"lr={lr:g} {place} beta={beta:g}"][-1] for s in seeds]
+                per_seed = []
+                for end, path in zip(ends[beta], unleashed):
+                    early = gold_at_kl(path, end["kl"])
+                    per_seed.append({"kl": round(end["kl"], 4), "gold": round(end["gold"], 4),
+                                     "unleashed_gold_at_kl": None if early is None else round(early, 4),
+                                     "difference": None if early is None else round(end["gold"] - early, 4)})
+                differences = [math.nan if p["difference"] is None else p["difference"] for p in per_seed]
+                out["matched_kl"].append({"lr": lr, "place": place, "beta": beta, "per_seed": per_seed,
+                                          "unreached": sum(p["difference"] is None for p in per_seed),
+                                          "unleashed_max_kl": [round(max(e["kl"] for e in p), 4) for p in unleashed],
+                                          **paired_statistics(differences)})
+            low, high = min(leash["betas"]), max(leash["betas"])
+            if high != low:
+                out["beta_against_beta"].append({"lr": lr, "place": place, "high": high, "low": low, **paired_statistics(
+                    [h["gold"] - l["gold"] for h, l in zip(ends[high], ends[low])])})
+    return out
+
+
+def leash_table(figures: dict) -> list[str]:
+    """leash_figures' comparison as the rows of docs/lab.md's table (lr, KL term, beta, the seeds' range of KL at the
+    end, mean gold at the end, the paired difference ± its standard error in points, its 95% interval, how many seeds
+    were above): the page's figures are built from the JSON, and a test holds the page to them."""
+    places = {"loss_k3": "k3 in the loss", "reward_k1": "k1 in the reward"}
+    rows = []
+    for m in figures["matched_kl"]:
+        kl, gold = [p["kl"] for p in m["per_seed"]], [p["gold"] for p in m["per_seed"]]
+        low, high = m["ci95"] if m["ci95"] else (math.nan, math.nan)
+        rows.append(f"| {m['lr']:g} | {places[m['place']]} | {m['beta']:g} | {min(kl):.2f}–{max(kl):.2f} | "
+                    f"{100 * _mean(gold):.1f}% | {100 * m['mean']:+.1f} ± {100 * m['standard_error']:.1f} | "
+                    f"[{100 * low:+.1f}, {100 * high:+.1f}] | {m['positive']} of {len(m['per_seed'])} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """The longer variant, behind its own command (also `python -m solutions.part6_lab --rm-pairs ...`)."""
+    """The data sweep, behind its own command (also `python -m solutions.part6_lab --rm-pairs-per-prompt ...`)."""
     from utils import cli
     from utils.contracts import SEEDS
     from utils.logger import print_figures
 
     parser = cli.ArgumentParser(prog="python -m solutions.part6_lab.hacking",
                                 description="Best-of-n and GRPO against reward models trained on more or fewer pairs "
-                                            "(the lab's default run trains one, on about 235 pairs).")
-    parser.add_argument("--rm-pairs", type=cli.at_least(1), nargs="+", default=[100, 500, 2500],
-                        help="the reward models' training data, in pairs (the model is the same)")
+                                            "per prompt of the same prompts, for the same number of steps (the lab's "
+                                            "default run trains one, on about 235 pairs of 300 prompts).")
+    parser.add_argument("--rm-pairs-per-prompt", type=cli.at_least(1), nargs="+", default=[1, 2, 4],
+                        help="the reward models' training data, in pairs per prompt (the prompts, the steps and the "
+                             "model are the same)")
     parser.add_argument("--seeds", type=cli.at_least(1, SEEDS.why), default=3, help="how many seeds (0, 1, ...)")
     parser.add_argument("--json", action="store_true", help="end with one line: a JSON object of the figures")
     args = parser.parse_args(argv)
-    figures = {"seeds": list(range(args.seeds)), **rm_sizes_figures(list(range(args.seeds)), args.rm_pairs)}
+    figures = {"seeds": list(range(args.seeds)),
+               **rm_sizes_figures(list(range(args.seeds)), args.rm_pairs_per_prompt)}
     print_figures(figures, args.json)
     return figures
 

@@ -327,6 +327,130 @@ def test_a_penalised_run_against_the_unleashed_frontier():
                  "below every KL the unleashed run reached but 0, the frontier is its start")
 
 
+def test_the_proxy_is_the_sum_of_its_two_terms(tiny_model):
+    """proxy_terms reads the trained reward model's two terms apart: its likelihood term and its head's correction
+    add up to its score, each from the same model and head (no retrained control)."""
+    from solutions.part6_lab import hacking
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(tiny_model.cfg.d_model, 1)
+    prompts, completions = ["12+7=", "3+4=", "50+50="], ["19", "8 apples", "100"]
+    with torch.no_grad():
+        parts = [hacking.PROXY_TERMS[t](ref.reward_model_scores, tiny_model, head, prompts, completions)
+                 for t in ("likelihood_term", "head_term")]
+        whole = hacking.proxy_scores(ref.reward_model_scores, tiny_model, head, prompts, completions)
+    expect(bool((parts[1].abs() > 1e-3).all()), "test set-up", "a head that corrects every score", observed=parts[1])
+    assert_close(parts[0] + parts[1], whole, "likelihood term + head term = the reward model's score")
+
+
+# --- The leash against early stopping at matched KL (`--leash`) ----------------------------------------------------
+
+def test_gold_at_kl_is_the_first_arrival_along_the_path():
+    """The unleashed run read as a path through its evaluations: at a KL it reached, the gold where it first got
+    there, on the straight line between two evaluations; a KL it came back to later counts at its first arrival; one
+    it never reached gives None."""
+    from solutions.part6_lab.hacking import gold_at_kl
+
+    path = [{"kl": k, "gold": g} for k, g in ((0.0, 0.2), (0.4, 0.3), (0.2, 0.35), (0.6, 0.5))]
+    found = [gold_at_kl(path, kl) for kl in (0.0, 0.1, 0.3, 0.5, 0.6)]
+    assert_close(torch.tensor(found), torch.tensor([0.2, 0.225, 0.275, 0.4625, 0.5]),
+                 "gold at KL 0, 0.1, 0.3 (first arrival, before the path turns back), 0.5 and 0.6", atol=1e-12)
+    assert_equal(gold_at_kl(path, 0.61), None, "a KL the run never reached")
+
+
+def test_leash_figures_pair_each_penalised_end_with_the_unleashed_run_at_its_kl():
+    """Three seeds, one learning rate, the KL in the loss at beta 0.5 and 2: each beta-0.5 run ends at KL 0.5, where
+    the unleashed run (gold 0.2 at KL 0, 0.4 at KL 1) had gold 0.3; ends 0.05, 0.03, 0.07 above it give a mean of 0.05,
+    a standard error of 0.02 / sqrt(3) and a t-interval with t(2) = 4.303. Beta 2 ends at KL 3 in one seed, beyond the
+    unleashed run's reach: counted, and no interval."""
+    from solutions.part6_lab.hacking import leash_figures
+
+    def seed(i, gain):
+        unleashed = [{"step": s, "kl": k, "gold": g} for s, (k, g) in enumerate(((0.0, 0.2), (1.0, 0.4), (2.0, 0.3)))]
+        far = 3.0 if i == 0 else 0.5
+        return {"seed": i, "held_accuracy": 0.9, "runs": {
+            "lr=0.001 unleashed": unleashed,
+            "lr=0.001 loss_k3 beta=0.5": [{"kl": 0.0, "gold": 0.2}, {"kl": 0.5, "gold": 0.3 + gain}],
+            "lr=0.001 loss_k3 beta=2": [{"kl": 0.0, "gold": 0.2}, {"kl": far, "gold": 0.3}]}}
+
+    result = {"leash": {"lrs": [1e-3], "places": ["loss_k3"], "betas": [0.5, 2.0]},
+              "per_seed": [seed(i, g) for i, g in enumerate((0.05, 0.03, 0.07))]}
+    figures = leash_figures(result)
+    half, two = figures["matched_kl"]
+    assert_equal([p["unleashed_gold_at_kl"] for p in half["per_seed"]], [0.3, 0.3, 0.3],
+                 "the unleashed run's gold at KL 0.5")
+    assert_close(torch.tensor([half["mean"], half["standard_error"], *half["ci95"]]),
+                 torch.tensor([0.05, 0.02 / 3 ** 0.5, 0.05 - 4.303 * 0.02 / 3 ** 0.5, 0.05 + 4.303 * 0.02 / 3 ** 0.5]),
+                 "the paired difference over seeds: mean, standard error, 95% t-interval", atol=2e-4)
+    assert_equal((two["unreached"], two["ci95"]), (1, None), "a seed whose unleashed run never reached the KL")
+    (versus,) = figures["beta_against_beta"]
+    assert_close(torch.tensor(versus["mean"]), torch.tensor(-0.05), "beta 2's end gold minus beta 0.5's", atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_kl_in_reward_step_takes_k1_from_the_reward_and_puts_no_kl_in_the_loss():
+    """With beta 0 the step is Part 3's grpo_step, update for update; with beta > 0 each completion's reward is the
+    reward functions' total minus beta * sum of log pi - log ref over its tokens, the advantages are the group
+    advantages of those rewards, and the loss is the clipped loss without a KL term."""
+    from solutions.part2_lora import LoRAModel, freeze_base, make_adapters
+    from solutions.part3_grpo import (GRPOConfig, RewardFunction, compose_rewards, grpo_loss, grpo_step,
+                                      group_advantages, reference_logprobs, reward_exact_answer)
+    from solutions.part6_lab.hacking import grpo_step_kl_in_reward
+    from utils.models import load_model
+
+    prompts = ["12+7=", "30+41="]
+    rewards = [RewardFunction("exact", reward_exact_answer), RewardFunction("length", lambda p, c: [len(x) / 4 for x in c])]
+
+    def one_step(step_fn, beta):
+        torch.manual_seed(0)
+        base = load_model("tiny", device="cpu")
+        adapters = make_adapters(base, 4, 8.0, ("q", "v"))
+        freeze_base(base, adapters)
+        with torch.no_grad():
+            for p in adapters.parameters():  # B away from 0, so that the policy differs from the reference
+                p.add_(0.05 * torch.randn_like(p))
+        model = LoRAModel(base, adapters)
+        cfg = GRPOConfig(n_prompts=2, group_size=4, max_new_tokens=4, beta=beta, lr=1e-2)
+        optimizer = torch.optim.AdamW(adapters.parameters(), lr=cfg.lr)
+        torch.manual_seed(1)
+        return step_fn(model, optimizer, rewards, lambda s: reference_logprobs(model, s, beta), prompts, cfg), cfg
+
+    plain, _ = one_step(grpo_step, 0.0)
+    ours, _ = one_step(grpo_step_kl_in_reward, 0.0)
+    assert_equal(ours.samples.texts, plain.samples.texts, "the same completions, from the same seed")
+    assert_close(torch.tensor([ours.loss]), torch.tensor([plain.loss]), "beta 0: the loss of Part 3's step")
+    assert_close(ours.advantages, plain.advantages, "beta 0: the advantages of Part 3's step")
+
+    out, cfg = one_step(grpo_step_kl_in_reward, 0.5)
+    total, _ = compose_rewards(rewards, out.samples.prompts, out.samples.texts)
+    k1 = ((out.logprobs[0] - out.ref_logprobs) * out.samples.completion_mask).sum(1)
+    expect(bool((k1.abs() > 1e-4).any()), "test set-up", "the policy differs from the reference", observed=k1)
+    assert_close(out.rewards, total - 0.5 * k1, "the rewards: the functions' total minus beta times k1")
+    assert_close(out.advantages, group_advantages(total - 0.5 * k1, cfg.group_size, cfg.scale_rewards),
+                 "the advantages of those rewards")
+    loss = grpo_loss(out.logprobs[0], None, None, out.advantages, out.mask, epsilon=cfg.epsilon, beta=0.0,
+                     loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens)
+    assert_close(torch.tensor([out.loss]), loss.detach().reshape(1), "the loss: clipped, without a KL term")
+
+
+@pytest.mark.slow
+def test_the_leash_script_reports_the_matched_kl_comparison(monkeypatch):
+    """`python -m solutions.part6_lab --leash --json` (smoke setting): for each learning rate, KL place and beta, each
+    seed's end and the unleashed run's gold at its KL, and the paired difference over seeds."""
+    from solutions import part6_lab
+
+    monkeypatch.setenv("RLHF_SMOKE", "1")
+    figures = part6_lab.main(["--leash", "--plots", ""])["leash"]
+    assert_equal(figures["seeds"], [0, 1], "the smoke setting's seeds")
+    assert_equal(sorted((m["place"], m["beta"]) for m in figures["matched_kl"]),
+                 [("loss_k3", 0.5), ("reward_k1", 0.5)], "one entry per KL place and beta")
+    for entry in figures["matched_kl"]:
+        expect({"lr", "per_seed", "unreached", "mean", "standard_error", "ci95", "unleashed_max_kl"} <= set(entry),
+               "leash_figures", "each entry's keys", observed=sorted(entry))
+        expect(all({"kl", "gold", "unleashed_gold_at_kl", "difference"} <= set(p) for p in entry["per_seed"]),
+               "leash_figures", "each seed's keys", observed=entry["per_seed"])
+
+
 @pytest.mark.slow
 def test_exact_answer_probability_is_how_often_the_policy_samples_the_bare_sum(tiny_model):
     """The gold score's exact part: for three held-out additions, the teacher-forced probability of the bare sum then
@@ -405,30 +529,48 @@ def test_rl_peak_on_hand_made_curves():
 
 
 def test_the_rm_pairs_flag_refuses_a_reward_model_without_pairs(capsys):
-    """`python -m solutions.part6_lab --rm-pairs 100 500 2500` runs hacking's longer variant; a size of 0 would train
+    """`python -m solutions.part6_lab --rm-pairs-per-prompt 1 2 4` runs hacking's data sweep; a size of 0 would train
     a reward model on nothing, and the flag says so before anything runs."""
     from solutions.part6_lab import main
 
     with pytest.raises(SystemExit):
-        main(["--rm-pairs", "100", "0"])
-    expect(">= 1" in capsys.readouterr().err, "python -m solutions.part6_lab --rm-pairs 0",
+        main(["--rm-pairs-per-prompt", "1", "0"])
+    expect(">= 1" in capsys.readouterr().err, "python -m solutions.part6_lab --rm-pairs-per-prompt 0",
            "a refusal that names the smallest size allowed")
+
+
+def test_a_reward_model_with_fixed_steps_makes_exactly_that_many_whatever_the_pairs():
+    """The data sweep holds the optimizer steps fixed: with rm_steps, the batches go on past a pass over the pairs
+    (each pass in a new order) until exactly that many are made; without it, rm_epochs passes."""
+    import random
+
+    from solutions.part6_lab.hacking import HackingConfig, _batches
+
+    pairs = list(range(10))
+    fixed = list(_batches(pairs, HackingConfig(rm_batch=4, rm_steps=7), random.Random(0)))
+    assert_equal([len(b) for b in fixed], [4, 4, 2, 4, 4, 2, 4], "7 batches of at most 4 over passes of 10 pairs")
+    assert_equal(sorted(fixed[0] + fixed[1] + fixed[2]), pairs, "each pass takes every pair once")
+    epochs = list(_batches(pairs, HackingConfig(rm_batch=4, rm_epochs=2), random.Random(0)))
+    assert_equal(len(epochs), 6, "2 passes of 3 batches")
 
 
 @pytest.mark.slow
 def test_reward_model_sizes_smoke():
-    """The longer variant in its smoke setting, one size: best-of-n's curve, and GRPO's peak against that reward
-    model."""
+    """The data sweep in its smoke setting, two sizes: the same prompts and the same number of steps in both, the
+    pairs in proportion; best-of-n's curve, and GRPO's peak against each reward model."""
     from solutions.part6_lab import hacking
 
-    figures = hacking.rm_sizes_figures([0], pairs=(6,), cfg=hacking.HackingConfig.smoke())
-    size = figures["rm_pairs_6"]
-    expect(size["pairs"][0] <= 6, "rm_sizes_figures", "a reward model trained on at most the pairs asked for",
-           observed=size["pairs"])
-    expect([p["n"] for p in size["best_of_n"]] == list(hacking.HackingConfig.smoke().bon_ns), "rm_sizes_figures",
-           "best-of-n at every n of the config", observed=size["best_of_n"])
-    expect({"start", "peak", "far", "rises", "falls"} <= set(size["rl_peak"]["per_seed"][0]), "rm_sizes_figures",
-           "GRPO's peak against the reward model, seed by seed", observed=size["rl_peak"])
+    figures = hacking.rm_sizes_figures([0], per_prompt=(1, 2), cfg=hacking.HackingConfig.smoke(),
+                                       sweep=hacking.SweepConfig.smoke())
+    one, two = figures["rm_pairs_per_prompt_1"], figures["rm_pairs_per_prompt_2"]
+    expect(one["prompts"] == two["prompts"] and one["prompts"][0] >= 1, "rm_sizes_figures",
+           "the same prompts in every size", observed=(one["prompts"], two["prompts"]))
+    expect((one["pairs"][0] * 2, one["rm_steps"]) == (two["pairs"][0], two["rm_steps"]), "rm_sizes_figures",
+           "twice the pairs, the same steps", observed=(one["pairs"], two["pairs"], one["rm_steps"], two["rm_steps"]))
+    expect([p["n"] for p in one["best_of_n"]] == list(hacking.HackingConfig.smoke().bon_ns), "rm_sizes_figures",
+           "best-of-n at every n of the config", observed=one["best_of_n"])
+    expect({"start", "peak", "far", "rises", "falls"} <= set(one["rl_peak"]["per_seed"][0]), "rm_sizes_figures",
+           "GRPO's peak against the reward model, seed by seed", observed=one["rl_peak"])
 
 
 @pytest.mark.slow
@@ -459,6 +601,11 @@ def test_hacking_experiment_smoke():
     head = figures["head_only"]
     expect({"best_of_n", "best_of_n_fall", "rl_curve", "held_out_accuracy"} <= set(head), "hacking head_only",
            "the head-only control's best-of-n and GRPO", observed=sorted(head))
+    terms = figures["proxy_terms"]
+    expect(set(terms) == {"likelihood_term", "head_term"} and all(
+        {"best_of_n", "best_of_n_peak", "best_of_n_rise", "best_of_n_fall", "held_out_accuracy"} <= set(t)
+        for t in terms.values()), "hacking proxy_terms", "best-of-n against each term of the trained reward model",
+        observed={k: sorted(v) for k, v in terms.items()})
     expect(all({"frontier", "peak"} <= set(v) for b in figures["beta_sweep"] for v in b["versus_unleashed_per_seed"]),
            "hacking beta_sweep", "each run against the unleashed run's frontier and peak",
            observed=figures["beta_sweep"])
