@@ -197,7 +197,7 @@ def meta_test(part: str):
 OWN_BODY = "that line in the wrong version's own body"
 DRAWN_AGAIN = "exercises whose wrong versions needed every draw and every test"
 LOOP_KEY = "with the loop's line"
-LOOP_LINE = re.compile(r"Your code (passes its `\w+` there, at|makes that call at) line \d+")  # trace.passed_at
+LOOP_LINE = re.compile(r"Your code (passes its `\w+` there, at|makes that call at) line \d+")  # trace_departure.passed_at
 MESSAGE_LINES = 10  # check()'s default message, at most (the rest behind check(fn, verbose=True))
 PREVIEW = re.compile(r"^\s*expected: (.*)\n\s*got:      (.*)$", re.MULTILINE)
 
@@ -219,7 +219,7 @@ class MessageStats:
 
     def add(self, text: str, named: bool, unconfirmed: bool) -> None:
         from utils.checker.compare import RESEMBLES
-        from utils.checker.trace import PASSES
+        from utils.checker.trace_departure import PASSES
         from utils.checker.transforms import SAME_CALL
 
         self.counts["messages"] += 1

@@ -44,8 +44,8 @@ def test_the_matched_kl_table_and_its_sentences_are_the_stored_figures():
 
 
 def test_the_proxy_terms_sentences_are_the_stored_figures():
-    stored = json.loads((ROOT / "docs" / "figures" / "lab_hacking.json").read_text())
-    assert stored["command"] == "python -m solutions.part6_lab --only hacking --json"
+    stored = json.loads((ROOT / "docs" / "figures" / "lab.json").read_text())
+    assert stored["command"] == "python -m solutions.part6_lab --json"
     hacking = stored["hacking"]
     likelihood, head = hacking["proxy_terms"]["likelihood_term"], hacking["proxy_terms"]["head_term"]
     same = (likelihood["held_out_accuracy"] == hacking["reward_model"]["held_out_accuracy"]
@@ -59,7 +59,7 @@ def test_the_proxy_terms_sentences_are_the_stored_figures():
                                                            f"{head['best_of_n'][-1]['n']}",
     }
     wrong = {what: phrase for what, phrase in claims.items() if phrase not in PROSE}
-    assert not wrong, f"docs/lab.md does not say what docs/figures/lab_hacking.json says: {wrong}"
+    assert not wrong, f"docs/lab.md does not say what docs/figures/lab.json says: {wrong}"
 
 
 def test_the_data_sweep_sentences_are_the_stored_figures():

@@ -108,6 +108,7 @@ def test_a_loop_departure_at_a_helper_call_says_where_the_learners_loop_passes_a
     the departure's sentence names them, and the one statement that assigns the variable, where there is exactly
     one (a variable assigned in several places is not placed: which one ran is not known from the source)."""
     from utils.checker import trace
+    from utils.checker.trace_departure import passed_at
 
     recorder = trace._Recorder(trace.Trace(), {}, None)
     probed = trace._probe(recorder, "masked_mean", masked_mean, None, kind="helper")
@@ -120,15 +121,15 @@ def test_a_loop_departure_at_a_helper_call_says_where_the_learners_loop_passes_a
 
     loop(torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool))
     first, second = recorder.trace.events
-    said = trace.passed_at(first, "x")
+    said = passed_at(first, "x")
     assert said == (f" Your code passes its `doubled` there, at line {_line_marked(loop, '# passed here')} (`total = "
                     f"probed(doubled, mask)`); `doubled` is assigned once, at line "
                     f"{_line_marked(loop, '# assigned here')} (`doubled = values * 2`)."), said
-    assert trace.passed_at(first, "mask") == (f" Your code passes its `mask` there, at line "
-                                              f"{_line_marked(loop, '# passed here')} (`total = probed(doubled, "
-                                              "mask)`).")  # an argument of the loop: assigned by no statement
-    assert trace.passed_at(second, "x") == (f" Your code makes that call at line {_line_marked(loop, '# sliced here')}"
-                                            " (`total = total + probed(values[:, :1], m…`).")
+    assert passed_at(first, "mask") == (f" Your code passes its `mask` there, at line "
+                                        f"{_line_marked(loop, '# passed here')} (`total = probed(doubled, "
+                                        "mask)`).")  # an argument of the loop: assigned by no statement
+    assert passed_at(second, "x") == (f" Your code makes that call at line {_line_marked(loop, '# sliced here')}"
+                                      " (`total = total + probed(values[:, :1], m…`).")
 
 
 def _said_on_surrogate(wrong, logprobs):

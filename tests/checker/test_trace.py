@@ -9,7 +9,8 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_ as imported_clip
 
 from utils.checker.compare import CheckFailure
-from utils.checker.trace import Event, Trace, assert_same_trace, departure_class, first_departure, tracing
+from utils.checker.trace import Event, Trace, tracing
+from utils.checker.trace_departure import assert_same_trace, departure_class, first_departure
 
 
 class Toy(nn.Module):

@@ -37,8 +37,8 @@ from utils.checker.layout import part_of
 from utils.checker.observe import recording
 from utils.checker.registry import explanation, registry_of
 from utils.checker.shapes import target
-from utils.checker import trace
-from utils.checker.trace import departure_class
+from utils.checker import trace_departure
+from utils.checker.trace_departure import departure_class
 from utils.upstream import EnvironmentMismatch
 
 NOT_DIAGNOSED = (NotImplementedError, KeyboardInterrupt, SystemExit, pytest.skip.Exception, EnvironmentMismatch)
@@ -59,7 +59,7 @@ class TestResult:
     under_test: object = None    # the object the test ran
     matches: list | None = None  # for a failure: the wrong versions that fail it the same way (None: undiagnosable)
     diagnosable: bool = False    # a failure whose fingerprint can be compared (not a stub, a skip, a bare assert...)
-    compares_traces: bool = False  # the test compared loop traces (trace.assert_same_trace)
+    compares_traces: bool = False  # the test compared loop traces (trace_departure.assert_same_trace)
     refusal_left_out: bool = False  # it failed where the learner's version returned and the reference refuses
 
 
@@ -180,12 +180,12 @@ class MistakeFinder:
             yield
             return
         state = rng_state()
-        compared = trace.comparisons()
+        compared = trace_departure.comparisons()
         with recording() as log:
             outcome = yield
         exc = outcome.excinfo[1] if outcome.excinfo else None
         learner = self.run(item, exc, log)
-        learner.compares_traces = trace.comparisons() > compared
+        learner.compares_traces = trace_departure.comparisons() > compared
         if learner.compares_traces:
             memory.note_trace_test(item.nodeid)
         under_test = target(vars(impl).get(name))
@@ -312,7 +312,7 @@ class MistakeFinder:
     @staticmethod
     def run(item, exc: BaseException | None, log: list) -> Run:
         run = run_of(str(item.path), None if isinstance(exc, pytest.skip.Exception) else exc, log)
-        departure = getattr(exc, "departure", None)  # a loop trace's (trace.assert_same_trace)
+        departure = getattr(exc, "departure", None)  # a loop trace's (trace_departure.assert_same_trace)
         run.departure = None if departure is None else departure_class(departure.observed)
         return run
 
@@ -334,7 +334,7 @@ def _rerun(item, impl, name: str, obj, state: tuple) -> tuple[BaseException | No
     set_rng_state(state)
     pool.restore()
     exc = None
-    compared = trace.comparisons()
+    compared = trace_departure.comparisons()
     with recording() as log:
         try:
             item.runtest()
@@ -345,7 +345,7 @@ def _rerun(item, impl, name: str, obj, state: tuple) -> tuple[BaseException | No
         finally:
             setattr(impl, name, original)
             pool.restore()
-    return exc, log, trace.comparisons() > compared
+    return exc, log, trace_departure.comparisons() > compared
 
 
 def _test_name(nodeid: str) -> str:

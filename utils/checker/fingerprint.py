@@ -26,8 +26,8 @@ class Run:
     message: str | None = None                # the message, for failures that did not come from a checker assertion
     observations: list = field(default_factory=list)
     departure: str | None = None              # a loop trace's first departure, when it failed there (its class:
-                                              # trace.departure_class); not part of the fingerprint
-    compares_traces: bool = False             # whether the test compared loop traces (trace.assert_same_trace)
+                                              # trace_departure.departure_class); not part of the fingerprint
+    compares_traces: bool = False             # whether the test compared loop traces (trace_departure.assert_same_trace)
     refusal_left_out: bool = False            # it failed where it returned and the reference refuses the input
 
 

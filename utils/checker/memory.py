@@ -9,7 +9,7 @@ a second failure, or a second check() of the same exercise, costs little:
                       departure from the reference's loop trace, None where it does not depart}}: recorded with each
                       run of a wrong version on a trace test, never declared (diagnosis.py replays first the wrong
                       versions whose recorded class is the learner's, and those not run yet)
-    trace_tests       the test node ids seen comparing loop traces (trace.assert_same_trace)
+    trace_tests       the test node ids seen comparing loop traces (trace_departure.assert_same_trace)
     reference_runs    (part, exercise, test) -> how the course's solution fails that test here, None where it passes
                       (environment.py's controls)
     callee_outcomes   (part, exercise) -> (what decided what the learner's version computed, what its tests found)
@@ -39,7 +39,7 @@ class Memory:
     """What check() has learnt in this process (see the module's docstring for each part)."""
 
     def __init__(self):
-        self.comparisons = 0  # how many times trace.assert_same_trace has run in this process
+        self.comparisons = 0  # how many times trace_departure.assert_same_trace has run in this process
         self.forget()
 
     def forget(self) -> None:

@@ -18,7 +18,7 @@ from utils.checker.compare import GRADIENT_OF, NAMED_FACTOR, NO_PATTERN, RESEMBL
 from utils.checker.layout import built_parts, exercise_names, part_defining
 from utils.checker.registry import explanation_line
 from utils.checker.runner import Outcome, run_exercise_tests
-from utils.checker.trace import PASSES
+from utils.checker.trace_departure import PASSES
 from utils.checker.transforms import SAME_CALL
 
 DEFAULT_TIMEOUT_S = 60.0
