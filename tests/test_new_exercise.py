@@ -104,3 +104,8 @@ def test_a_dry_run_names_what_it_would_write_in_each_kind_of_part(capsys):
         assert line in out, out
     assert new_exercise.main(["part2_lora", NAME, "--dry-run"]) == 0  # no test_properties.py there: it is made
     assert "would create tests/part2_lora/test_properties.py" in capsys.readouterr().out
+    # a one-module part whose wrong versions are split by group of exercises: the group of the exercise it follows
+    assert new_exercise.main(["part1_ppo", NAME, "--after", "kl_k3", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would change tests/part1_ppo/mistakes_kl.py" in out and "mistakes.py" not in out.replace("mistakes_kl", ""), \
+        out

@@ -437,13 +437,18 @@ def registry_dict(tree: ast.Module) -> tuple[ast.AST, ast.Dict] | None:
     return None
 
 
-def mistakes_module(part: str, solution: Path) -> Path:
-    """Where the part's wrong versions live: mistakes_<module>.py for a package part that splits them by module,
-    else mistakes.py."""
+def mistakes_module(part: str, solution: Path, after: str | None = None) -> Path:
+    """Where the part's wrong versions live: mistakes_<module>.py for a package part that splits them by module; for
+    a part that splits them by group of exercises (mistakes_<group>.py), the group of the exercise it follows; else
+    mistakes.py."""
     tests = layout.tests_of(part)
     if solution.parent.name == part:  # a module of a package part
         split = tests / f"mistakes_{solution.stem}.py"
         if split.exists():
+            return split
+    heading = re.compile(rf"^# --- {re.escape(after)}\b", re.MULTILINE) if after else None
+    for split in sorted(tests.glob("mistakes_*.py")):
+        if heading is not None and heading.search(split.read_text()):
             return split
     return tests / "mistakes.py"
 
@@ -502,7 +507,7 @@ def with_registry_entry(text: str, name: str, after: str | None, path: Path, kin
 
 
 def plan_mistakes(plan: Plan, after: str | None) -> None:
-    path = mistakes_module(plan.part, plan.solution)
+    path = mistakes_module(plan.part, plan.solution, after)
     text = with_registry_entry(path.read_text(), plan.name, after, path, plan.kind)
     text = with_imports(text, {"mistake": "from tests.support import mistake"})
     if "ref" not in module_names(ast.parse(text)):

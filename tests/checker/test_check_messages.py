@@ -293,7 +293,7 @@ def test_the_callees_of_one_part_run_in_one_session_each_against_its_own_object(
     """check() tests the learner's callees of a part in one pytest session: each test runs against the object of its
     own exercise, and each exercise gets the outcome it gets alone."""
     from solutions.part1_ppo import completion_slice as good
-    from tests.part1_ppo.mistakes import _kl_k3_no_minus_one
+    from tests.part1_ppo.mistakes_kl import _kl_k3_no_minus_one
     from utils.checker.runner import run_exercise_tests, run_several_exercise_tests
 
     def completion_slice(*args, **kwargs):  # the learner's own, right
@@ -315,7 +315,7 @@ def test_a_loop_mistake_is_named_replaying_only_the_wrong_versions_of_its_depart
     "skipped scheduler". The first check replays every wrong version (none has run yet) and records the class of each
     one's departure (memory.py); once those classes are known, only the wrong versions of the learner's class are
     replayed on the trace test, and the mistake is still named."""
-    from tests.part1_ppo.mistakes import _learn_scheduler_per_epoch
+    from tests.part1_ppo.mistakes_loop import _learn_scheduler_per_epoch
     from utils.checker.runner import run_exercise_tests
 
     def learn(*args, **kwargs):  # the learner's own

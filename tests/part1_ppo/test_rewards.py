@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from solutions import part1_ppo as ref
-from tests.part1_ppo import mistakes
+from tests.part1_ppo import mistakes_rewards as mistakes
 from tests.support import aside, assert_close, assert_inputs_unchanged, calling, exercise, expect
 
 
