@@ -20,7 +20,8 @@ seeds and refusals with the property helpers.
     test_trainer.py                  the provided PPOTrainer and the script (slow)
     test_meta.py                     the tests of these tests (tests/meta.py)
     common.py                        what several of these modules share: inputs, factors, the loop's set-up
-    mistakes.py                      the known wrong versions of each exercise, and the REGISTRY of them
+    mistakes.py                      the REGISTRY of the known wrong versions, gathered from the groups' modules
+    mistakes_<group>.py              the known wrong versions of one group of exercises (model, rewards, kl, ...)
     test_deep_models.py              PolicyWithValueHead on a model with 12 blocks (tests/support.py)
     test_generated.py                each exercise on inputs drawn from its contract (tests/generated.py)
     test_properties.py               the property battery on each exercise it can call (tests/battery.py)
