@@ -321,11 +321,13 @@ from utils.sampling import completion_mask_from_ids, tokenize_prompts
 #
 # - pairs from 300 training additions (about 230 pairs), a held-out set of pairs from 100 held-out additions; the
 #   reward model trains for 4 epochs (AdamW, lr 3e-4, all its weights and the head);
-# - the head-only control, trained on the same pairs in the same order from the same start;
+# - a head-only reward model, retrained on the same pairs in the same order from the same start, without the
+#   likelihood term;
 # - best-of-n for n = 1, 2, 4, ..., 256 over a pool of 256 answers to each of 64 held-out additions, against the
-#   reward model, the head-only control, the policy's likelihood and the synthetic control at σ = 0.5, 1 and 2;
+#   reward model, each of its two terms alone, the head-only reward model, the frozen policy's likelihood and the
+#   synthetic control at σ = 0.5, 1 and 2;
 # - GRPO against the reward model (8 prompts × 8 completions a step, up to 8 new tokens, a rank-4 LoRA, lr 1.5e-3,
-#   40 steps) at `beta` 0, 0.5 and 2, and against the head-only control (`beta` 0, 20 steps);
+#   40 steps) at `beta` 0, 0.5 and 2, and against the head-only reward model (`beta` 0, 20 steps);
 # - GRPO against the buggy verifier (beta 0, lr 1e-2, 40 steps);
 # - every 4 steps, one completion of each of 128 held-out additions (temperature 1) is scored by the run's reward and
 #   the KL to the reference: the exact per-token KL over the whole vocabulary, summed over each completion (its
@@ -391,7 +393,7 @@ hacking.plot(hacking_result);
 #
 # - **A judge that knows something.** The reward model ranks 86-90% of held-out pairs right (97-100% of its training
 #   pairs): the policy's own likelihood already carries most of that, and the learned correction sharpens it. Trained
-#   the same way without the likelihood term, the head-only control ranks only 56% to 61% right (64% to 70% of its
+#   the same way without the likelihood term, the head-only reward model ranks only 56% to 61% right (64% to 70% of its
 #   training pairs): from about 230 pairs, most of the judging comes from the likelihood term.
 # - **Best-of-n over-optimises (left), and the fall is real.** Gold goes from 25.6% at n = 1 to a peak of 51.2% at
 #   n = 8 (each seed's peak at n = 8 or 16), then falls to 36.7% (31% to 40% over the seeds) at n = 256, while the

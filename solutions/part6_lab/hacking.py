@@ -550,9 +550,10 @@ def _eval_prompts(count: int) -> list[str]:
 
 def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_terry_loss,
         reward_model_scores=reward_model_scores, cfg: HackingConfig | None = None) -> dict:
-    """For each seed: the pairs and the reward model (and, with cfg.head_only, the head-only control trained on the
-    same pairs); best-of-n against each and against the synthetic control (no training); a GRPO run against the reward
-    model at each beta of cfg.betas (and one against the control at beta 0); and a GRPO run against the buggy verifier.
+    """For each seed: the pairs and the reward model (and, with cfg.head_only, the head-only reward model retrained on
+    the same pairs); best-of-n against each, against each of the reward model's two terms and against the synthetic
+    control (no training); a GRPO run against the reward model at each beta of cfg.betas (and one against the
+    head-only reward model at beta 0); and a GRPO run against the buggy verifier.
     The exercises are the ones above unless passed (the notebook passes the learner's; reward_model_scores reads each
     row's score with last_token_scores)."""
     cfg = cfg or (HackingConfig.smoke() if smoke else HackingConfig())
@@ -830,8 +831,9 @@ def summarize(result: dict) -> dict:
     them); the beta sweep (KL, proxy, gold at the end, the largest KL and the lowest gold along the run, means over
     seeds with each seed's values, and each seed's gold at the end minus beta = 0's, with the standard error of that
     paired difference, and against the unleashed run's frontier and peak: unleashed_comparison); best-of-n (exact KL,
-    its peak, the paired rise and fall); the head-only control's best-of-n and GRPO (head_only) and best-of-n against
-    the policy's likelihood alone (likelihood_only); the buggy verifier's run; the reward model's pair accuracy."""
+    its peak, the paired rise and fall); best-of-n against each of the proxy's two terms (proxy_terms); the head-only
+    reward model's best-of-n and GRPO (head_only) and best-of-n against the frozen policy's likelihood
+    (likelihood_only); the buggy verifier's run; the reward model's pair accuracy."""
     seeds = result["per_seed"]
     over = [s["runs"][0.0]["evals"] for s in seeds]
     buggy = [s["buggy"]["evals"] for s in seeds]
@@ -903,8 +905,9 @@ def _likelihood_only_figures(seeds: list[dict]) -> dict:
 
 
 def _head_only_figures(seeds: list[dict]) -> dict:
-    """The head-only control's figures: its pair accuracy, best-of-n against it (as for the reward model), and its
-    GRPO run at beta = 0 (the curve's points, rl_peak's verdict, and the end)."""
+    """The head-only reward model's figures (retrained without the likelihood term): its pair accuracy, best-of-n
+    against it (as for the reward model), and its GRPO run at beta = 0 (the curve's points, rl_peak's verdict, and
+    the end)."""
     runs = [s["head_only"]["run"]["evals"] for s in seeds]
     return {"train_accuracy": [round(s["head_only"]["rm_train_accuracy"], 4) for s in seeds],
             "held_out_accuracy": [round(s["head_only"]["rm_held_accuracy"], 4) for s in seeds],
@@ -917,11 +920,12 @@ def _head_only_figures(seeds: list[dict]) -> dict:
 
 def plot(result: dict, path=None):
     """Three panels, gold against sqrt(KL) as Gao et al. (2022) draw it: best-of-n against the reward model, against
-    the head-only control, against the policy's likelihood alone and against the synthetic control (the mean over
-    seeds at each n, at the mean sqrt of the exact KL; band from the lowest seed's gold to the highest); GRPO against
-    the reward model (each seed's run at each beta, with and without the KL term on one plot, its path through
-    (sqrt(KL), gold) evaluation by evaluation, its end marked, beta = 0's peaks starred; and the head-only control's
-    run, dashed); and the buggy verifier's run (its reward and the gold score against steps)."""
+    each of its two terms alone, the head-only reward model, the frozen policy's likelihood and the synthetic control
+    (the mean over seeds at each n, at the mean sqrt of the exact KL; band from the lowest seed's gold to the
+    highest); GRPO against the reward model (each seed's run at each beta, with and without the KL term on one plot,
+    its path through (sqrt(KL), gold) evaluation by evaluation, its end marked, beta = 0's peaks starred; and the
+    head-only reward model's run, dashed); and the buggy verifier's run (its reward and the gold score against
+    steps)."""
     plt = pyplot_for(path)
     seeds = result["per_seed"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -964,7 +968,7 @@ def plot(result: dict, path=None):
     for i, s in enumerate(seeds if "head_only" in seeds[0] else []):
         evals = s["head_only"]["run"]["evals"]
         ax.plot([max(e["kl"], 0.0) ** 0.5 for e in evals], [e["gold"] for e in evals], ls="--", marker=".", lw=1,
-                alpha=0.6, color="tab:purple", label="head-only control, beta = 0" if i == 0 else None)
+                alpha=0.6, color="tab:purple", label="head-only reward model (retrained), beta = 0" if i == 0 else None)
     ax.set_xlabel("sqrt(KL(policy || reference)), nats per completion")
     ax.set_ylabel("gold (exact verifier)")
     ax.set_title("GRPO against the reward model", fontsize=10)
@@ -1141,8 +1145,9 @@ def leash_figures(result: dict) -> dict:
                                           **paired_statistics(differences)})
             low, high = min(leash["betas"]), max(leash["betas"])
             if high != low:
-                out["beta_against_beta"].append({"lr": lr, "place": place, "high": high, "low": low, **paired_statistics(
-                    [h["gold"] - l["gold"] for h, l in zip(ends[high], ends[low])])})
+                differences = [h["gold"] - l["gold"] for h, l in zip(ends[high], ends[low])]
+                out["beta_against_beta"].append({"lr": lr, "place": place, "high": high, "low": low,
+                                                 **paired_statistics(differences)})
     return out
 
 
