@@ -225,7 +225,8 @@ def hacking_claims() -> dict:
                              f"(KL {_fixed(best[-1]['kl'], 2)}, the formula {_fixed(best[-1]['kl_formula'], 2)})",
         "its rise and fall": f"the rise is {_pm(rise['diff'], rise['se'])} points and the fall "
                              f"{_pm(fall['diff'], fall['se'])} (`best_of_n_fall`), "
-                             + _if(rise["resolved"] and fall["resolved"], "each resolved, ")
+                             + _if(rise["resolved"] and fall["resolved"] and fall["margin"] == 2,
+                                   "each resolved (more than twice its standard error, `resolved` in the JSON), ")
                              + _if(all(s["diff"] > fall["margin"] * s["se"] for s in fall["per_seed"]),
                                    "the fall in every seed"),
         "the frozen likelihood": f"likelihood rises {_pm(likelihood['diff'], likelihood['se'])} points "
@@ -476,7 +477,8 @@ def data_sweep_claims() -> dict:
         "best-of-n's peaks": "(" + ", ".join(_pct(s["peak"]["gold"]) for s in sizes) + ")",
         "best-of-n's falls": _and(_pm(s["best_of_n_fall"]["diff"], s["best_of_n_fall"]["se"]) for s in sizes)
                              + " points",
-        "every fall resolved": _if(all(s["best_of_n_fall"]["resolved"] for s in sizes), "each resolved"),
+        "every fall resolved": _if(all(s["best_of_n_fall"]["resolved"] and s["best_of_n_fall"]["margin"] == 2
+                                       for s in sizes), "each resolved (more than twice its standard error)"),
         "a real GRPO peak in every seed": _if(all(s["rl_peak"]["peak_in_every_seed"] for s in sizes),
                                               "a real peak in every seed of every size"),
         "GRPO's peaks": _and(_pct_span([p["peak"]["gold"] for p in s["rl_peak"]["per_seed"]]) for s in sizes),
