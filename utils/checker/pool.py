@@ -51,10 +51,6 @@ def name_of(model) -> str | None:
     return next((name for name, held in _pool.models.items() if held is model), None)
 
 
-def is_loaded(name: str = "tiny") -> bool:
-    return name in _pool.models
-
-
 def forget() -> None:
     """Drop the shared models (the next use loads them again): for tests of the checker that load it themselves."""
     _pool.models, _pool.pristine = {}, {}

@@ -577,10 +577,6 @@ def _compare_call(impl_fn: Callable, ref_fn: Callable, arguments: dict[str, obje
         assert_no_aliases(got, given, what)
 
 
-def _describe(arguments: dict[str, object], name: str) -> str:
-    return f"{name}={arguments[name]!r}"
-
-
 # --- empty masks --------------------------------------------------------------------------------------------
 
 def assert_empty_masks(impl_fn: Callable, ref_fn: Callable, arguments: dict[str, object], masks: list[str], *,
