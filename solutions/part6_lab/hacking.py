@@ -1120,14 +1120,21 @@ def leash_figures(result: dict) -> dict:
     standard error and 95% t-interval (paired_statistics; a seed whose unleashed run never reached the KL is counted
     under "unreached" and leaves no interval). Gao et al.'s finding is a difference of 0: the penalty acts like
     stopping early. And for each learning rate and place, the largest beta's end gold minus the smallest's, paired the
-    same way."""
+    same way.
+
+    Beside each, the stricter reading ("versus_best"): the penalised end against the best gold the unleashed run
+    showed at any evaluation with a KL no larger, stopping chosen in hindsight; the best of many noisy evaluations
+    is biased upwards, in the unleashed run's favour. And the unleashed runs' paths, (step, KL, gold) after every
+    step, per learning rate and seed ("unleashed_paths")."""
     from solutions.part6_lab.length_bias import paired_statistics
 
     leash, seeds = result["leash"], result["per_seed"]
     out: dict = {"seeds": [s["seed"] for s in seeds], "held_accuracy": [round(s["held_accuracy"], 4) for s in seeds],
-                 "matched_kl": [], "beta_against_beta": []}
+                 "matched_kl": [], "beta_against_beta": [], "unleashed_paths": {}}
     for lr in leash["lrs"]:
         unleashed = [s["runs"][f"lr={lr:g} unleashed"] for s in seeds]
+        out["unleashed_paths"][f"{lr:g}"] = [[[e["step"], round(e["kl"], 4), round(e["gold"], 4)] for e in path]
+                                             for path in unleashed]
         for place in leash["places"]:
             ends = {}
             for beta in leash["betas"]:
@@ -1135,14 +1142,19 @@ def leash_figures(result: dict) -> dict:
                 per_seed = []
                 for end, path in zip(ends[beta], unleashed):
                     early = gold_at_kl(path, end["kl"])
+                    best = max(e["gold"] for e in path if e["kl"] <= end["kl"] or e is path[0])
                     per_seed.append({"kl": round(end["kl"], 4), "gold": round(end["gold"], 4),
                                      "unleashed_gold_at_kl": None if early is None else round(early, 4),
-                                     "difference": None if early is None else round(end["gold"] - early, 4)})
+                                     "difference": None if early is None else round(end["gold"] - early, 4),
+                                     "unleashed_best_at_or_below_kl": round(best, 4),
+                                     "difference_to_best": round(end["gold"] - best, 4)})
                 differences = [math.nan if p["difference"] is None else p["difference"] for p in per_seed]
                 out["matched_kl"].append({"lr": lr, "place": place, "beta": beta, "per_seed": per_seed,
                                           "unreached": sum(p["difference"] is None for p in per_seed),
                                           "unleashed_max_kl": [round(max(e["kl"] for e in p), 4) for p in unleashed],
-                                          **paired_statistics(differences)})
+                                          **paired_statistics(differences),
+                                          "versus_best": paired_statistics([p["difference_to_best"]
+                                                                            for p in per_seed])})
             low, high = min(leash["betas"]), max(leash["betas"])
             if high != low:
                 differences = [h["gold"] - l["gold"] for h, l in zip(ends[high], ends[low])]

@@ -383,6 +383,11 @@ def test_leash_figures_pair_each_penalised_end_with_the_unleashed_run_at_its_kl(
                  torch.tensor([0.05, 0.02 / 3 ** 0.5, 0.05 - 4.303 * 0.02 / 3 ** 0.5, 0.05 + 4.303 * 0.02 / 3 ** 0.5]),
                  "the paired difference over seeds: mean, standard error, 95% t-interval", atol=2e-4)
     assert_equal((two["unreached"], two["ci95"]), (1, None), "a seed whose unleashed run never reached the KL")
+    assert_equal([p["unleashed_best_at_or_below_kl"] for p in half["per_seed"]], [0.2, 0.2, 0.2],
+                 "the best the unleashed run showed at an evaluation with KL 0.5 or less: its start")
+    assert_close(torch.tensor(half["versus_best"]["mean"]), torch.tensor(0.15), "the end against that best",
+                 atol=1e-4)
+    assert_equal(len(figures["unleashed_paths"]["0.001"][0]), 3, "each seed's unleashed path, every evaluation")
     (versus,) = figures["beta_against_beta"]
     assert_close(torch.tensor(versus["mean"]), torch.tensor(-0.05), "beta 2's end gold minus beta 0.5's", atol=1e-4)
 
