@@ -445,6 +445,36 @@ def matched_kl_claims() -> dict:
         low, high = versus["ci95"]
         claims[f"beta {versus['high']:g} minus beta {versus['low']:g}, {versus['place']}, lr {versus['lr']:g}"] = \
             f"{_pts(versus['mean'], sign=True)} [{_pts(low, sign=True)}, {_pts(high, sign=True)}]"
+
+    # the stricter reading: against the unleashed run's best evaluation at that KL or less
+    loose = [m for m in matched if m["place"] == "reward_k1" and m["beta"] == 0.5]  # the loosest leash tried
+    held = [m for m in matched if m not in loose]
+    paths = figures["unleashed_paths"]
+    evaluations = {len(path) for runs in paths.values() for path in runs}
+    assert len(evaluations) == 1, f"the unleashed runs differ in their number of evaluations: {evaluations}"
+
+    def beyond_the_best(m: dict) -> int:  # seeds whose end KL is beyond the KL of the unleashed run's best evaluation
+        best = [max(path, key=lambda e: e[2]) for path in paths[f"{m['lr']:g}"]]  # [step, kl, gold]
+        return sum(p["kl"] > b[1] for p, b in zip(m["per_seed"], best))
+
+    def paired(stats: dict) -> str:
+        return (f"{_pts(stats['mean'], sign=True)} [{_pts(stats['ci95'][0], sign=True)}, "
+                f"{_pts(stats['ci95'][1], sign=True)}]")
+
+    claims |= {
+        "the evaluations of an unleashed run": f"any of its {evaluations.pop()} evaluations with no more KL",
+        "the held leashes against the best": f"still ended higher, by "
+                                             f"{_pts(min(m['versus_best']['mean'] for m in held))} to "
+                                             f"{_pts(max(m['versus_best']['mean'] for m in held))} points, "
+                                             + _if(all(m["versus_best"]["ci95"][0] > 0 for m in held),
+                                                   "every interval clear of 0"),
+        "the loosest leash's KL": f"(KL {_span([p['kl'] for m in loose for p in m['per_seed']], 2)} at the end",
+        "the loosest leash past the best": f"in {' and '.join(str(beyond_the_best(m)) for m in loose)} seeds of "
+                                           f"{len(figures['seeds'])} at the two learning rates",
+        "the loosest leash against the best": _if(all(m["versus_best"]["ci95"][0] < 0 < m["versus_best"]["ci95"][1]
+                                                      for m in loose), "it ended level with that best (")
+                                              + " and ".join(paired(m["versus_best"]) for m in loose) + ")",
+    }
     return claims
 
 

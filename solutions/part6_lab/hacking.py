@@ -1165,16 +1165,21 @@ def leash_figures(result: dict) -> dict:
 
 def leash_table(figures: dict) -> list[str]:
     """leash_figures' comparison as the rows of docs/lab.md's table (lr, KL term, beta, the seeds' range of KL at the
-    end, mean gold at the end, the paired difference ± its standard error in points, its 95% interval, how many seeds
-    were above): the page's figures are built from the JSON, and a test holds the page to them."""
+    end, mean gold at the end; then, against the unleashed run at that KL and against its best at that KL or less,
+    the paired difference ± its standard error in points, its 95% interval, how many seeds were above): the page's
+    figures are built from the JSON, and a test holds the page to them."""
     places = {"loss_k3": "k3 in the loss", "reward_k1": "k1 in the reward"}
+
+    def paired(stats: dict, seeds: int) -> str:
+        low, high = stats["ci95"] if stats["ci95"] else (math.nan, math.nan)
+        return (f"{100 * stats['mean']:+.1f} ± {100 * stats['standard_error']:.1f} | [{100 * low:+.1f}, "
+                f"{100 * high:+.1f}] | {stats['positive']} of {seeds}").replace("-", "−")
+
     rows = []
     for m in figures["matched_kl"]:
-        kl, gold = [p["kl"] for p in m["per_seed"]], [p["gold"] for p in m["per_seed"]]
-        low, high = m["ci95"] if m["ci95"] else (math.nan, math.nan)
+        kl, gold, n = [p["kl"] for p in m["per_seed"]], [p["gold"] for p in m["per_seed"]], len(m["per_seed"])
         rows.append(f"| {m['lr']:g} | {places[m['place']]} | {m['beta']:g} | {min(kl):.2f}–{max(kl):.2f} | "
-                    f"{100 * _mean(gold):.1f}% | {100 * m['mean']:+.1f} ± {100 * m['standard_error']:.1f} | "
-                    f"[{100 * low:+.1f}, {100 * high:+.1f}] | {m['positive']} of {len(m['per_seed'])} |")
+                    f"{100 * _mean(gold):.1f}% | {paired(m, n)} | {paired(m['versus_best'], n)} |")
     return rows
 
 
