@@ -648,27 +648,31 @@ def test_the_numbers_not_stored_are_still_on_the_page():
 NUMBER = re.compile(r"(?<![\w.])(?:\d{4}-\d\d-\d\d|\d+(?:,\d{3})*(?:\.\d+)?(?:e-\d+)?%?)")
 
 
-def where_each_number_comes_from() -> list[tuple[str, str, str | None]]:
-    """Each number of the page's prose outside code spans: (the number, its context, the first kind of phrase it lies
-    in: "setting", "checked" (a phrase a test builds from the stored figures, or a row of the matched-KL table) or
-    "not stored"; None when it lies in none)."""
-    phrases = {"setting": SETTINGS,
-               "checked": [phrase for claims in CLAIMS for phrase in claims().values()]
-                          + leash_table(_leash()["leash"]),
-               "not stored": list(NOT_STORED)}
-    found = {kind: [m.span() for phrase in those for m in re.finditer(re.escape(phrase), PROSE)]
+def numbers_by_source(prose: str, phrases: dict[str, list[str]]) -> list[tuple[str, str, str | None]]:
+    """Each number of `prose` outside code spans: (the number, its context, the first kind of `phrases` ({kind: the
+    phrases}, in order) that has a phrase it lies in; None when it lies in none)."""
+    found = {kind: [m.span() for phrase in those for m in re.finditer(re.escape(phrase), prose)]
              for kind, those in phrases.items()}
-    code = [m.span() for m in re.finditer(r"`[^`]*`", PROSE)]
+    code = [m.span() for m in re.finditer(r"`[^`]*`", prose)]
 
     def inside(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
         return any(start <= span[0] and span[1] <= end for start, end in spans)
 
     numbers = []
-    for m in NUMBER.finditer(PROSE):
+    for m in NUMBER.finditer(prose):
         if not inside(m.span(), code):
             kind = next((kind for kind, spans in found.items() if inside(m.span(), spans)), None)
-            numbers.append((m[0], PROSE[max(0, m.start() - 50):m.end() + 30], kind))
+            numbers.append((m[0], prose[max(0, m.start() - 50):m.end() + 30], kind))
     return numbers
+
+
+def where_each_number_comes_from() -> list[tuple[str, str, str | None]]:
+    """Each number of the page's prose: "setting", "checked" (a phrase a test builds from the stored figures, or a
+    row of the matched-KL table), "not stored", or None (numbers_by_source)."""
+    return numbers_by_source(PROSE, {"setting": SETTINGS,
+                                     "checked": [phrase for claims in CLAIMS for phrase in claims().values()]
+                                                + leash_table(_leash()["leash"]),
+                                     "not stored": list(NOT_STORED)})
 
 
 def test_every_number_on_the_page_says_where_it_comes_from():
