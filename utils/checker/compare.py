@@ -61,7 +61,8 @@ DETAIL = "\n[detail] "
 GUESS = re.compile(r"\b(usually|probably|perhaps|maybe|typically|often)\b|\?(\s|\)|$)", re.IGNORECASE)
 
 
-NO_PATTERN = "values differ, with no simple pattern"  # the difference found nothing to say but where it is largest
+NO_PATTERN = "values differ, with none of the patterns the checker looks for"  # nothing to say but where they differ
+# most: a claim about the checker's search, not that the values have no pattern (one factor per value, a count, may)
 GRADIENT_OF = "the gradient of "  # how a comparison of gradients names what it compares (properties.py, the tests)
 RESEMBLES = "It equals what you get when"  # a test's `resembles` that the learner's value equals
 
@@ -635,7 +636,7 @@ def assert_close(actual: object, expected: object, what: str, *, mask: Tensor | 
         change = transforms.explain(actual, expected, atol, rtol) if _finite_differences(actual, expected, atol,
                                                                                          rtol) else None
         if change:
-            if NO_PATTERN in problem:  # the change is the pattern: the count stays, "no simple pattern" goes
+            if NO_PATTERN in problem:  # the change is the pattern: the count stays, the "none of the patterns" goes
                 problem = problem.split(f", {NO_PATTERN.split(', ', 1)[1]}")[0]
             problem += f"; {change}"
         parted = departure.where(actual, expected, atol, rtol) if values_wrong and not bare else None

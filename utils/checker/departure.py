@@ -27,8 +27,9 @@ The departure is the first call on the path (in the order they ran) that
   the departure was only a correct step written another way than the reference's).
 
 The sentence says "From line N (...) on, your code computes values the reference never does", that line's tensor
-inputs, the Python numbers it reads that no torch call of the reference reads (computed outside torch's sight, such
-as `1 / 2 * beta`, they may be where the values part), and, where one of the reference's values is near, how it differs. Each part is true by construction: a correct line
+inputs, the Python numbers it reads that no torch call of the reference reads, whole numbers left out (computed outside
+torch's sight, such as `1 / 2 * beta`, they may be where the values part; an exponent 2 or a + 1 is in correct code
+too: a reference that calls .std() reads no 2), and, where one of the reference's values is near, how it differs. Each part is true by construction: a correct line
 written another way than the reference's can only make it point earlier than the mistake. Nothing is said when the
 replay of the learner's function does not return the value the test compared, or when no call qualifies.
 """
@@ -327,7 +328,8 @@ def _where(actual: object, expected: object, atol: float, rtol: float) -> str | 
         inputs = (f"that line's tensor inputs, line {ops[max(elsewhere)].line}'s values, it computes too" if elsewhere
                   else "that line's tensor inputs it computes too" if given
                   else "that line's tensor inputs are your function's arguments")
-        theirs_only = [x for x in ops[op].numbers if not any(math.isclose(x, y, rel_tol=1e-6) for y in used)]
+        theirs_only = [x for x in ops[op].numbers if x != round(x)  # a whole number (an exponent 2, a + 1, a
+                       and not any(math.isclose(x, y, rel_tol=1e-6) for y in used)]  # dimension) is in correct code too
         numbers = list(dict.fromkeys(_number(x) for x in theirs_only))
         if numbers:  # a number computed in Python is out of torch's sight: one the reference never reads is said
             inputs += (f"; it also reads the number{'s' if len(numbers) > 1 else ''} {', '.join(numbers[:3])}, which "
