@@ -389,3 +389,29 @@ def test_a_registered_slip_is_named_whatever_the_learner_did_with_the_documented
     assert ("raises the documented error where your version returns" in out) is not refuses, out
     first = out.split("\n  test_", 1)[1]
     assert "should raise" not in first.split("\n  Also failing")[0], out  # the slip's own failure first
+
+
+def test_an_exception_from_the_learners_code_says_the_line_of_theirs_that_raised_it():
+    """A learner's function that raises (here inside torch, from their own line) fails with what was raised and the
+    line of their code it came from, read off the traceback; a callable without source of its own (a class) gets no
+    line, and neither does an exception raised before the learner's code ran."""
+    import inspect
+
+    from tests.support import calling
+    from utils.checker.compare import CheckFailure
+
+    def merge(weight, delta):
+        weight = weight.clone()
+        weight += delta  # the line that raises
+        return weight
+
+    line = inspect.getsourcelines(merge)[1] + 2
+    with pytest.raises(CheckFailure) as failure:
+        calling(merge, torch.zeros(16, 64), torch.zeros(64, 16), what="merge(weight, delta)")
+    said = str(failure.value)
+    assert "raised RuntimeError: The size of tensor a (64) must match" in said, said
+    assert said.rstrip(".").endswith(f"; your code raised it at line {line} (`weight += delta`)"), said
+
+    with pytest.raises(CheckFailure) as failure:
+        calling(torch.nn.Linear, "sixteen", 4, what="Linear(...)")  # raised inside torch: no line of the learner's
+    assert "your code raised it" not in str(failure.value), str(failure.value)
