@@ -77,8 +77,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--leash", action="store_true",
                         help="instead of the experiments: beta against early stopping at matched KL, the KL term in "
                              "the loss and in the reward, at two learning rates, over 10 seeds (--seeds to change; "
-                             "about half an hour)")
+                             "about 10 minutes on 2 cores)")
     args = parser.parse_args(argv)
+    instead = [flag for flag, given in (("--leash", args.leash), ("--rm-pairs-per-prompt", args.rm_pairs_per_prompt),
+                                        ("--only", args.only)) if given]
+    if len(instead) > 1:
+        parser.error(f"{' and '.join(instead)} choose different runs: give one of them")
 
     smoke = bool(os.environ.get("RLHF_SMOKE"))
     if args.leash:

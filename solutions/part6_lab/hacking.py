@@ -214,15 +214,20 @@ def preference_triples(policy, additions: list[tuple[int, int]], group: int, max
     prompts = [addition_prompt(a, b) for a, b in additions]
     torch.manual_seed(seed)
     out = sample(policy, [p for p in prompts for _ in range(group)], max_new_tokens=max_new_tokens)
+    return [(prompt, right[0], rng.choice(wrong)) for prompt, right, wrong in _right_and_wrong(out, prompts, group)
+            if right and wrong]
+
+
+def _right_and_wrong(out, prompts: list[str], group: int) -> list[tuple[str, list[str], list[str]]]:
+    """For each prompt of `out` (its `group` samples in a row), its distinct right and distinct wrong answers, in the
+    order sampled, as the exact verifier judges them."""
     gold = reward_exact_answer(out.prompts, out.texts)
-    triples = []
+    found = []
     for i, prompt in enumerate(prompts):
         rows = range(i * group, (i + 1) * group)
-        right = [out.texts[r] for r in rows if gold[r] == 1.0]
-        wrong = list(dict.fromkeys(out.texts[r] for r in rows if gold[r] == 0.0))
-        if right and wrong:
-            triples.append((prompt, right[0], rng.choice(wrong)))
-    return triples
+        found.append((prompt, list(dict.fromkeys(out.texts[r] for r in rows if gold[r] == 1.0)),
+                      list(dict.fromkeys(out.texts[r] for r in rows if gold[r] == 0.0))))
+    return found
 
 
 def proxy_scores(reward_model_scores, rm, head, prompts: list[str], completions: list[str]) -> Tensor:
@@ -255,9 +260,14 @@ def head_only_scores(reward_model_scores, rm, head, prompts: list[str], completi
 def likelihood_term_scores(reward_model_scores, rm, head, prompts: list[str], completions: list[str]) -> Tensor:
     """The trained reward model's likelihood term alone: the first half of proxy_scores, from the same forward pass of
     the same trained `rm`, without the head's correction (`head` and `reward_model_scores` are not used)."""
-    ids, mask = reward_model_batch(rm.tokenizer, prompts, completions, rm.cfg.device)
-    prompt_len = tokenize_prompts(rm.tokenizer, prompts, rm.cfg.device)[0].shape[1]
-    return completion_log_likelihood(rm(ids, attention_mask=mask), ids, mask, prompt_len)
+    return _log_likelihood(rm, prompts, completions)
+
+
+def _log_likelihood(model, prompts: list[str], completions: list[str]) -> Float[Tensor, "batch"]:
+    """Each completion's log-likelihood under `model` (summed over the completion and its EOS), one forward pass."""
+    ids, mask = reward_model_batch(model.tokenizer, prompts, completions, model.cfg.device)
+    prompt_len = tokenize_prompts(model.tokenizer, prompts, model.cfg.device)[0].shape[1]
+    return completion_log_likelihood(model(ids, attention_mask=mask), ids, mask, prompt_len)
 
 
 PROXY_TERMS = {"likelihood_term": likelihood_term_scores, "head_term": head_only_scores}  # proxy_scores' two terms:
@@ -270,9 +280,7 @@ def policy_likelihood(policy):
     grows: a pull towards the policy's mode and nothing else."""
     @torch.no_grad()
     def score(prompts: list[str], completions: list[str]) -> list[float]:
-        ids, mask = reward_model_batch(policy.tokenizer, prompts, completions, policy.cfg.device)
-        prompt_len = tokenize_prompts(policy.tokenizer, prompts, policy.cfg.device)[0].shape[1]
-        return completion_log_likelihood(policy(ids, attention_mask=mask), ids, mask, prompt_len).tolist()
+        return _log_likelihood(policy, prompts, completions).tolist()
     return score
 
 
@@ -327,7 +335,11 @@ def train_reward_model(triples, cfg: HackingConfig, seed: int, bradley_terry_los
 
 def _batches(triples: list, cfg: HackingConfig, rng: random.Random):
     """The reward model's batches: cfg.rm_epochs passes over the pairs, each in a new order; or, with cfg.rm_steps,
-    that many batches, the passes going on (each in a new order) until they are made."""
+    that many batches, the passes going on (each in a new order) until they are made. Raises ValueError on no pairs
+    (with rm_steps, passes over nothing would never make a batch)."""
+    if not triples:
+        raise ValueError("no preference pairs to train the reward model on: sample more answers per prompt (a pair "
+                         "needs a right and a wrong one) or more prompts")
     made = 0
     for _ in range(cfg.rm_epochs if cfg.rm_steps is None else 10 ** 9):
         order = rng.sample(triples, len(triples))
@@ -339,12 +351,10 @@ def _batches(triples: list, cfg: HackingConfig, rng: random.Random):
 
 
 def reward_model_reward(reward_model_scores, rm, head, scorer=proxy_scores):
-    """The reward model as a GRPO reward function: (prompts, completions) -> one score each, batched, no gradient.
-    The model and head it reads are kept on it (.rm, .head)."""
+    """The reward model as a GRPO reward function: (prompts, completions) -> one score each, batched, no gradient."""
     @torch.no_grad()
     def proxy(prompts: list[str], completions: list[str]) -> list[float]:
         return scorer(reward_model_scores, rm, head, prompts, completions).tolist()
-    proxy.rm, proxy.head = rm, head
     return proxy
 
 
@@ -569,7 +579,8 @@ def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_ter
     for seed in seeds:
         base = load_model("tiny")
         judge = reward_model_for_seed(base, cfg, seed, bradley_terry_loss, reward_model_scores, cfg.head_only)
-        proxy = reward_model_reward(reward_model_scores, judge.pop("rm"), judge.pop("head"))
+        rm, head = judge.pop("rm"), judge.pop("head")
+        proxy = reward_model_reward(reward_model_scores, rm, head)
         pool = answer_pool(base, bon_prompts, cfg.bon_samples, cfg.max_new_tokens, seed)
         best_of_n = best_of_n_curve(pool, proxy, cfg.bon_ns)
         control = {sigma: best_of_n_curve(pool, noisy_gold(sigma, seed), cfg.bon_ns) for sigma in cfg.sigmas}
@@ -577,7 +588,7 @@ def run(seeds: list[int], smoke: bool = False, *, bradley_terry_loss=bradley_ter
         runs = {beta: grpo_run(base, proxy, "proxy", cfg, seed, beta, cfg.lr, eval_prompts, bar) for beta in cfg.betas}
         buggy = grpo_run(base, reward_every_number_right, "buggy", cfg, seed, 0.0, cfg.buggy_lr,
                          eval_prompts, bar)
-        terms = {term: best_of_n_curve(pool, reward_model_reward(reward_model_scores, proxy.rm, proxy.head, scorer),
+        terms = {term: best_of_n_curve(pool, reward_model_reward(reward_model_scores, rm, head, scorer),
                                        cfg.bon_ns) for term, scorer in PROXY_TERMS.items()}
         row = {"seed": seed, **judge, "best_of_n": best_of_n, "proxy_terms": terms, "control": control,
                "likelihood_only": likelihood_only, "runs": runs, "buggy": buggy}
@@ -625,11 +636,7 @@ def pairs_by_prompt(policy, additions: list[tuple[int, int]], group: int, max_ne
     for start in range(0, len(prompts), 32):  # 32 prompts' samples at a time
         chunk = prompts[start:start + 32]
         out = sample(policy, [p for p in chunk for _ in range(group)], max_new_tokens=max_new_tokens)
-        gold = reward_exact_answer(out.prompts, out.texts)
-        for i, prompt in enumerate(chunk):
-            rows = range(i * group, (i + 1) * group)
-            right = list(dict.fromkeys(out.texts[r] for r in rows if gold[r] == 1.0))
-            wrong = list(dict.fromkeys(out.texts[r] for r in rows if gold[r] == 0.0))
+        for prompt, right, wrong in _right_and_wrong(out, chunk, group):
             found.append(rng.sample([(prompt, c, r) for c in right for r in wrong], len(right) * len(wrong)))
     return found
 

@@ -542,6 +542,11 @@ def test_the_rm_pairs_flag_refuses_a_reward_model_without_pairs(capsys):
         main(["--rm-pairs-per-prompt", "1", "0"])
     expect(">= 1" in capsys.readouterr().err, "python -m solutions.part6_lab --rm-pairs-per-prompt 0",
            "a refusal that names the smallest size allowed")
+    with pytest.raises(SystemExit):  # two runs asked for at once: refused, not one of them run silently
+        main(["--leash", "--rm-pairs-per-prompt", "1"])
+    said = capsys.readouterr().err
+    expect("--leash and --rm-pairs-per-prompt choose different runs" in said, "python -m solutions.part6_lab --leash "
+           "--rm-pairs-per-prompt 1", "a refusal that names both flags", observed=said)
 
 
 def test_a_reward_model_with_fixed_steps_makes_exactly_that_many_whatever_the_pairs():
@@ -557,6 +562,9 @@ def test_a_reward_model_with_fixed_steps_makes_exactly_that_many_whatever_the_pa
     assert_equal(sorted(fixed[0] + fixed[1] + fixed[2]), pairs, "each pass takes every pair once")
     epochs = list(_batches(pairs, HackingConfig(rm_batch=4, rm_epochs=2), random.Random(0)))
     assert_equal(len(epochs), 6, "2 passes of 3 batches")
+    error = assert_raises(ValueError, lambda: list(_batches([], HackingConfig(rm_steps=7), random.Random(0))),
+                          what="_batches of no pairs with rm_steps", why="passes over nothing would never end")
+    expect("no preference pairs" in str(error), "_batches", "a refusal that says what is missing", observed=str(error))
 
 
 @pytest.mark.slow
