@@ -37,8 +37,8 @@ from tqdm import tqdm
 
 from utils import cli
 from utils.checker import summary
-from utils.checker.grading import (DEFAULT_CELL_TIMEOUT_S, DEFAULT_CHECK_TIMEOUT_S, DEFAULT_CPU_LIMIT_S,
-                                   DEFAULT_MEMORY_LIMIT_GIB, DEFAULT_TIMEOUT_S, Graded, grade_notebook)
+from utils.checker.grading import (DEFAULT_CPU_LIMIT_S, DEFAULT_MEMORY_LIMIT_GIB, Graded, add_time_limits,
+                                   grade_notebook)
 from utils.checker.layout import exercise_names, exercise_points
 
 CSV_FIELDS = ["learner", "part", "exercise", "passed", "total", "status", "points", "mistake", "explanation", "note",
@@ -239,12 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m utils.grade", description=__doc__.splitlines()[0])
     parser.add_argument("submissions", nargs="+", type=Path, help="notebooks, or folders of them")
     parser.add_argument("--out", type=Path, required=True, help="the folder to write the report to")
-    parser.add_argument("--timeout", type=cli.above(0.0, "a time limit"),
-                        default=DEFAULT_TIMEOUT_S, help="seconds for one whole notebook")
-    parser.add_argument("--cell-timeout", type=cli.above(0.0, "a time limit"),
-                        default=DEFAULT_CELL_TIMEOUT_S, help="seconds for one cell")
-    parser.add_argument("--check-timeout", type=cli.above(0.0, "a time limit"), default=DEFAULT_CHECK_TIMEOUT_S,
-                        help="seconds for one exercise's tests")
+    add_time_limits(parser)
     parser.add_argument("--memory-limit", type=cli.above(0.0, "a memory limit"), default=DEFAULT_MEMORY_LIMIT_GIB,
                         help="GiB of data one notebook's process may allocate (default %(default)g)")
     parser.add_argument("--cpu-limit", type=cli.above(0.0, "a time limit"), default=DEFAULT_CPU_LIMIT_S,

@@ -17,10 +17,8 @@ from pathlib import Path
 from tabulate import tabulate
 from tqdm import tqdm
 
-from utils import cli
 from utils.checker import summary
-from utils.checker.grading import (DEFAULT_CELL_TIMEOUT_S, DEFAULT_CHECK_TIMEOUT_S, DEFAULT_TIMEOUT_S, Graded,
-                                   grade_notebook)
+from utils.checker.grading import Graded, add_time_limits, grade_notebook
 from utils.checker.layout import CHAPTERS
 
 
@@ -42,12 +40,7 @@ def render(graded: list[Graded]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m utils.progress", description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="saved notebooks (default: chapters/part*.ipynb)")
-    parser.add_argument("--timeout", type=cli.above(0.0, "a time limit"),
-                        default=DEFAULT_TIMEOUT_S, help="seconds for one whole notebook")
-    parser.add_argument("--cell-timeout", type=cli.above(0.0, "a time limit"),
-                        default=DEFAULT_CELL_TIMEOUT_S, help="seconds for one cell")
-    parser.add_argument("--check-timeout", type=cli.above(0.0, "a time limit"), default=DEFAULT_CHECK_TIMEOUT_S,
-                        help="seconds for one exercise's tests")
+    add_time_limits(parser)
     args = parser.parse_args(argv)
     notebooks = args.notebooks or sorted(CHAPTERS.glob("part*.ipynb"))
     missing = [str(p) for p in notebooks if not p.is_file()]

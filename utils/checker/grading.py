@@ -24,6 +24,7 @@ try:
 except ImportError:
     resource = None
 
+from utils import cli
 from utils.checker import summary
 from utils.checker.layout import (CHAPTERS, ROOT, built_parts, defined_names, exercise_names, imported_names,
                                   notebook_cells, part_of)
@@ -39,6 +40,14 @@ DEFAULT_MEMORY_LIMIT_GIB = 4.0
 # CPU seconds of the worker, all its threads together (RLIMIT_CPU): a backstop for code that escapes the wall-clock
 # limits; four times the notebook's default wall-clock limit, since torch computes on several cores at once.
 DEFAULT_CPU_LIMIT_S = 4 * DEFAULT_TIMEOUT_S
+
+
+def add_time_limits(parser) -> None:
+    """The three time limits that `python -m utils.progress` and `python -m utils.grade` both take."""
+    for flag, default, what in (("--timeout", DEFAULT_TIMEOUT_S, "one whole notebook"),
+                                ("--cell-timeout", DEFAULT_CELL_TIMEOUT_S, "one cell"),
+                                ("--check-timeout", DEFAULT_CHECK_TIMEOUT_S, "one exercise's tests")):
+        parser.add_argument(flag, type=cli.above(0.0, "a time limit"), default=default, help=f"seconds for {what} (default %(default)g)")
 PROXIES = ("http_proxy", "https_proxy", "ftp_proxy", "all_proxy", "no_proxy")
 
 
