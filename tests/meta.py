@@ -27,7 +27,7 @@ from utils.checker.layout import exercise_names, makes_tests, marked_in_source, 
 from utils.checker.notebook import report
 from utils.checker.registry import KINDS, explanation_line, kind_of, registry_of
 from utils.checker.runner import run_exercise_tests
-from utils.checker.usage import usage_of
+from tests.usage import usage_of
 
 
 def marks_by_module(part: str) -> dict[str, set[str]]:

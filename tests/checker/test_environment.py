@@ -21,7 +21,7 @@ from utils.checker.plugin import UnderTest
 from utils.checker.layout import ROOT
 from utils.checker.registry import explanation, registry_of
 from utils.checker.shapes import checked_like
-from utils.checker.usage import usage_of
+from tests.usage import usage_of
 
 
 # --- never a false blame: what fails on the course's own solution here is the environment's ----------------------

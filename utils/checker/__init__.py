@@ -45,7 +45,6 @@ above it in this list (utils/checker/README.md: the path from check() to its mes
     worker.py           the process that checks one saved notebook: its definitions run, then each exercise's tests
     grading.py          one saved notebook checked in a worker, with a time limit (utils/progress.py, utils/grade.py)
     warm.py             `python -m utils.checker.warm --store DIR [parts]`: fill a store on purpose (a teacher, a grader)
-    usage.py            what the meta-test records of how the tests call a reference solution
 
 Tests import the assertions through `tests/support.py`. This file imports nothing, so that `layout` stays light.
 """
