@@ -4,6 +4,7 @@ and no module writes another module's globals (state passes through objects and 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from utils.checker.layout import ROOT
@@ -153,3 +154,18 @@ def test_the_write_finder_finds_a_write(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("from utils.checker import observe\nobserve._log = []\nobserve._log.append(1)\n")
     assert len(foreign_writes(sample, "sample")) == 2
+
+
+def test_the_checkers_module_list_is_complete_and_each_imports_only_modules_above_it():
+    """utils/checker/__init__.py lists the package's modules in an order: the list names each module once, and none
+    that is not there, and every module imports (at its top or inside a function) only modules listed above it."""
+    package = ROOT / "utils" / "checker"
+    listed = re.findall(r"^ {4}(\w+)\.py\b", (package / "__init__.py").read_text(), re.MULTILINE)
+    present = sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
+    assert sorted(listed) == present, (f"utils/checker/__init__.py's list: add {sorted(set(present) - set(listed))}, "
+                                       f"remove {sorted(set(listed) - set(present))}")
+    graph = import_graph()
+    for i, name in enumerate(listed):
+        below = {f"utils.checker.{m}" for m in listed[i:]}
+        upward = sorted(t for t in graph[f"utils.checker.{name}"] if t in below)
+        assert not upward, f"utils/checker/{name}.py imports {upward}, listed below it (or itself)"

@@ -20,8 +20,8 @@ above it in this list (utils/checker/README.md: the path from check() to its mes
     shapes.py           the reference's shape annotations (jaxtyping) checked at each call of whatever the checker
                         tests (`checked_like`), and the mark on the checker's own wrappers (`mark_wrapper`)
     properties.py       checks beyond values: gradients, inputs left alone, hooks cleaned up, seeds, refusals
-    trace.py            what a training loop did, in order (passes, zero_grad, backward, clip, steps), and where it
-                        first departs from the reference's
+    trace.py            what a training loop did, in order (passes, zero_grad, backward, clip, steps), recorded
+    trace_departure.py  where a loop's trace first parts from the reference's, and which value or call differs
     registry.py         the known wrong versions of each exercise, the kinds of mistake, the @mistake mark
     fingerprint.py      what one run of a test did, and when two runs are indistinguishable (no pytest in it)
     store.py            what the checker works out once for this code on this machine (the solution's passes, the
