@@ -45,7 +45,8 @@ from torch import Tensor
 
 from tests.battery import VALUES, _reference_of, _shape, _tensor_type
 from utils.checker import observe as observing
-from utils.checker.compare import CheckFailure, bare_failures, refusal_left_out, show
+from utils.checker.compare import CheckFailure, aside, bare_failures, refusal_left_out, show
+from utils.checker.departure import dtype_where, raised_at
 from utils.checker.properties import aliases, assert_inputs_unchanged, assert_no_aliases, assert_outputs_match
 
 # Examples drawn per exercise: about 0.2-1 s per exercise on the tiny tensors drawn here; a tenth of them with the
@@ -686,7 +687,7 @@ def _compare(fn, reference, case: Case, name: str) -> None:
                                    f"{str(refused)[:160]}); instead, {str(other)[:200]}") from None
             raise CheckFailure(f"{what}: expected a ValueError (the reference refuses this input: "
                                f"{str(refused)[:160]}), but it raised {type(other).__name__}: {str(other)[:200]}"
-                               ) from None
+                               f"{raised_at(fn, other)}") from None
         observing.observe(what, "returned")
         raise refusal_left_out(f"{what}: should raise a ValueError (the reference refuses this input: "
                            f"{str(refused)[:160]}), but it returned {show(got)}") from None
@@ -702,7 +703,7 @@ def _compare(fn, reference, case: Case, name: str) -> None:
     except (NotImplementedError, CheckFailure):
         raise
     except Exception as error:  # noqa: BLE001
-        raised = f"{type(error).__name__}: {_first_lines(str(error))}"
+        raised = f"{type(error).__name__}: {_first_lines(str(error))}{raised_at(fn, error)}"
         observing.observe(what, type(error).__name__)
     if raised is not None:  # raised here, out of the handler: no context chained, which hypothesis would compare
         raise CheckFailure(f"{what}: raised {raised}, where the reference returns {show(want)}")
@@ -752,9 +753,13 @@ def _assert_same_kind(got: object, want: object, what: str, case: Case) -> None:
             def kind(t):
                 return str(t.dtype).replace("torch.", "") + (f" on {t.device}" if g.device != w.device else "")
             inputs = str(_dtype_of(case)).replace("torch.", "")
-            raise CheckFailure(f"{label}: your result is {kind(g)}, the reference's {kind(w)} (from {inputs} inputs). "
-                               "Make new tensors with the inputs' dtype and device (torch.zeros_like(x), "
-                               "x.new_zeros(n)), and cast only where the reference does")
+            line = dtype_where(g, w) if g.device == w.device else None
+            raise CheckFailure(f"{label}: your result is {kind(g)}, the reference's {kind(w)} (from {inputs} inputs)."
+                               + (f" {line}" if line else "")
+                               + aside("Common causes: a tensor made without the inputs' dtype and device "
+                                       "(torch.zeros(n) where torch.zeros_like(x) or x.new_zeros(n) keeps them), or a "
+                                       "cast the reference does not make (.float(), mask.float(), torch.tensor(a "
+                                       "list))."))
 
 
 @contextlib.contextmanager

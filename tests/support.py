@@ -27,6 +27,7 @@ from utils.checker.properties import (assert_defaults_match, assert_gradients_ma
                                       assert_inputs_unchanged, assert_outputs_match, assert_raises,
                                       assert_reproducible)
 from utils.checker.registry import Exercise, Registry, mistake, only_on  # noqa: F401
+from utils.checker.departure import raised_at
 from utils.checker.trace import course_helpers, namespaces_of, reference_trace, tracing  # noqa: F401
 from utils.checker.trace_departure import assert_same_trace  # noqa: F401
 
@@ -110,26 +111,6 @@ def calling(fn, *args, what: str, explain=None, **kwargs):
         why = explain(text) if explain else ""
         expect(False, what, f"raised {text}{raised_at(fn, error)}{'. ' + why if why else ''}",
                observed=error_seen(error))
-
-
-def raised_at(fn, error: BaseException) -> str:
-    """Where in `fn`'s own source (its cell, or its module) `error` was raised, read off the traceback: the innermost
-    frame in fn's file, as "; your code raised it at line 17 (`weight += delta`)"; "" where no frame is in it (a
-    class, a builtin, an error raised before fn ran)."""
-    import inspect
-    import traceback
-
-    from utils.checker.departure import code_at
-    from utils.checker.shapes import target
-
-    code = getattr(inspect.unwrap(target(fn)), "__code__", None)
-    if code is None:
-        return ""
-    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == code.co_filename]
-    if not lines:
-        return ""
-    source = code_at(code.co_filename, lines[-1])
-    return f"; your code raised it at line {lines[-1]}" + (f" (`{source}`)" if source else "")
 
 
 def with_finding(message: str, finding: str) -> str:

@@ -391,27 +391,73 @@ def test_a_registered_slip_is_named_whatever_the_learner_did_with_the_documented
     assert "should raise" not in first.split("\n  Also failing")[0], out  # the slip's own failure first
 
 
-def test_an_exception_from_the_learners_code_says_the_line_of_theirs_that_raised_it():
-    """A learner's function that raises (here inside torch, from their own line) fails with what was raised and the
-    line of their code it came from, read off the traceback; a callable without source of its own (a class) gets no
-    line, and neither does an exception raised before the learner's code ran."""
-    import inspect
+LEARNERS_CELL = """import torch
 
+
+def merge(weight, delta):
+    weight = weight.clone()
+    weight += delta  # the line that raises
+    return weight
+
+
+def _gather(logprobs, ids):
+    return logprobs.gather(-1, ids)  # no unsqueeze: a RuntimeError, raised in a helper of theirs
+
+
+def get_logprobs(logits, tokens, prefix_len):
+    return _gather(torch.log_softmax(logits[:, prefix_len - 1:-1], dim=-1), tokens[:, prefix_len:])
+"""
+
+
+def learners_cell(source: str) -> dict:
+    """`source` run as a notebook cell is: under a file name of its own, its lines in linecache (as IPython keeps them)."""
+    import linecache
+
+    filename = "/tmp/ipykernel_0/cell_7.py"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace
+
+
+def test_an_exception_from_the_learners_code_says_the_line_of_theirs_that_raised_it():
+    """A learner's function that raises (here inside torch, from their own line, or from a helper of theirs while a
+    test runs it) fails with what was raised and the line of their code it came from, read off the traceback, on
+    every path a test takes (a test's own call, the drawn inputs, an uncaught error); a callable without source of
+    its own (a class) gets no line, nor does a function of the course's tests around theirs (a test's lambda), nor an
+    exception raised before the learner's code ran."""
     from tests.support import calling
     from utils.checker.compare import CheckFailure
+    from utils.checker.runner import run_exercise_tests
 
-    def merge(weight, delta):
-        weight = weight.clone()
-        weight += delta  # the line that raises
-        return weight
-
-    line = inspect.getsourcelines(merge)[1] + 2
+    cell = learners_cell(LEARNERS_CELL)
+    merge = cell["merge"]
     with pytest.raises(CheckFailure) as failure:
         calling(merge, torch.zeros(16, 64), torch.zeros(64, 16), what="merge(weight, delta)")
     said = str(failure.value)
     assert "raised RuntimeError: The size of tensor a (64) must match" in said, said
-    assert said.rstrip(".").endswith(f"; your code raised it at line {line} (`weight += delta`)"), said
+    assert said.rstrip(".").endswith("; your code raised it at line 6 (`weight += delta`)"), said
 
-    with pytest.raises(CheckFailure) as failure:
-        calling(torch.nn.Linear, "sixteen", 4, what="Linear(...)")  # raised inside torch: no line of the learner's
-    assert "your code raised it" not in str(failure.value), str(failure.value)
+    for fn in (torch.nn.Linear, lambda *args: merge(*args)):  # inside torch; a lambda of this file's around theirs
+        with pytest.raises(CheckFailure) as failure:
+            calling(fn, torch.zeros(16, 64), torch.zeros(64, 16), what="f(...)")
+        assert "your code raised it" not in str(failure.value), str(failure.value)
+
+    outcome = run_exercise_tests("part0_warmup", "get_logprobs", cell["get_logprobs"], diagnosis_budget=0,
+                                 replays=False)
+    raised = [message for _, message in outcome.failed if "RuntimeError" in message]
+    assert raised and not outcome.passed, outcome.failed
+    for message in raised:
+        assert "; your code raised it at line 11 (`return logprobs.gather(-1, ids)`)" in message, message
+
+
+def test_an_error_no_test_put_into_words_is_not_shown_before_one_a_test_did():
+    """check()'s short message shows the most specific failure first: a bare exception raised while a test ran (often
+    a symptom further on) comes after a test's own account of a failure, whatever the tests' order."""
+    from utils.checker.notebook import failures
+
+    raw = ("test_on_twelve_blocks", "RuntimeError: mat1 and mat2 shapes cannot be multiplied (18x16 and 64x2)")
+    phrased = ("test_zero_B", "logits with fresh adapters (B = 0): the forward pass with your hooks raised "
+                              "RuntimeError: ... in the hook at blocks.0.attn.q.hook_out")
+    shown = failures([raw, phrased], [], verbose=False, name="lora_hooks")
+    assert shown[0] == "  test_zero_B:" and "Also failing: 1 more test" in shown[-1], shown

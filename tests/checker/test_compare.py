@@ -192,6 +192,16 @@ def test_a_none_inside_a_list_is_not_said_to_be_a_missing_return():
     assert "return" not in str(failure.value) and "got None where the reference has a value" in str(failure.value)
 
 
+def test_a_value_where_the_reference_returns_none_or_a_non_number_is_said_as_such():
+    """A reference that returns None (a documented "nothing": no reference model, nothing to do) or a string: the
+    learner's tensor there is the difference, said as one, never an error of the comparison itself."""
+    for expected, said in ((None, "None"), ("none", "'none'")):
+        with pytest.raises(CheckFailure) as failure:
+            assert_close(torch.zeros(1, 1), expected, "f(beta=0.0)")
+        assert str(failure.value).startswith(f"f(beta=0.0): got a tensor of shape (1, 1) where the reference returns "
+                                             f"{said}"), str(failure.value)
+
+
 def test_identical_looking_previews_are_not_shown_and_the_difference_has_enough_digits():
     with pytest.raises(CheckFailure) as failure:
         assert_close(torch.tensor([1.0, 2.0001]), torch.tensor([1.0, 2.0]), "f(x)", atol=1e-6, rtol=1e-6)

@@ -170,3 +170,47 @@ def test_a_number_computed_in_python_that_the_reference_never_reads_is_said():
     said = _said_on_surrogate(_surrogate_bound_in_python, torch.tensor([[0.1, 0.3, 0.5]]))
     assert said is not None and f"From line {_line_marked(_surrogate_bound_in_python)} " in said, said
     assert "reads the number 1.4, which no torch call of the reference reads" in said, said
+
+
+def test_the_departing_lines_value_is_set_beside_the_closest_reference_value_without_a_count_of_how_wrong_it_is():
+    """The reference's value closest to the departing line's may be another quantity than its counterpart (one side of
+    a mask where the line makes both): the sentence says one position where the two differ and calls that value the
+    closest, never a count of differing positions, which would read as how wrong the line is."""
+    line = torch.tensor([[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]])  # a mask made with <= where < belongs
+    counterpart = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])  # 2 positions from the line
+    one_side = torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])  # another quantity, 1 position from it
+    said = departure._how(line, [counterpart, one_side], atol=1e-6, rtol=1e-6)
+    assert said == "1 at [0, 0], where the reference's closest value of that shape has 0", said
+    assert departure._how(torch.tensor([float("nan"), 1.0]), [torch.tensor([0.0, 1.0])], 1e-6, 1e-6).endswith(
+        ", where the reference's closest value of that shape is finite")
+
+
+def _kl_k1_mask_as_float(logprobs, ref_logprobs, completion_mask):
+    diff = logprobs - ref_logprobs
+    return diff * completion_mask.float()  # departs here: float32 from a bool mask, whatever the log-probs' dtype
+
+
+def _kl_k1_in_a_new_tensor(logprobs, ref_logprobs, completion_mask):
+    out = torch.zeros(logprobs.shape)  # departs here: float32, on the CPU, whatever the inputs
+    out[completion_mask] = (logprobs - ref_logprobs)[completion_mask].to(out.dtype)
+    return out
+
+
+def test_a_result_of_another_dtype_is_traced_to_the_line_that_first_makes_it():
+    """A result of another dtype than the reference's (bfloat16 and float64 inputs): the line said is the first on
+    the path to it that makes floating-point values of a dtype the reference never makes, from inputs of the right
+    dtype (or none); the reference's own dtype is never said to depart."""
+    mask = torch.tensor([[True, True, False]])
+    for wrong, dtype, made, inputs in ((_kl_k1_mask_as_float, torch.bfloat16, "float32", "from bool inputs"),
+                                       (_kl_k1_in_a_new_tensor, torch.float64, "float32", "with no tensor input")):
+        logprobs, ref_logprobs = torch.tensor([[-1.0, -2.0, -3.0]], dtype=dtype), torch.full((1, 3), -1.5, dtype=dtype)
+        with observe.recording():
+            noted = transforms.recording_calls(wrong, inspect.unwrap(ref.kl_k1))
+            said = departure.dtype_where(noted(logprobs, ref_logprobs, mask), ref.kl_k1(logprobs, ref_logprobs, mask))
+        line = _line_marked(wrong)
+        assert said is not None and said.startswith(f"Your code first makes {made} values at line {line} ("), said
+        assert said.endswith(f"{inputs}."), said
+    with observe.recording():  # a right result: nothing departs
+        noted = transforms.recording_calls(inspect.unwrap(ref.kl_k1), inspect.unwrap(ref.kl_k1))
+        logprobs = torch.zeros(1, 3, dtype=torch.bfloat16)
+        assert departure.dtype_where(noted(logprobs, logprobs, mask), ref.kl_k1(logprobs, logprobs, mask)) is None

@@ -244,7 +244,10 @@ def describe_difference(actual: object, expected: object, *, mask: Tensor | None
     if as_float:
         return as_float
     if not isinstance(expected, Tensor):
-        expected = torch.as_tensor(expected)
+        try:
+            expected = torch.as_tensor(expected)
+        except (TypeError, ValueError, RuntimeError):  # None (a documented "nothing"), a string, an object
+            return f"got {_kind(actual)} where the reference returns {show(expected)}"
     if not isinstance(actual, Tensor):
         if isinstance(actual, (int, float, bool)) and expected.dim() == 0:
             if expected.requires_grad:

@@ -44,8 +44,10 @@ import math
 import re
 import sys
 import tokenize
+import traceback
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -53,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 
 from utils import models
 from utils.checker import transforms
+from utils.checker.layout import ROOT
 
 OPS = 400  # torch calls in one run, at most
 ELEMENTS = 1 << 18  # numbers kept of one run's tensors, at most
@@ -92,6 +95,8 @@ class Op:
     # .detach(), a view, the sum or mean of one number): it agrees only with a value the reference passes on too
     finite_inputs: bool  # every floating-point input finite
     numbers: list[float]  # the Python numbers it was given (a factor, an offset: computed outside torch's sight)
+    dtype: torch.dtype = torch.float64  # the dtype of what it made (values are kept as float64 copies)
+    input_dtypes: tuple = ()  # the dtypes of its tensor inputs
 
 
 class _Record(TorchFunctionMode):
@@ -134,7 +139,8 @@ class _Record(TorchFunctionMode):
                                for i in inputs),
                            all(bool(torch.isfinite(t).all()) for t in floats),
                            [float(x) for x in (*args, *kwargs.values())
-                            if isinstance(x, (int, float)) and not isinstance(x, bool)]))
+                            if isinstance(x, (int, float)) and not isinstance(x, bool)],
+                           outputs[0].dtype, tuple(t.dtype for t in inputs)))
         return result
 
     def _line(self) -> int | None:
@@ -177,6 +183,21 @@ def _distinctive(t: Tensor) -> bool:
     return finite.unique().numel() > 1
 
 
+def raised_at(fn, error: BaseException) -> str:
+    """Where in `fn`'s own source (its cell, or its module) `error` was raised, read off the traceback: the innermost
+    frame in fn's file (a helper or a hook it defines there counts), as "; your code raised it at line 17
+    (`weight += delta`)"; "" where no frame is in it (a class, a builtin, an error raised before fn ran), and for a
+    function of the course's own tests or checker (a test's lambda around the learner's function is not their code)."""
+    code = getattr(inspect.unwrap(getattr(fn, "__checked__", fn)), "__code__", None)  # what shapes.checked_like wraps
+    if code is None or any(Path(code.co_filename).is_relative_to(ROOT / folder) for folder in ("tests", "utils")):
+        return ""
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == code.co_filename]
+    if not lines:
+        return ""
+    source = code_at(code.co_filename, lines[-1])
+    return f"; your code raised it at line {lines[-1]}" + (f" (`{source}`)" if source else "")
+
+
 def code_at(filename: str, line: int) -> str:
     """Line `line` of `filename`'s source, without its comment, cut at CODE characters."""
     text = linecache.getline(filename, line).strip()
@@ -195,7 +216,7 @@ def _positions(flags: Tensor) -> str:
 
 
 def _how(value: Tensor, reference: list[Tensor], atol: float, rtol: float) -> str:
-    """What the departing line's value is, beside the reference's value nearest to it (of one shape, the least mean
+    """What the departing line's value is, beside the reference's value closest to it (of one shape, the least mean
     absolute difference where both are finite, fewest positions finite in one and not the other first): where it is
     non-finite and the nearest is not; else one position where they differ, when they agree in at least half of
     them (a value that differs everywhere has no nearest worth showing: ""). """
@@ -213,14 +234,15 @@ def _how(value: Tensor, reference: list[Tensor], atol: float, rtol: float) -> st
     nearest = min(same, key=distance).flatten()
     bad = ~torch.isfinite(v) & torch.isfinite(nearest)
     if bad.any():
-        return f"{_nonfinite(v, bad, value)} where its nearest value is finite"
+        return f"{_nonfinite(v, bad, value)}, where the reference's closest value of that shape is finite"
     differs = ~torch.isclose(v, nearest, rtol=rtol, atol=atol, equal_nan=True)
     if int(differs.sum()) * 2 > v.numel() or not differs.any():  # none near it, or one equal to it made otherwise
         return ""
     i = int(differs.nonzero()[0])
     where = f" at {[int(k) for k in torch.unravel_index(torch.tensor(i), value.shape)]}" if value.dim() else ""
-    return (f"{v[i].item():.4g}{where} where its nearest value has {nearest[i].item():.4g} ({int(differs.sum())} of "
-            f"{v.numel()} differ)")
+    # no count of the positions that differ: the closest value may be another quantity than the line's counterpart
+    # (a mask of one side where the line makes both), and a count would read as how wrong the line is
+    return f"{v[i].item():.4g}{where}, where the reference's closest value of that shape has {nearest[i].item():.4g}"
 
 
 def _number(x: float) -> str:
@@ -245,7 +267,10 @@ def where(actual: object, expected: object, atol: float, rtol: float) -> str | N
         return None
 
 
-def _where(actual: object, expected: object, atol: float, rtol: float) -> str | None:
+def _replayed(actual: object, expected: object, atol: float, rtol: float):
+    """The noted call that returned `actual`, run again: the reference's (which must return `expected`) and the
+    learner's (which must return `actual` again), each recorded; with the learner's calls on the data path to the
+    result. None where that cannot be done."""
     calls = transforms._calls
     found = calls.returning(actual) if calls is not None else None
     if found is None:
@@ -267,13 +292,47 @@ def _where(actual: object, expected: object, atol: float, rtol: float) -> str | 
     if not isinstance(replayed, Tensor) or not transforms._equal(replayed, actual, atol, rtol) \
             or id(replayed) not in theirs.made:
         return None
-    ops, result = theirs.ops, theirs.made[id(replayed)]
+    result = theirs.made[id(replayed)]
     on_path, todo = set(), [result]
     while todo:
         op = todo.pop()
         if op not in on_path:
             on_path.add(op)
-            todo += ops[op].parents
+            todo += theirs.ops[op].parents
+    return call, filename, theirs, ours, replayed, result, on_path
+
+
+def dtype_where(actual: Tensor, expected: Tensor) -> str | None:
+    """Where a result of another floating-point dtype than the reference's comes from: the first line of the learner's
+    code on the path to it that makes floating-point values of a dtype the reference's run never makes, from inputs
+    of the reference result's dtype or from no floating-point input ("Your code first makes float32 values at line 21
+    (`w * mask.float()`), from bool inputs."). None where that cannot be said. It never raises."""
+    try:
+        found = _replayed(actual, expected, 1e-6, 1e-5)  # each replay returns what its run returned
+        if found is None:
+            return None
+        _, filename, theirs, ours, _, _, on_path = found
+        made_by_reference = {o.dtype for o in ours.ops}
+        for op in sorted(on_path):
+            o = theirs.ops[op]
+            floats = {d for d in o.input_dtypes if d.is_floating_point}
+            if o.line is not None and o.dtype.is_floating_point and o.dtype not in made_by_reference \
+                    and floats <= {expected.dtype}:
+                inputs = sorted({str(d).replace("torch.", "") for d in o.input_dtypes})
+                return (f"Your code first makes {str(o.dtype).replace('torch.', '')} values at line {o.line} "
+                        f"(`{code_at(filename, o.line)}`), "
+                        + (f"from {' and '.join(inputs)} inputs." if inputs else "with no tensor input."))
+        return None
+    except Exception:  # noqa: BLE001 - a failure here must not hide the test's own
+        return None
+
+
+def _where(actual: object, expected: object, atol: float, rtol: float) -> str | None:
+    found = _replayed(actual, expected, atol, rtol)
+    if found is None:
+        return None
+    call, filename, theirs, ours, replayed, result, on_path = found
+    ops = theirs.ops
 
     # non-finite values where the reference's result is finite: the line that first makes them from finite ones
     e = expected.detach().double().cpu() if isinstance(expected, Tensor) else None

@@ -138,11 +138,17 @@ def _dedup_key(message: str) -> str:
     return main
 
 
+RAW_EXCEPTION = re.compile(r"[A-Z]\w*(Error|Exception)\b")  # as runner._message leaves an error no test phrased
+
+
 def _specificity(message: str) -> int:
     """How much a failure's finding says of its cause: a change of the call that reproduces the result, or the call of
     a loop where its values part from the reference's; a named factor or transform, a located difference, or a count
-    of differing values."""
+    of differing values. An exception no test put into words (a bare `RuntimeError: ...` raised while a test ran) says
+    least: often a symptom further on of what another test describes."""
     main = split_message(message)[0]
+    if RAW_EXCEPTION.match(main):
+        return 0
     if SAME_CALL in main or RESEMBLES in main or PASSES in main:
         return 3
     if NAMED_FACTOR.search(main) or any(k in main for k in (

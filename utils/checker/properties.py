@@ -31,6 +31,7 @@ from torch import Tensor
 
 from utils.checker.compare import (GRADIENT_OF, CheckFailure, aside, assert_close, assert_equal, describe_difference,
                                    expect, refusal_left_out, show)
+from utils.checker.departure import raised_at
 from utils.checker.observe import freeze, observe, same
 
 # --- gradients -----------------------------------------------------------------------------------------------
@@ -454,7 +455,7 @@ def assert_raises(exception: type[BaseException] | tuple[type[BaseException], ..
         if isinstance(other, CheckFailure):  # a check of the checker's own (a contract) refused it first
             raise CheckFailure(f"{what}: expected a {name} ({why}); instead, {str(other)[:300]}") from None
         raise CheckFailure(f"{what}: expected a {name} ({why}), but it raised {type(other).__name__}: "
-                           f"{str(other)[:300]}") from None
+                           f"{str(other)[:300]}{raised_at(fn, other)}") from None
     observe(what, "returned")
     raise refusal_left_out(f"{what}: should raise a {name} ({why}), but it returned {show(result)} instead")
 
@@ -570,8 +571,8 @@ def _compare_call(impl_fn: Callable, ref_fn: Callable, arguments: dict[str, obje
         raise
     except Exception as error:  # noqa: BLE001 - the learner's code may raise anything
         observe(what, type(error).__name__)
-        raise CheckFailure(f"{what}: raised {type(error).__name__}: {str(error)[:300]}, where the reference returns "
-                           f"{show(want)}") from None
+        raise CheckFailure(f"{what}: raised {type(error).__name__}: {str(error)[:300]}{raised_at(impl_fn, error)}, "
+                           f"where the reference returns {show(want)}") from None
     assert_outputs_match(got, want, what, **options)
     if not may_alias:
         assert_no_aliases(got, given, what)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from utils.checker import compare, environment, pool, process, store, transforms
+from utils.checker.departure import raised_at
 from utils.checker.diagnosis import MistakeFinder
 from utils.checker.implementations import solutions_module
 from utils.checker.layout import test_modules_of, tests_of
@@ -53,20 +54,33 @@ class Outcome:
 
 
 class _Collector:
-    """A pytest plugin that records each test's result instead of printing a report."""
+    """A pytest plugin that records each test's result instead of printing a report. An exception the test did not
+    turn into the checker's words (a torch error raised from the learner's code while the test runs a model with
+    their hooks, say) gets the line of `obj`'s source it came from (raised_at)."""
 
-    def __init__(self, outcome: Outcome):
-        self.outcome, self.running, self.stubs = outcome, None, 0
+    def __init__(self, outcome: Outcome, obj: object = None):
+        self.outcome, self.running, self.stubs, self.obj = outcome, None, 0, obj
+        self.raised_at: dict[str, str] = {}  # test name -> where the learner's code raised its exception
 
     def pytest_runtest_logstart(self, nodeid, location):
         self.running = _test_name(nodeid)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        yield
+        self.note_raised(item, call)
+
+    def note_raised(self, item, call) -> None:
+        error = call.excinfo.value if call.excinfo is not None else None
+        if error is not None and self.obj is not None and not isinstance(error, (AssertionError, NotImplementedError)):
+            self.raised_at[_test_name(item.nodeid)] = raised_at(self.obj, error)
 
     def pytest_runtest_logreport(self, report):
         name = _test_name(report.nodeid)
         if report.when == "call" and report.passed:
             self.outcome.passed.append(name)
         elif report.failed:
-            message = _message(report)
+            message = _message(report) + (self.raised_at.pop(name, "") if report.when == "call" else "")
             self.stubs += message.startswith("NotImplementedError")
             self.outcome.failed.append((name, message))
 
@@ -119,6 +133,13 @@ class _OfExercises:
         name = self.exercise.get(nodeid)
         if name is not None:
             self.collectors[name].pytest_runtest_logstart(nodeid, location)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        yield
+        name = self.exercise.get(item.nodeid)
+        if name is not None:
+            self.collectors[name].note_raised(item, call)
 
     def pytest_runtest_logreport(self, report):
         name = self.exercise.get(report.nodeid)
@@ -227,7 +248,7 @@ def run_exercise_tests(part: str, name: str, obj: object, timeout: float | None 
     Raises KeyboardInterrupt, once everything is put back, if the run was interrupted.
     """
     outcome = Outcome(name)
-    collector = _Collector(outcome)
+    collector = _Collector(outcome, obj)
     finder = outcome.diagnosis = MistakeFinder(budget_s=diagnosis_budget, replays=replays)
     start = time.perf_counter()
 
@@ -271,7 +292,7 @@ def run_several_exercise_tests(part: str, objects: dict[str, object], timeout: f
     Raises KeyboardInterrupt, once everything is put back, if the run was interrupted.
     """
     outcomes = {name: Outcome(name) for name in objects}
-    collectors = {name: _Collector(outcome) for name, outcome in outcomes.items()}
+    collectors = {name: _Collector(outcome, objects[name]) for name, outcome in outcomes.items()}
     router = _OfExercises(collectors)
     finder = MistakeFinder(budget_s=0, replays=False)
     for outcome in outcomes.values():
