@@ -221,7 +221,7 @@ class Case:
         self.astray = astray  # the one setting that may take a value outside its domain in this case (None: none)
 
     def describe(self) -> str:
-        return "; ".join(self.words) if self.words else "at the usual sizes"
+        return "; ".join(self.words) if self.words else "the usual sizes"
 
 
 def _mask(data, shape: tuple[int, ...], g: torch.Generator, name: str, case: Case) -> Tensor:

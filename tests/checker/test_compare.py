@@ -207,3 +207,11 @@ def test_identical_looking_previews_are_not_shown_and_the_difference_has_enough_
         assert_close(torch.tensor([1.0, 2.0001]), torch.tensor([1.0, 2.0]), "f(x)", atol=1e-6, rtol=1e-6)
     text = str(failure.value)
     assert "got 2.0001, expected 2" in text, text
+
+
+def test_a_value_shown_in_a_message_is_one_line():
+    """A module's or a dataclass's repr spans lines; in a message it is shown on one (cut at 200 characters)."""
+    from utils.checker.compare import show
+
+    shown = show(torch.nn.ModuleDict({"L0_q": torch.nn.Identity(), "L1_q": torch.nn.Identity()}))
+    assert "\n" not in shown and shown.startswith("ModuleDict( (L0_q): Identity() (L1_q): Identity()"), shown

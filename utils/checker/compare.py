@@ -112,7 +112,7 @@ def _number(x: float) -> str:
 def show(value: object, limit: int = 12) -> str:
     """A short, readable rendering of a value for a failure message."""
     if not isinstance(value, Tensor):
-        text = repr(value)
+        text = " ".join(repr(value).split())  # a module's or a dataclass's repr spans lines: one line in a message
         return text if len(text) <= 200 else text[:197] + "..."
     t = value.detach().cpu()
     if t.dim() == 0:

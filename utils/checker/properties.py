@@ -342,7 +342,7 @@ def assert_no_aliases(result: object, arguments: dict[str, object], what: str) -
     observe(f"{what} returns tensors of its own", [(out, arg.split(".")[0].split("[")[0]) for out, arg in shared])
     if shared:
         out, arg = shared[0]
-        raise CheckFailure(f"{what}: `{out}` shares its memory with the argument `{arg}` (it is that tensor, or a view "
+        raise CheckFailure(f"{what}: {out} shares its memory with the argument `{arg}` (it is that tensor, or a view "
                            "of it: a slice, a reshape, .detach() and .T all share memory). When the caller later "
                            f"changes `{arg}` in place (an optimizer step, a masked_fill_), your result changes with "
                            "it. Return a tensor of its own (compute a new value, or .clone() it)")
@@ -529,13 +529,13 @@ def assert_outputs_match(got: object, want: object, what: str, **options) -> Non
     """`got` equals the reference's `want`: tensors and numbers with assert_close (options: its mask, hint, atol,
     ...), and tuples, lists and dicts item by item, each labelled with where it sits."""
     if isinstance(want, (tuple, list)):
-        expect(isinstance(got, (tuple, list)) and len(got) == len(want), f"what {what} returns",
+        expect(isinstance(got, (tuple, list)) and len(got) == len(want), f"{what} returns",
                f"expected a {type(want).__name__} of {len(want)} items, got {show(got)}",
                observed=(type(got).__name__, len(got) if isinstance(got, (tuple, list)) else None))
         for i, (g, w) in enumerate(zip(got, want)):
             assert_outputs_match(g, w, f"{what}[{i}]", **options)
     elif isinstance(want, dict):
-        expect(isinstance(got, dict), f"what {what} returns", f"expected a dict, got {show(got)}",
+        expect(isinstance(got, dict), f"{what} returns", f"expected a dict, got {show(got)}",
                observed=type(got).__name__)
         assert_equal(sorted(map(str, got)), sorted(map(str, want)), f"the keys of {what}")
         for key in want:
