@@ -688,7 +688,7 @@ def _compare(fn, reference, case: Case, name: str) -> None:
             raise CheckFailure(f"{what}: expected a ValueError (the reference refuses this input: "
                                f"{str(refused)[:160]}), but it raised {type(other).__name__}: {str(other)[:200]}"
                                f"{raised_at(fn, other)}") from None
-        observing.observe(what, "returned")
+        observing.observe(what, ("returned", got))  # what it returned is part of the failure (properties.py)
         raise refusal_left_out(f"{what}: should raise a ValueError (the reference refuses this input: "
                            f"{str(refused)[:160]}), but it returned {show(got)}") from None
     except Exception:  # noqa: BLE001 - outside what the reference computes (bfloat16 unsupported, ...): not drawn

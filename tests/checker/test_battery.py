@@ -251,3 +251,21 @@ def test_a_function_that_forwards_its_arguments_is_not_blamed_for_missing_defaul
         return reference(x, loss_type=loss_type, **kwargs)
 
     assert "`loss_type` is 'grpo'" in failure(assert_defaults_match, forwards_but_changes_one, reference, "f")
+
+
+def test_a_left_out_refusal_is_recorded_with_what_was_returned():
+    """Two versions that both skip a documented refusal but return different things there fail differently: the
+    observation holds what was returned, so one wrong version's fingerprint does not name another slip (a row of
+    padding read at its first position, or at its last)."""
+    from utils.checker import observe
+    from utils.checker.fingerprint import run_of, same_run
+    from utils.checker.properties import assert_raises
+
+    def run(returned):
+        with observe.recording() as log:
+            with pytest.raises(CheckFailure) as failure:
+                assert_raises(ValueError, lambda: returned, what="f(empty row)", why="a row with no real token")
+        return run_of(__file__, failure.value, log)
+
+    first, last, first_again = run(torch.tensor([0.5])), run(torch.tensor([-1.5])), run(torch.tensor([0.5]))
+    assert same_run(first, first_again) and not same_run(first, last)

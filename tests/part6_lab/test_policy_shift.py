@@ -110,15 +110,20 @@ def test_lora_on_blocks_computes_the_lora_of_those_blocks(impl, tiny_model):
 def test_lora_on_blocks_shares_the_base_and_the_adapters(impl, tiny_model):
     lora_model = lora_model_with_random_B(tiny_model, 4, targets=EVERY_TARGET)
     out = calling(impl.lora_on_blocks, lora_model, [1, 2], what="lora_on_blocks(lora_model, [1, 2])")
-    shared = isinstance(out, LoRAModel) and out.base is lora_model.base and all(
-        out.adapters[k] is lora_model.adapters[k] for k in out.adapters)
-    found = ("" if shared else f"; got a {type(out).__name__}" if not isinstance(out, LoRAModel)
-             else "; its base is another module" if out.base is not lora_model.base
-             else f"; its adapters {[k for k in out.adapters if out.adapters[k] is not lora_model.adapters[k]][:4]} "
-                  "are other modules than lora_model's")
-    expect(shared, "what lora_on_blocks(lora_model, [1, 2]) is made of", "expected a LoRAModel on the same base module "
-           f"holding the same adapter modules (not copies){found}. A copy of the model doubles its memory, and an "
-           "ablation must look at the trained adapters themselves", observed=shared)
+    is_lora = isinstance(out, LoRAModel)
+    same_base = is_lora and out.base is lora_model.base
+    copied = [k for k in out.adapters if k not in lora_model.adapters or out.adapters[k] is not lora_model.adapters[k]
+              ] if is_lora else []
+    found = ("" if same_base and not copied else f"; got a {type(out).__name__}" if not is_lora
+             else "; its base is another module" + (f", and its adapters {copied[:4]} are other modules" if copied
+                                                   else "") if not same_base
+             else f"; its adapters {copied[:4]} are other modules than lora_model's")
+    # observed: each thing the message says (base, adapters), so that a copy of the adapters alone and a copy of the
+    # whole model are two failures, not one
+    expect(same_base and not copied, "what lora_on_blocks(lora_model, [1, 2]) is made of", "expected a LoRAModel on "
+           f"the same base module holding the same adapter modules (not copies){found}. A copy of the model doubles "
+           "its memory, and an ablation must look at the trained adapters themselves",
+           observed=(is_lora, same_base, copied))
 
 
 @exercise("lora_on_blocks")

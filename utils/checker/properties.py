@@ -456,7 +456,7 @@ def assert_raises(exception: type[BaseException] | tuple[type[BaseException], ..
             raise CheckFailure(f"{what}: expected a {name} ({why}); instead, {str(other)[:300]}") from None
         raise CheckFailure(f"{what}: expected a {name} ({why}), but it raised {type(other).__name__}: "
                            f"{str(other)[:300]}{raised_at(fn, other)}") from None
-    observe(what, "returned")
+    observe(what, ("returned", result))  # what it returned is part of the failure: another slip returns another value
     raise refusal_left_out(f"{what}: should raise a {name} ({why}), but it returned {show(result)} instead")
 
 
