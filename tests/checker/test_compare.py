@@ -141,17 +141,19 @@ def test_assert_equal_and_assert_raises_say_what_happened():
 
 # --- only what was measured ---------------------------------------------------------------------------------------
 
-def test_a_factor_that_two_quantities_of_the_call_equal_gets_no_reading():
-    """6/7 on a [7, 6] tensor is (n-1)/n for n = 7 and the ratio of the two sizes alike; 2 on a [2, 5] tensor is the
-    batch's size and a plain doubling alike. The sizes of one call cannot tell which, so neither is said: only the
-    factor. A factor that one quantity alone equals is said by it, its number once."""
+def test_a_factor_is_not_read_off_the_compared_tensors_own_sizes():
+    """6/7 on a [7, 6] tensor is (n-1)/n for n = 7 and the ratio of the two sizes alike; 5 on a [2, 5] tensor equals
+    the size of dimension 1, and may equal it by chance (fresh set V: a scale alpha / rank of 4 on a B of rank 4 was
+    said to be 'the size of dimension 1'). One comparison cannot tell, and no other call can confirm it: only the
+    factor is said. (The sizes of a noted call's arguments are named, where every call agrees: test_transforms.py.)
+    A factor that a quantity the caller names equals is said by it, its number once."""
     e = torch.randn(7, 6)
     text = describe_difference(e * 6 / 7, e)
     assert text == "every value is the expected one times 0.8571", text
     e = torch.rand(2, 5) + 0.5
     assert describe_difference(e * 2, e) == "every value is the expected one times 2"
     assert describe_difference(e / 2, e) == "every value is the expected one times 0.5"
-    assert describe_difference(e * 5, e) == "every value is the expected one times 5, the size of dimension 1"
+    assert describe_difference(e * 5, e) == "every value is the expected one times 5"
     mask = torch.tensor([[True] * 5, [True, True, False, False, False]])  # 7 of 10: a size equals none of it
     assert describe_difference(e * 0.7, e, mask=mask, factors={"7/10 (valid tokens / all positions)": 0.7}) == (
         "every value is the expected one times 7/10 (valid tokens / all positions)")  # the caller's words, once

@@ -214,3 +214,22 @@ def test_a_result_of_another_dtype_is_traced_to_the_line_that_first_makes_it():
         noted = transforms.recording_calls(inspect.unwrap(ref.kl_k1), inspect.unwrap(ref.kl_k1))
         logprobs = torch.zeros(1, 3, dtype=torch.bfloat16)
         assert departure.dtype_where(noted(logprobs, logprobs, mask), ref.kl_k1(logprobs, logprobs, mask)) is None
+
+
+def _surrogate_advantages_doubled(logprobs, old_logprobs, advantages, completion_mask, clip_eps=0.2):
+    ratio = (logprobs - old_logprobs.detach()).exp()
+    doubled = 2 * advantages  # departs here: reads the argument as given
+    unclipped = ratio * doubled.detach()
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * doubled.detach()
+    return masked_mean(torch.minimum(unclipped, clipped), completion_mask)
+
+
+def test_the_departure_says_what_the_call_that_departs_reads_each_for_what_it_is():
+    """The call that departs reads the function's argument as given (named), or values the reference computes too (with
+    their line): the sentence says which, never "your function's arguments" of a line whose other inputs it computed
+    (fresh set V: `advantages / (rewards.std() + eps)`, where `advantages` came from another line)."""
+    said = _said_on_surrogate(_surrogate_advantages_doubled, torch.tensor([[0.1, 0.3, 0.5]]))
+    assert said is not None and f"From line {_line_marked(_surrogate_advantages_doubled)} " in said, said
+    assert "(the call there that departs reads your function's argument `advantages` as given)" in said, said
+    said = _said_on_surrogate(_surrogate_bound_in_python, torch.tensor([[0.1, 0.3, 0.5]]))
+    assert said is not None and "reads line " in said and "values, which the reference computes too" in said, said

@@ -160,7 +160,7 @@ PLAIN_FACTORS = ("2", "1/2")  # only itself: a doubling or a halving, which no s
 
 def named_factors(expected: Tensor, mask: Tensor | None = None, group_size: int | None = None,
                   extra: dict[str, float] | None = None) -> dict[str, float]:
-    """Factors a mistake typically introduces, named after where they come from in this comparison's shapes. The
+    """Factors a mistake typically introduces, named after what this comparison knows: its groups and its mask. The
     caller's names (`extra`) come first, and a number they name is not named again here: they know what it means."""
     named: dict[str, float] = dict(extra or {})
     given = list(named.values())
@@ -177,21 +177,9 @@ def named_factors(expected: Tensor, mask: Tensor | None = None, group_size: int 
                             f"sqrt((G-1)/G) with G = {g}": math.sqrt((g - 1) / g),
                             f"G = {g}": float(g), f"1/G with G = {g}": 1 / g}.items():
             add(name, value)
-    sizes = {}
-    for shape_of in (expected, mask):
-        if shape_of is not None:
-            for d, n in enumerate(shape_of.shape):
-                sizes.setdefault(int(n), d)
-    for n, d in sizes.items():
-        if n > 1:
-            add(f"{n}, the size of dimension {d}", float(n))
-            add(f"1/{n}, one over the size of dimension {d}", 1 / n)
-            add(f"{n}/{n - 1}, n/(n-1) with n = {n} the size of dimension {d}", n / (n - 1))
-            add(f"{n - 1}/{n}, (n-1)/n with n = {n} the size of dimension {d}", (n - 1) / n)
-    for n, d in sizes.items():
-        for m, k in sizes.items():
-            if n != m and n > 1 and m > 1:
-                add(f"{n}/{m}, the size of dimension {d} over that of dimension {k}", n / m)
+    # No size of the compared tensor's own shape is a name: a factor that equals one on this comparison may equal it
+    # by chance (a scale alpha/rank of 4 beside a rank of 4), and no other call can confirm it here. Sizes of the
+    # arguments of a noted call are named by transforms.call_factors, and said only where every call agrees.
     if mask is not None and mask.dtype == torch.bool and mask.any():
         real, total = int(mask.sum()), mask.numel()
         if real != total:

@@ -26,10 +26,12 @@ The departure is the first call on the path (in the order they ran) that
 - and whose value reaches the result along some way that passes through no value that agrees (where every way does,
   the departure was only a correct step written another way than the reference's).
 
-The sentence says "From line N (...) on, your code computes values the reference never does", that line's tensor
-inputs, the Python numbers it reads that no torch call of the reference reads, whole numbers left out (computed outside
-torch's sight, such as `1 / 2 * beta`, they may be where the values part; an exponent 2 or a + 1 is in correct code
-too: a reference that calls .std() reads no 2), and, where one of the reference's values is near, how it differs. Each part is true by construction: a correct line
+The sentence says "From line N (...) on, your code computes values the reference never does", what the call there
+that departs reads (values the reference computes too, and on which line; the function's arguments by name; tensors
+the code makes from no values; tensors made before the call), the Python numbers it reads that no torch call of the
+reference reads, whole numbers left out (computed outside torch's sight, such as `1 / 2 * beta`, they may be where the
+values part; an exponent 2 or a + 1 is in correct code too: a reference that calls .std() reads no 2), and, where one
+of the reference's values is near, how it differs. Each part is true by construction: a correct line
 written another way than the reference's can only make it point earlier than the mistake. Nothing is said when the
 replay of the learner's function does not return the value the test compared, or when no call qualifies.
 """
@@ -97,6 +99,8 @@ class Op:
     numbers: list[float]  # the Python numbers it was given (a factor, an offset: computed outside torch's sight)
     dtype: torch.dtype = torch.float64  # the dtype of what it made (values are kept as float64 copies)
     input_dtypes: tuple = ()  # the dtypes of its tensor inputs
+    argument_inputs: tuple = ()  # the parameters of the function whose tensors, as given, it reads
+    unaccounted: bool = False  # it reads a tensor that is neither an argument nor made during the run (a weight)
 
 
 class _Record(TorchFunctionMode):
@@ -111,6 +115,7 @@ class _Record(TorchFunctionMode):
         self.made: dict[int, int] = {}  # id(tensor): the call that last made or wrote it
         self.alive: list[Tensor] = []  # the tensors of `made`, kept so that no id is reused during the run
         self.numbers = 0
+        self.argument_names: dict[int, str] = {}  # id(tensor): the parameter it was passed as (_quiet_run sets it)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -140,7 +145,10 @@ class _Record(TorchFunctionMode):
                            all(bool(torch.isfinite(t).all()) for t in floats),
                            [float(x) for x in (*args, *kwargs.values())
                             if isinstance(x, (int, float)) and not isinstance(x, bool)],
-                           outputs[0].dtype, tuple(t.dtype for t in inputs)))
+                           outputs[0].dtype, tuple(t.dtype for t in inputs),
+                           tuple(self.argument_names[id(t)] for t in inputs if id(t) in self.argument_names
+                                 and id(t) not in self.made),
+                           any(id(t) not in self.made and id(t) not in self.argument_names for t in inputs)))
         return result
 
     def _line(self) -> int | None:
@@ -156,6 +164,7 @@ class _Record(TorchFunctionMode):
 
 def _quiet_run(fn, arguments: dict[str, object], signature: inspect.Signature, mode: _Record) -> object:
     bound = signature.bind(**{k: transforms._copy(v) for k, v in arguments.items()})
+    mode.argument_names = {id(t): name for name, value in bound.arguments.items() for t in _tensors(value)}
     with torch.random.fork_rng(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -384,9 +393,18 @@ def _where(actual: object, expected: object, atol: float, rtol: float) -> str | 
             continue
         given = [p for p in parents if p in agrees]
         elsewhere = [p for p in given if ops[p].line not in (None, line)]
-        inputs = (f"that line's tensor inputs, line {ops[max(elsewhere)].line}'s values, it computes too" if elsewhere
-                  else "that line's tensor inputs it computes too" if given
-                  else "that line's tensor inputs are your function's arguments")
+        # what the call that departs reads, each kind said for what it is (the line may hold other calls too)
+        sources = ([f"line {ops[max(elsewhere)].line}'s values, which the reference computes too"] if elsewhere
+                   else ["values of that line the reference computes too"] if given else [])
+        named = list(dict.fromkeys(ops[op].argument_inputs))
+        if named:
+            sources.append(f"your function's argument{'s' if len(named) > 1 else ''} "
+                           + ", ".join(f"`{n}`" for n in named) + " as given")
+        if any(p in constant for p in parents):
+            sources.append("a tensor your code makes without reading any values (zeros, a constant)")
+        if ops[op].unaccounted:
+            sources.append("tensors made before the call (a model's weights, a constant)")
+        inputs = "the call there that departs reads " + (" and ".join(sources) if sources else "no tensor")
         theirs_only = [x for x in ops[op].numbers if x != round(x)  # a whole number (an exponent 2, a + 1, a
                        and not any(math.isclose(x, y, rel_tol=1e-6) for y in used)]  # dimension) is in correct code too
         numbers = list(dict.fromkeys(_number(x) for x in theirs_only))
