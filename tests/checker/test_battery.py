@@ -269,3 +269,13 @@ def test_a_left_out_refusal_is_recorded_with_what_was_returned():
 
     first, last, first_again = run(torch.tensor([0.5])), run(torch.tensor([-1.5])), run(torch.tensor([0.5]))
     assert same_run(first, first_again) and not same_run(first, last)
+
+
+def test_a_result_of_another_length_is_said_as_the_call_returns_it():
+    """The label reads as a sentence whatever the call's own words start with: "with n=12; ..., f(...) returns: ...",
+    never "what with n=12; ... returns"."""
+    from utils.checker.properties import assert_outputs_match
+
+    with pytest.raises(CheckFailure) as failure:
+        assert_outputs_match([torch.zeros(2), torch.ones(2)], [torch.zeros(2)] * 3, "with n=12, f(...)")
+    assert str(failure.value).startswith("with n=12, f(...) returns: expected a list of 3 items, got ["), failure.value
