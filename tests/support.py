@@ -21,13 +21,13 @@ import torch
 from utils.checker.compare import (CheckFailure, aside, assert_close, assert_equal, describe_difference, expect,  # noqa
                                    show)
 from utils.checker import pool
+from utils.checker.departure import raised_at
 from utils.checker.layout import ROOT
 from utils.checker.observe import anonymous
 from utils.checker.properties import (assert_defaults_match, assert_gradients_match, assert_hooks_clean,  # noqa
                                       assert_inputs_unchanged, assert_outputs_match, assert_raises,
                                       assert_reproducible)
 from utils.checker.registry import Exercise, Registry, mistake, only_on  # noqa: F401
-from utils.checker.departure import raised_at
 from utils.checker.trace import course_helpers, namespaces_of, reference_trace, tracing  # noqa: F401
 from utils.checker.trace_departure import assert_same_trace  # noqa: F401
 

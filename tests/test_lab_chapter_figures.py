@@ -23,6 +23,8 @@ import statistics
 from decimal import ROUND_CEILING, ROUND_DOWN, Decimal
 from pathlib import Path
 
+import pytest
+
 from tests.test_lab_figures import (_at_least, _at_most, _fixed, _if, _lab, _leash, _pct, _pct_span, _pm,
                                     _pts, _rm_sweep, _sci, _two_digits, numbers_by_source)
 
@@ -998,28 +1000,16 @@ SETTINGS = (
 
 # --- the tests ---------------------------------------------------------------------------------------------------
 
-def test_the_kl_gradients_section_is_the_stored_figures():
-    _assert_the_chapter_says(kl_gradients_claims(), "docs/figures/lab.json")
-
-
-def test_the_reward_hacking_section_is_the_stored_figures():
-    _assert_the_chapter_says(hacking_claims(), "docs/figures/lab.json, lab_leash.json and lab_rm_sweep.json")
-
-
-def test_the_length_bias_section_is_the_stored_figures():
-    _assert_the_chapter_says(length_bias_claims(), "docs/figures/lab.json")
-
-
-def test_the_policy_shift_section_is_the_stored_figures():
-    _assert_the_chapter_says(policy_shift_claims(), "docs/figures/lab.json")
-
-
-def test_the_off_policy_section_is_the_stored_figures():
-    _assert_the_chapter_says(off_policy_claims(), "docs/figures/lab.json")
-
-
-def test_the_summary_is_the_stored_figures():
-    _assert_the_chapter_says(summary_claims(), "docs/figures/lab.json and lab_leash.json")
+@pytest.mark.parametrize("claims, source", [
+    (kl_gradients_claims, "docs/figures/lab.json"),
+    (hacking_claims, "docs/figures/lab.json, lab_leash.json and lab_rm_sweep.json"),
+    (length_bias_claims, "docs/figures/lab.json"),
+    (policy_shift_claims, "docs/figures/lab.json"),
+    (off_policy_claims, "docs/figures/lab.json"),
+    (summary_claims, "docs/figures/lab.json and lab_leash.json"),
+], ids=["kl_gradients", "reward hacking", "length bias", "policy shift", "off-policy", "summary"])
+def test_each_section_is_the_stored_figures(claims, source):
+    _assert_the_chapter_says(claims(), source)
 
 
 def test_the_numbers_not_stored_are_still_in_the_chapter():

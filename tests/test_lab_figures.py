@@ -20,6 +20,8 @@ import statistics
 from decimal import ROUND_FLOOR, ROUND_HALF_UP, Decimal
 from pathlib import Path
 
+import pytest
+
 from solutions.part6_lab.hacking import leash_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -598,28 +600,12 @@ SETTINGS = (
 
 # --- the tests ---------------------------------------------------------------------------------------------------
 
-def test_the_default_runs_times_are_the_stored_figures():
-    _assert_the_page_says(run_claims(), "docs/figures/lab.json")
-
-
-def test_the_kl_gradients_table_and_sentences_are_the_stored_figures():
-    _assert_the_page_says(kl_gradients_claims(), "docs/figures/lab.json")
-
-
-def test_the_reward_hacking_sentences_are_the_stored_figures():
-    _assert_the_page_says(hacking_claims(), "docs/figures/lab.json")
-
-
-def test_the_length_bias_table_and_sentences_are_the_stored_figures():
-    _assert_the_page_says(length_bias_claims(), "docs/figures/lab.json")
-
-
-def test_the_policy_shift_table_and_sentences_are_the_stored_figures():
-    _assert_the_page_says(policy_shift_claims(), "docs/figures/lab.json")
-
-
-def test_the_off_policy_table_and_sentences_are_the_stored_figures():
-    _assert_the_page_says(off_policy_claims(), "docs/figures/lab.json")
+@pytest.mark.parametrize("claims", [run_claims, kl_gradients_claims, hacking_claims, length_bias_claims,
+                                    policy_shift_claims, off_policy_claims],
+                         ids=["the default run's times", "kl_gradients", "reward hacking", "length bias",
+                              "policy shift", "off-policy"])
+def test_each_sections_tables_and_sentences_are_the_stored_figures(claims):
+    _assert_the_page_says(claims(), "docs/figures/lab.json")
 
 
 def test_the_matched_kl_table_and_its_sentences_are_the_stored_figures():

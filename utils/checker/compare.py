@@ -158,7 +158,7 @@ NAMED_FACTOR = re.compile(r"the expected (?:one|value) times \S+[ ,(]")  # a fac
 PLAIN_FACTORS = ("2", "1/2")  # only itself: a doubling or a halving, which no size of the call explains
 
 
-def named_factors(expected: Tensor, mask: Tensor | None = None, group_size: int | None = None,
+def named_factors(mask: Tensor | None = None, group_size: int | None = None,
                   extra: dict[str, float] | None = None) -> dict[str, float]:
     """Factors a mistake typically introduces, named after what this comparison knows: its groups and its mask. The
     caller's names (`extra`) come first, and a number they name is not named again here: they know what it means."""
@@ -379,7 +379,7 @@ def _value_difference(a: Tensor, e: Tensor, mask: Tensor | None, group_size: int
     finite = torch.isfinite(e)
     a, e = torch.where(finite, a, 0.0), torch.where(finite, e, 0.0)
     close = lambda x, y: _close(x, y, atol, rtol)  # noqa: E731
-    named = named_factors(e, factor_mask if factor_mask is not None else mask, group_size, factors)
+    named = named_factors(factor_mask if factor_mask is not None else mask, group_size, factors)
     scale = e.abs().max().item()
 
     if a.numel() == 1:

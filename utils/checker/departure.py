@@ -197,7 +197,7 @@ def raised_at(fn, error: BaseException) -> str:
     frame in fn's file (a helper or a hook it defines there counts), as "; your code raised it at line 17
     (`weight += delta`)"; "" where no frame is in it (a class, a builtin, an error raised before fn ran), and for a
     function of the course's own tests or checker (a test's lambda around the learner's function is not their code)."""
-    code = getattr(inspect.unwrap(getattr(fn, "__checked__", fn)), "__code__", None)  # what shapes.checked_like wraps
+    code = getattr(inspect.unwrap(fn), "__code__", None)  # through shapes.checked_like's wrapper (its __wrapped__)
     if code is None or any(Path(code.co_filename).is_relative_to(ROOT / folder) for folder in ("tests", "utils")):
         return ""
     lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == code.co_filename]

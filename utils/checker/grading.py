@@ -47,7 +47,10 @@ def add_time_limits(parser) -> None:
     for flag, default, what in (("--timeout", DEFAULT_TIMEOUT_S, "one whole notebook"),
                                 ("--cell-timeout", DEFAULT_CELL_TIMEOUT_S, "one cell"),
                                 ("--check-timeout", DEFAULT_CHECK_TIMEOUT_S, "one exercise's tests")):
-        parser.add_argument(flag, type=cli.above(0.0, "a time limit"), default=default, help=f"seconds for {what} (default %(default)g)")
+        parser.add_argument(flag, type=cli.above(0.0, "a time limit"), default=default,
+                            help=f"seconds for {what} (default %(default)g)")
+
+
 PROXIES = ("http_proxy", "https_proxy", "ftp_proxy", "all_proxy", "no_proxy")
 
 

@@ -60,7 +60,7 @@ class _Collector:
 
     def __init__(self, outcome: Outcome, obj: object = None):
         self.outcome, self.running, self.stubs, self.obj = outcome, None, 0, obj
-        self.raised_at: dict[str, str] = {}  # test name -> where the learner's code raised its exception
+        self.raised_where: dict[str, str] = {}  # test name -> where the learner's code raised its exception
 
     def pytest_runtest_logstart(self, nodeid, location):
         self.running = _test_name(nodeid)
@@ -73,14 +73,14 @@ class _Collector:
     def note_raised(self, item, call) -> None:
         error = call.excinfo.value if call.excinfo is not None else None
         if error is not None and self.obj is not None and not isinstance(error, (AssertionError, NotImplementedError)):
-            self.raised_at[_test_name(item.nodeid)] = raised_at(self.obj, error)
+            self.raised_where[_test_name(item.nodeid)] = raised_at(self.obj, error)
 
     def pytest_runtest_logreport(self, report):
         name = _test_name(report.nodeid)
         if report.when == "call" and report.passed:
             self.outcome.passed.append(name)
         elif report.failed:
-            message = _message(report) + (self.raised_at.pop(name, "") if report.when == "call" else "")
+            message = _message(report) + (self.raised_where.pop(name, "") if report.when == "call" else "")
             self.stubs += message.startswith("NotImplementedError")
             self.outcome.failed.append((name, message))
 
