@@ -14,7 +14,7 @@ no exercise costs only its own rows. It writes
 
 An exercise is worth the points its marks line gives (`· points N` in chapters/source/<part>.py; 1 if it gives none),
 all of them when it passes, none otherwise; an exercise whose definition is, calls or imports the course's reference
-(utils/checker/integrity.py) is flagged and scores 0 unless --allow-reference.
+(utils/checker/grading.py) is flagged and scores 0 unless --allow-reference.
 
 A learner is named by the notebook's file name; notebooks of the same name are told apart by their folders
 (alice/part0_warmup.ipynb -> alice/part0_warmup, written to feedback/alice__part0_warmup.md).

@@ -1,4 +1,4 @@
-"""`python -m utils.grade` as a teacher uses it (utils/grade.py, utils/checker/grading.py, integrity.py), on a class
+"""`python -m utils.grade` as a teacher uses it (utils/grade.py, utils/checker/grading.py), on a class
 of Part 2 notebooks made from the course's own: one solved, one as shipped, two with the same mistake that no wrong
 version in tests/part2_lora/mistakes.py describes (one of them with a registered one too), one whose exercise hangs,
 which writes to its home folder and has a cell with a failing import, one that hands in the course's reference, and
@@ -209,7 +209,7 @@ def test_points_come_from_the_marks_line(tmp_path, monkeypatch):
 def test_a_definition_that_calls_this_parts_reference_is_flagged_and_one_that_calls_an_earlier_part_is_not():
     from solutions import part2_lora
     from solutions.part0_warmup import completion_logprobs
-    from utils.checker.integrity import reference_uses
+    from utils.checker.grading import reference_uses
 
     namespace = {"__name__": "notebook_mine", "_ref": part2_lora, "completion_logprobs": completion_logprobs,
                  "given_freeze": part2_lora.freeze_base}
@@ -226,7 +226,7 @@ def test_a_definition_that_calls_this_parts_reference_is_flagged_and_one_that_ca
 
 
 def test_an_exercise_cell_that_imports_an_earlier_part_is_not_flagged_and_one_that_imports_this_part_is():
-    from utils.checker.integrity import _cell_imports
+    from utils.checker.grading import _cell_imports
 
     assert _cell_imports("from solutions.part0_warmup import completion_logprobs\n", PART) == ""
     assert _cell_imports("from solutions.part2_lora import LoRA\n", PART) == (

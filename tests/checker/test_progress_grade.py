@@ -1,5 +1,5 @@
-"""check_all(), `python -m utils.progress` and `python -m utils.grade` (utils/checker/summary.py, grading.py,
-worker.py): on learners' notebooks made from Part 0's, each exercise cell holding the reference, a registered wrong
+"""check_all(), `python -m utils.progress` and `python -m utils.grade` (utils/checker/summary.py,
+grading.py): on learners' notebooks made from Part 0's, each exercise cell holding the reference, a registered wrong
 version, the stub, a loop that never ends, or a cell that raises, every exercise gets the right row, and a notebook
 that hangs costs only its own rows."""
 
@@ -17,7 +17,7 @@ import torch
 from solutions import part0_warmup as ref
 from tests.checker.conftest import CHECKER_DRAWN_EXAMPLES
 from tests.part0_warmup import mistakes
-from utils.checker import integrity, summary
+from utils.checker import grading, summary
 from utils.checker.grading import grade_notebook, notebook_part
 from utils.checker.layout import ROOT, defined_names, exercise_names, notebook_of
 from utils.checker.notebook import check_all
@@ -102,9 +102,9 @@ def test_a_notebook_whose_exercise_cells_only_import_is_read_as_its_part(tmp_pat
             cell["source"] = f"from solutions.{PART} import {name}\n"
     (tmp_path / "copied.ipynb").write_text(json.dumps(nb))
     assert notebook_part(tmp_path / "copied.ipynb") == PART
-    cells = integrity.exercise_cells(tmp_path / "copied.ipynb")
+    cells = grading.exercise_cells(tmp_path / "copied.ipynb")
     assert set(cells) == set(exercise_names(PART)), cells  # each cell stands for its exercise, and is flagged
-    assert integrity._cell_imports(cells["get_logprobs"], PART) == f"its cell imports solutions.{PART} (line 1)"
+    assert grading._cell_imports(cells["get_logprobs"], PART) == f"its cell imports solutions.{PART} (line 1)"
 
 
 def test_check_all_says_what_to_do_when_no_exercise_is_defined():

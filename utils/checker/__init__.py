@@ -40,10 +40,9 @@ above it in this list (utils/checker/README.md: the path from check() to its mes
     summary.py          one row per exercise (✅ ❌ ✏️ ⏱️ ⚠️, tests passed, the likely mistake) and the table of them
     notebook.py         `check()`, the line under each exercise in a notebook, and what it prints (short: the most
                         specific finding, each failure once; check(fn, verbose=True) for all); `check_all()`
-    integrity.py        whether a learner's exercise is the course's reference under another name (utils/grade.py
-                        flags it)
-    worker.py           the process that checks one saved notebook: its definitions run, then each exercise's tests
-    grading.py          one saved notebook checked in a worker, with a time limit (utils/progress.py, utils/grade.py)
+    grading.py          saved notebooks graded, each in a worker process of its own with time, memory and CPU limits
+                        (utils/progress.py, utils/grade.py): the worker runs its definitions, then each exercise's
+                        tests; and whether an exercise is the course's reference under another name (grade.py flags it)
     warm.py             `python -m utils.checker.warm --store DIR [parts]`: fill a store on purpose (a teacher, a grader)
 
 Tests import the assertions through `tests/support.py`. This file imports nothing, so that `layout` stays light.

@@ -1,14 +1,44 @@
-"""Grading one saved notebook: in a fresh process of its own (worker.py), with a time limit, a memory limit, a CPU-time
-limit, a temporary home folder and no network settings, so that a notebook that hangs, crashes, hoards memory or
-cannot even be read costs only its own rows. What `python -m utils.progress` and `python -m
-utils.grade` share.
+"""Grading saved notebooks: each in a fresh process of its own (the worker, below), with a time limit, a memory limit, a
+CPU-time limit, a temporary home folder and no network settings, so that a notebook that hangs, crashes, hoards memory
+or cannot even be read costs only its own rows; and whether an exercise is the course's reference under another name.
+What `python -m utils.progress` and `python -m utils.grade` share.
 
-This process never imports the learner's code, pytest or torch: it reads the notebook's cells as text to find its
-part, starts the worker, waits, and turns the worker's events (and its silence, if it hung or died) into rows.
+The grader's process never imports the learner's code, pytest or torch: it reads the notebook's cells as text to find
+its part, starts the worker, waits, and turns the worker's events (and its silence, if it hung or died) into rows.
+
+The worker (`main` below, one process per notebook) runs the notebook's definitions, then checks each exercise, and
+writes what happens to an events file, one JSON object a line, so that the parent knows how far it got even if the
+worker hangs or dies:
+
+    {"event": "cell", "index": 7, "defines": ["get_logprobs"]}    about to run code cell 7
+    {"event": "cell_failed", "index": 7, "status": ..., "note": ..., "setup": false}   code cell 7 raised or hung
+    {"event": "row", "row": {...}}                                one exercise's row (summary.Row's fields, with the
+                                                                  flag of reference_uses: how it uses the reference)
+    {"event": "done"}
+
+    python -m utils.checker.grading NOTEBOOK --part part0_warmup --events FILE --cell-timeout S --check-timeout S
+
+What runs is what `pytest --impl notebook.ipynb` runs, by the same function (implementations.exec_notebook): the
+cells tagged "setup" (the preamble among them), "provided" and "exercise", and the untagged cells that only define
+things (the learner's helpers), in order, in the worker's process; never demos or training. A cell that raises costs
+the exercises it defines (❌, with where it raised); one that runs past --cell-timeout is stopped and costs the same
+(⏱️); a broken setup cell costs every exercise. The worker runs in the course's `chapters/` folder, as Jupyter does
+(the preamble finds the course from there).
+
+Whether an exercise is the reference (reference_uses): the reference object itself, a definition that calls or
+subclasses it, or an exercise cell that imports from `solutions`. The grader flags it (utils/grade.py); what it says
+is what was found in the learner's own cell and objects, never a guess. The notebook's own setup cells import solved
+earlier parts on purpose (`from solutions.part0_warmup import completion_logprobs  # Part 0, solved`), and an exercise
+may call them: only this part's reference counts, and only an exercise's own definition or its own cell is looked at.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
+import functools
+import importlib
+import inspect
 import json
 import os
 import signal
@@ -16,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,7 +105,7 @@ def notebook_part(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"not a readable notebook ({type(error).__name__}: {error}); save it from Jupyter again")
     tagged = [src for tags, src in cells if "exercise" in tags]
-    # an exercise cell may import its exercise instead of defining it (integrity.py flags an import of the reference)
+    # an exercise cell may import its exercise instead of defining it (reference_uses flags an import of the reference)
     names = {n for src in tagged for n in defined_names(src) + imported_names(src)} or {
         n for _, src in cells for n in defined_names(src)}
     scores = {p: len(names & set(exercise_names(p))) for p in built_parts()}
@@ -147,7 +178,7 @@ def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT_S, cell_ti
     limits = Limits(timeout, check_timeout, memory_limit, cpu_limit)
     with tempfile.TemporaryDirectory(prefix="rlhf-grade-") as tmp:
         events_file, log_file = Path(tmp) / "events.jsonl", Path(tmp) / "log.txt"
-        command = [sys.executable, "-m", "utils.checker.worker", str(path.resolve()), "--part", part,
+        command = [sys.executable, "-m", "utils.checker.grading", str(path.resolve()), "--part", part,
                    "--events", str(events_file), "--cell-timeout", str(cell_timeout),
                    "--check-timeout", str(check_timeout)]
         with open(log_file, "wb") as log:
@@ -261,3 +292,164 @@ def _ending(code: int, limits: Limits, log_tail: str) -> str:
     if code < 0:
         return f"signal {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"exit code {code}"
     return f"exit code {code}"
+
+
+# The worker: one process per notebook (grade_notebook starts it).
+
+
+class Events:
+    """The events file: each line written whole and flushed at once, since this process may be killed any time."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, event: str, **fields) -> None:
+        self.file.write(json.dumps({"event": event, **fields}) + "\n")
+        self.file.flush()
+
+
+def run_cells(path: Path, part: str, cell_timeout: float | None, events: Events) -> tuple[dict, dict[str, summary.Row]]:
+    """Run the notebook's definitions (implementations.exec_notebook, each cell stopped after `cell_timeout` s), each
+    announced in the events file first. Returns (their namespace, {exercise: row} for the exercises whose cell raised
+    or hung, or all of them when a setup cell did)."""
+    from utils.checker.implementations import exec_notebook
+
+    namespace, failures = exec_notebook(path, exercise_names(part), cell_timeout,
+                                        before_cell=lambda index, defines: events.write("cell", index=index,
+                                                                                        defines=defines),
+                                        on_failure=lambda failure, tags: events.write(
+                                            "cell_failed", index=failure.cell, status=failure.status,
+                                            note=failure.note, setup="setup" in tags))
+    rows = {}
+    for name, failure in failures.items():
+        message = None if failure.in_setup else (f"{summary.SYMBOLS[failure.status]} {name}: {failure.note}. Fix the "
+                                                 "cell, save the notebook, and grade it again.")
+        rows[name] = summary.without_results(part, name, failure.status, failure.note, message)
+    return namespace, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebook", type=Path)
+    parser.add_argument("--part", required=True)
+    parser.add_argument("--events", type=Path, required=True)
+    parser.add_argument("--cell-timeout", type=float, required=True, help="seconds for one cell")
+    parser.add_argument("--check-timeout", type=float, required=True, help="seconds for one exercise's tests")
+    args = parser.parse_args(argv)
+    events = Events(args.events)
+    # The libraries first, outside the cells' time limit: a stop that lands in an import leaves a library half loaded
+    # (torch then fails every later import). The part's reference and tests import all that its notebook uses.
+    from utils.checker.notebook import exercise_rows
+
+    importlib.import_module(f"solutions.{args.part}")
+    importlib.import_module(f"tests.{args.part}")
+    namespace, failed = run_cells(args.notebook, args.part, args.cell_timeout, events)
+    flags = reference_uses(args.notebook, args.part, namespace)  # the grader scores these 0 (grade.py)
+    for row in exercise_rows(args.part, namespace, args.check_timeout, known=failed):
+        row.flag = flags.get(row.exercise, "")
+        events.write("row", row=row.asdict())
+    events.write("done")
+    return 0
+
+
+# Whether an exercise is the reference.
+
+REFERENCE = "solutions"  # the package of the course's reference code
+
+
+def exercise_cells(path: Path) -> dict[str, str]:
+    """{exercise: the source of the notebook cell tagged "exercise" that defines it (or imports it by that name)}."""
+    cells = {}
+    for tags, source in notebook_cells(path):
+        if "exercise" in tags:
+            for name in defined_names(source) + imported_names(source):
+                cells.setdefault(name, source)
+    return cells
+
+
+def reference_uses(path: Path, part: str, namespace: dict) -> dict[str, str]:
+    """{exercise: how it uses `part`'s reference, in words} for each exercise of `part` defined in `namespace` that
+    does (the notebook at `path` supplies each exercise's cell)."""
+    cells = exercise_cells(path)
+    reference = importlib.import_module(f"{REFERENCE}.{part}")
+    exercises = {id(getattr(reference, n)): n for n in exercise_names(part) if hasattr(reference, n)}
+    found = {}
+    for name in exercise_names(part):
+        obj = namespace.get(name)
+        why = (_is_reference(name, obj) or _cell_imports(cells.get(name, ""), part) or _uses(obj, part, exercises)
+               if obj is not None else _cell_imports(cells.get(name, ""), part))
+        if why:
+            found[name] = why
+    return found
+
+
+def _from_reference(obj: object) -> str:
+    """The reference module `obj` was defined in, or ""."""
+    module = getattr(obj, "__name__", "") if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", "")
+    return module if isinstance(module, str) and (module == REFERENCE or module.startswith(REFERENCE + ".")) else ""
+
+
+def _is_reference(name: str, obj: object) -> str:
+    """Whether `obj`, or what it wraps (a decorator's __wrapped__, a functools.partial), comes from the reference."""
+    seen = 0
+    while obj is not None and seen < 20:
+        module = _from_reference(obj)
+        if module:
+            return f"{name} is the course's reference ({module}.{getattr(obj, '__qualname__', name)})"
+        obj = getattr(obj, "__wrapped__", None) or (obj.func if isinstance(obj, functools.partial) else None)
+        seen += 1
+    return ""
+
+
+def _cell_imports(source: str, part: str) -> str:
+    """Whether an exercise's cell imports this part's reference, or the reference package itself (an import statement,
+    or a module named in a string). An earlier part's solved module may be imported, as the setup cells do."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return ""
+    for node in ast.walk(tree):
+        modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                   [node.module or ""] if isinstance(node, ast.ImportFrom) else
+                   [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else [])
+        own = f"{REFERENCE}.{part}"
+        for module in modules:
+            if module in (REFERENCE, own) or module.startswith(own + "."):
+                return f"its cell imports {module} (line {node.lineno})"
+    return ""
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a function's code uses, its nested functions' included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _uses(obj: object, part: str, exercises: dict[int, str]) -> str:
+    """Whether `obj`'s code (a function's, or a class's methods') calls this part's reference: a global name bound to
+    one of its exercises' references or to its module; or a class that subclasses a reference class."""
+    own = f"{REFERENCE}.{part}"
+    if isinstance(obj, type):
+        for base in obj.__mro__[1:]:
+            if id(base) in exercises or _from_reference(base).startswith(own):
+                return f"it subclasses the course's reference {_from_reference(base)}.{base.__qualname__}"
+        functions = [f for f in vars(obj).values() if inspect.isfunction(f)]
+        functions += [f.__func__ for f in vars(obj).values() if isinstance(f, (staticmethod, classmethod))]
+    else:
+        functions = [inspect.unwrap(obj)] if inspect.isfunction(inspect.unwrap(obj)) else []
+    for function in functions:
+        scope = function.__globals__
+        for name in sorted(_code_names(function.__code__)):
+            value = scope.get(name)
+            if id(value) in exercises and getattr(value, "__module__", "") == own:
+                return f"{function.__qualname__} calls the course's reference of {exercises[id(value)]} ({name})"
+            if isinstance(value, types.ModuleType) and _from_reference(value).startswith(own):
+                return f"{function.__qualname__} uses the course's reference module {value.__name__} ({name})"
+    return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -50,7 +50,7 @@ class Implementation(types.SimpleNamespace):
 
 # --- a notebook's definitions, run in this process ---------------------------------------------------------
 # The one executor of a saved notebook's definitions: `--impl notebook.ipynb` and `stubs` here, and the grading
-# worker (worker.py) with a time limit per cell. The tests call the learner's objects in this process, so the cells
+# worker (grading.py) with a time limit per cell. The tests call the learner's objects in this process, so the cells
 # run here too, with exec(), not in a Jupyter kernel; tests/test_notebooks.py runs whole notebooks (demos and
 # training included) in a real kernel with nbclient, as a learner does.
 

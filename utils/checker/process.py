@@ -20,7 +20,7 @@ thread of check()'s outlives it. tests/checker/test_process_state.py compares th
 that passes, one that fails, one interrupted and one whose code raises.
 
 Not in a notebook's process: implementations.exec_notebook puts a learner's notebook into `sys.modules` under a name
-of its own, in the grader's worker process (worker.py) or a terminal's pytest run with `--impl`, which end with it.
+of its own, in the grader's worker process (grading.py) or a terminal's pytest run with `--impl`, which end with it.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def shorten(text: str, width: int = SHORT, first_clause: bool = True) -> str:
 
 def why(row: Row) -> str:
     """The last column of a table: the named mistake, shortened, else the note, else how it uses the course's
-    reference (integrity.py), if it does."""
+    reference (grading.reference_uses), if it does."""
     if len(row.explanations) == 1:
         return shorten(row.explanations[0])
     if row.explanations:
