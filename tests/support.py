@@ -26,7 +26,7 @@ from utils.checker.layout import ROOT
 from utils.checker.observe import anonymous
 from utils.checker.properties import (assert_defaults_match, assert_gradients_match, assert_hooks_clean,  # noqa
                                       assert_inputs_unchanged, assert_outputs_match, assert_raises,
-                                      assert_reproducible)
+                                      assert_reproducible, each_refusal)
 from utils.checker.registry import Exercise, Registry, mistake, only_on  # noqa: F401
 from utils.checker.trace import course_helpers, namespaces_of, reference_trace, tracing  # noqa: F401
 from utils.checker.trace_departure import assert_same_trace  # noqa: F401

@@ -391,6 +391,30 @@ def test_a_registered_slip_is_named_whatever_the_learner_did_with_the_documented
     assert "should raise" not in first.split("\n  Also failing")[0], out  # the slip's own failure first
 
 
+@pytest.mark.parametrize("refused", [("inf",), ()], ids=["one refusal left out", "every refusal left out"])
+def test_a_version_that_leaves_out_one_refusal_is_not_named_as_one_that_leaves_out_all(refused, capsys):
+    """The refusal test checks NaN, inf and -inf in turn (each_refusal). A version that refuses inf but not NaN fails
+    at the first input, as the registered version that refuses nothing does; it is not named as that one, since the
+    test goes on and sees it refuse the other two, and the message says so. One that refuses nothing is named, and
+    the message lists the inputs it lets through after the first."""
+    from tests.part1_ppo.mistakes_rewards import _normalize_no_refusal
+
+    def normalize_rewards(rewards, eps=1e-5):  # as the registered version, with no contract of eps
+        if "inf" in refused and torch.isinf(rewards).any():
+            raise ValueError("an infinite reward")
+        return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
+
+    check(normalize_rewards)
+    out = capsys.readouterr().out
+    named = inspect.getdoc(_normalize_no_refusal).split(",")[0] in out
+    assert named is not bool(refused), out
+    if refused:
+        assert "Your code refuses the test's other 2 bad inputs as the reference does." in out, out
+    else:
+        assert "Also not refused as the reference refuses it: normalize_rewards([1, inf, 2]) (it returns); " \
+               "normalize_rewards([1, -inf, 2]) (it returns)." in " ".join(out.split()), out
+
+
 LEARNERS_CELL = """import torch
 
 

@@ -5,7 +5,8 @@ import torch
 
 from solutions import part0_warmup as ref
 from tests.part0_warmup.common import random_logits
-from tests.support import assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises, exercise
+from tests.support import (assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises, each_refusal,
+                           exercise)
 
 
 @exercise("get_logprobs")
@@ -38,7 +39,9 @@ def test_get_logprobs_gradient_and_inputs(impl):
 @exercise("get_logprobs")
 def test_get_logprobs_refuses_a_prefix_that_scores_nothing(impl):
     logits, tokens = random_logits(seq=5)
-    for prefix_len in (0, 5):
-        assert_raises(ValueError, impl.get_logprobs, logits, tokens, prefix_len, what=f"get_logprobs(prefix_len="
-                      f"{prefix_len}) with 5 tokens", why="prefix_len must be in [1, seq): nothing predicts the first "
-                      "token, and a prefix of the whole sequence leaves nothing to score")
+    with each_refusal():
+        for prefix_len in (0, 5):
+            assert_raises(ValueError, impl.get_logprobs, logits, tokens, prefix_len,
+                          what=f"get_logprobs(prefix_len={prefix_len}) with 5 tokens", why="prefix_len must be in "
+                          "[1, seq): nothing predicts the first token, and a prefix of the whole sequence leaves "
+                          "nothing to score")

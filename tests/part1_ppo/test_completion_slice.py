@@ -6,7 +6,8 @@ import torch
 
 from solutions import part1_ppo as ref
 from tests.part1_ppo.common import randn, token_batch
-from tests.support import assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises, exercise
+from tests.support import (assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises, each_refusal,
+                           exercise)
 
 pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
@@ -24,11 +25,12 @@ def test_completion_slice_picks_the_positions_that_choose_the_completion(impl):
 @exercise("completion_slice")
 def test_completion_slice_refuses_a_prompt_len_out_of_range(impl):
     x = randn(2, 6)
-    for p, why in ((0, "prompt_len = 0 has no position before the completion"),
-                   (6, "prompt_len = seq leaves no completion token"),
-                   (9, "prompt_len > seq")):
-        assert_raises(ValueError, impl.completion_slice, x, p, what=f"completion_slice(x of seq 6, prompt_len={p})",
-                      why=f"the docstring asks for 1 <= prompt_len < seq; {why}")
+    with each_refusal():
+        for p, why in ((0, "prompt_len = 0 has no position before the completion"),
+                       (6, "prompt_len = seq leaves no completion token"),
+                       (9, "prompt_len > seq")):
+            assert_raises(ValueError, impl.completion_slice, x, p, what=f"completion_slice(x of seq 6, prompt_len={p})",
+                          why=f"the docstring asks for 1 <= prompt_len < seq; {why}")
 
 
 @exercise("completion_slice")

@@ -9,7 +9,7 @@ from solutions.part0_warmup import completion_logprobs
 from solutions.part2_lora import LoRAModel
 from tests.part4_reference.common import fixed_dataset, flags_unchanged, padded_rows, trained_adapters
 from tests.support import (aside, assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged,
-                           assert_raises, exercise, expect)
+                           assert_raises, each_refusal, exercise, expect)
 from utils.sampling import Samples
 
 pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
@@ -64,7 +64,9 @@ def test_precompute_reference_logprobs_leaves_no_hooks(impl, tiny_model):
 def test_precompute_reference_logprobs_refuses_what_is_not_a_reference(impl, tiny_model):
     lora_model = LoRAModel(tiny_model, trained_adapters(tiny_model, seed=6))
     dataset = fixed_dataset(lora_model)[:1]
-    for kind, why in [("none", "kind 'none' (beta == 0) has no reference, so nothing to precompute"),
-                      ("lora", "'lora' is not a kind: the kinds are 'hooks_removed', 'old_adapter', 'frozen_copy'")]:
-        assert_raises(ValueError, impl.precompute_reference_logprobs, lora_model, kind, dataset,
-                      what=f"precompute_reference_logprobs(model, {kind!r}, dataset)", why=why)
+    with each_refusal():
+        for kind, why in [("none", "kind 'none' (beta == 0) has no reference, so nothing to precompute"),
+                          ("lora", "'lora' is not a kind: the kinds are 'hooks_removed', 'old_adapter', "
+                                   "'frozen_copy'")]:
+            assert_raises(ValueError, impl.precompute_reference_logprobs, lora_model, kind, dataset,
+                          what=f"precompute_reference_logprobs(model, {kind!r}, dataset)", why=why)

@@ -5,7 +5,7 @@ import dataclasses
 
 from solutions import part4_reference as ref
 from tests.part4_reference.common import S, short
-from tests.support import assert_equal, assert_raises, exercise, expect
+from tests.support import assert_equal, assert_raises, each_refusal, exercise, expect
 
 
 WHY = {
@@ -139,5 +139,6 @@ def test_reference_kind_beta_zero_answers_first(impl):
 
 @exercise("reference_kind")
 def test_reference_kind_refuses_contradictions(impl):
-    for settings, why in refusals():
-        assert_raises(ValueError, impl.reference_kind, settings, what=f"reference_kind({short(settings)})", why=why)
+    with each_refusal():
+        for settings, why in refusals():
+            assert_raises(ValueError, impl.reference_kind, settings, what=f"reference_kind({short(settings)})", why=why)

@@ -10,7 +10,7 @@ from solutions import part5_dpo_rloo as ref
 from tests.part5_dpo_rloo.common import fresh, loss_and_grads
 from tests.support import function_checks_only
 from tests.support import (aside, assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises,
-                           exercise, expect)
+                          each_refusal, exercise, expect)
 
 MARGINS = torch.tensor([-15.0, -4.0, -0.6, 0.3, 2.5, 6.0, 12.0, 25.0])  # hinge: 0 beyond 1/beta, IPO: either side
 
@@ -160,13 +160,14 @@ def test_dpo_loss_refusals_and_inputs(impl):
     for loss_type in ref.DPO_LOSS_TYPES:
         assert_inputs_unchanged(impl.dpo_loss, *(t.clone() for t in four), beta=0.5, loss_type=loss_type,
                                 what=f"dpo_loss(loss_type={loss_type!r})")
-    assert_raises(ValueError, impl.dpo_loss, *four, loss_type="kto", what="dpo_loss(loss_type='kto')",
-                  why=f"loss_type must be one of {ref.DPO_LOSS_TYPES}; an unknown one must not quietly fall back to "
-                  "another loss")
-    n = len(MARGINS)
-    with function_checks_only():
-        for shapes in ([(n,), (n,), (n,), (1,)], [(n,), (n,), (n,), (n - 1,)], [(n, 1)] * 4):
-            tensors = [-torch.rand(s) for s in shapes]
-            assert_raises(ValueError, impl.dpo_loss, *tensors, what=f"dpo_loss on tensors of shapes {shapes}",
-                          why="the four log-probs must be [batch] tensors of one shape; a [1] or [batch, 1] tensor "
-                          "would broadcast silently into the wrong pairs")
+    with each_refusal():
+        assert_raises(ValueError, impl.dpo_loss, *four, loss_type="kto", what="dpo_loss(loss_type='kto')",
+                      why=f"loss_type must be one of {ref.DPO_LOSS_TYPES}; an unknown one must not quietly fall "
+                      "back to another loss")
+        n = len(MARGINS)
+        with function_checks_only():
+            for shapes in ([(n,), (n,), (n,), (1,)], [(n,), (n,), (n,), (n - 1,)], [(n, 1)] * 4):
+                tensors = [-torch.rand(s) for s in shapes]
+                assert_raises(ValueError, impl.dpo_loss, *tensors, what=f"dpo_loss on tensors of shapes {shapes}",
+                              why="the four log-probs must be [batch] tensors of one shape; a [1] or [batch, 1] tensor "
+                              "would broadcast silently into the wrong pairs")

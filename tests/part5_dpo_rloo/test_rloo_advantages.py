@@ -9,7 +9,7 @@ import torch
 from solutions import part5_dpo_rloo as ref
 from tests.part5_dpo_rloo.common import NAN
 from tests.support import function_checks_only
-from tests.support import assert_close, assert_inputs_unchanged, assert_raises, exercise
+from tests.support import assert_close, assert_inputs_unchanged, assert_raises, each_refusal, exercise
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.5, 3.0, 1.5])  # 3 groups of 4
 UNSCORED = torch.tensor([1.0, 0.0, NAN, 1.0,  NAN, NAN, NAN, NAN,  2.0, NAN, 0.0, 0.5,  5.0, NAN, NAN, NAN])
@@ -109,12 +109,13 @@ def test_rloo_advantages_leave_rewards_alone(impl):
 def test_rloo_advantages_refusals(impl):
     why = "rewards must be one [n_prompts * group_size] tensor with group_size >= 2: with one completion per group " \
           "there is no other to compare with"
-    assert_raises(ValueError, impl.rloo_advantages, torch.ones(4), 1, what="rloo_advantages(group_size=1)", why=why)
-    assert_raises(ValueError, impl.rloo_advantages, torch.ones(7), 4, what="rloo_advantages of 7 rewards, "
-                  "group_size=4", why=why + "; 7 rewards do not split into groups of 4")
-    assert_raises(ValueError, impl.rloo_advantages, torch.tensor([1.0, float("inf"), 0.0, 2.0]), 2,
-                  what="rloo_advantages with an inf reward", why="an inf reward would make every advantage of its "
-                  "group inf or NaN; only NaN (unscorable) is allowed")
-    with function_checks_only():
-        assert_raises(ValueError, impl.rloo_advantages, torch.ones(3, 4), 4, what="rloo_advantages of a [3, 4] "
-                      "tensor of rewards", why=why)
+    with each_refusal():
+        assert_raises(ValueError, impl.rloo_advantages, torch.ones(4), 1, what="rloo_advantages(group_size=1)", why=why)
+        assert_raises(ValueError, impl.rloo_advantages, torch.ones(7), 4, what="rloo_advantages of 7 rewards, "
+                      "group_size=4", why=why + "; 7 rewards do not split into groups of 4")
+        assert_raises(ValueError, impl.rloo_advantages, torch.tensor([1.0, float("inf"), 0.0, 2.0]), 2,
+                      what="rloo_advantages with an inf reward", why="an inf reward would make every advantage of its "
+                      "group inf or NaN; only NaN (unscorable) is allowed")
+        with function_checks_only():
+            assert_raises(ValueError, impl.rloo_advantages, torch.ones(3, 4), 4, what="rloo_advantages of a [3, 4] "
+                          "tensor of rewards", why=why)

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from solutions import part6_lab as ref
 from solutions.part3_grpo import grpo_loss
-from tests.support import assert_close, assert_inputs_unchanged, assert_raises, exercise, expect
+from tests.support import assert_close, assert_inputs_unchanged, assert_raises, each_refusal, exercise, expect
 
 
 # --- loss_token_weights ------------------------------------------------------------------------------------------
@@ -109,12 +109,13 @@ def test_loss_token_weights_empty_rows_refusals_and_inputs(impl):
         mask = length_masks()
         assert_inputs_unchanged(impl.loss_token_weights, mask, loss_type, 9,
                                 what=f"loss_token_weights(mask, {loss_type!r}, 9)")
-    assert_raises(ValueError, impl.loss_token_weights, length_masks(), "sequence_mean",
-                  what="loss_token_weights(mask, 'sequence_mean')",
-                  why=f"loss_type must be one of {ref.LOSS_TYPES}; an unknown one must not fall back to another")
-    assert_raises(ValueError, impl.loss_token_weights, length_masks(), "dr_grpo", 3,
-                  what="loss_token_weights(mask of width 7, 'dr_grpo', max_completion_length=3)",
-                  why="max_completion_length must count every completion position (at least mask.shape[1])")
+    with each_refusal():
+        assert_raises(ValueError, impl.loss_token_weights, length_masks(), "sequence_mean",
+                      what="loss_token_weights(mask, 'sequence_mean')",
+                      why=f"loss_type must be one of {ref.LOSS_TYPES}; an unknown one must not fall back to another")
+        assert_raises(ValueError, impl.loss_token_weights, length_masks(), "dr_grpo", 3,
+                      what="loss_token_weights(mask of width 7, 'dr_grpo', max_completion_length=3)",
+                      why="max_completion_length must count every completion position (at least mask.shape[1])")
 
 
 # --- mean_length_by_outcome --------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from torch import Tensor
 
 from solutions import part6_lab as ref
 from solutions.part3_grpo import grpo_loss
-from tests.support import assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises, exercise, expect
+from tests.support import (assert_close, assert_gradients_match, assert_inputs_unchanged, assert_raises, each_refusal,
+                           exercise, expect)
 
 
 # --- clip_fraction -------------------------------------------------------------------------------------------------
@@ -100,9 +101,10 @@ def test_clip_fraction_is_zero_on_policy_and_without_tokens(impl):
 def test_clip_fraction_leaves_inputs_alone_and_refuses_a_negative_epsilon(impl):
     ratio, advantages, mask = _clip_inputs(seed=3)
     assert_inputs_unchanged(impl.clip_fraction, ratio, advantages, mask, 0.2, 0.28, what="clip_fraction")
-    for bad in ({"epsilon": -0.1}, {"epsilon_high": -0.1}):
-        assert_raises(ValueError, impl.clip_fraction, ratio, advantages, mask, **bad, what=f"clip_fraction({bad})",
-                      why="the clip range [1 - epsilon, 1 + epsilon_high] needs epsilons >= 0")
+    with each_refusal():
+        for bad in ({"epsilon": -0.1}, {"epsilon_high": -0.1}):
+            assert_raises(ValueError, impl.clip_fraction, ratio, advantages, mask, **bad, what=f"clip_fraction({bad})",
+                          why="the clip range [1 - epsilon, 1 + epsilon_high] needs epsilons >= 0")
 
 
 # --- truncated_importance_weights ----------------------------------------------------------------------------------
@@ -158,12 +160,13 @@ def test_truncated_importance_weights_leave_inputs_alone_and_refuse_bad_values(i
     trainer, sampler, mask = _tis_inputs(seed=3)
     assert_inputs_unchanged(impl.truncated_importance_weights, trainer, sampler, mask, 3.0,
                             what="truncated_importance_weights")
-    assert_raises(ValueError, impl.truncated_importance_weights, trainer, sampler, mask, 0.0,
-                  what="truncated_importance_weights(cap=0)", why="a cap must be > 0")
-    bad = sampler.clone()
-    bad[1, 2] = math.nan
-    assert_raises(ValueError, impl.truncated_importance_weights, trainer, bad, mask,
-                  what="truncated_importance_weights of sampler log-probs holding a NaN", why="a NaN log-prob")
+    with each_refusal():
+        assert_raises(ValueError, impl.truncated_importance_weights, trainer, sampler, mask, 0.0,
+                      what="truncated_importance_weights(cap=0)", why="a cap must be > 0")
+        bad = sampler.clone()
+        bad[1, 2] = math.nan
+        assert_raises(ValueError, impl.truncated_importance_weights, trainer, bad, mask,
+                      what="truncated_importance_weights of sampler log-probs holding a NaN", why="a NaN log-prob")
 
 
 # --- tis_grpo_loss -------------------------------------------------------------------------------------------------
@@ -240,12 +243,13 @@ def test_tis_grpo_tisl_leaves_inputs_alone_and_refuses_bad_values(impl):
     for old_lp in (old, None):
         assert_inputs_unchanged(impl.tis_grpo_loss, logprobs, old_lp, advantages, mask, weights, 0.2, 0.28,
                                 what=f"tis_grpo_loss({'on' if old_lp is None else 'off'}-policy)")
-    assert_raises(ValueError, impl.tis_grpo_loss, logprobs, old, advantages, mask, weights, -0.2,
-                  what="tis_grpo_loss(epsilon=-0.2)", why="the clip range needs epsilon >= 0")
-    bad = weights.clone()
-    bad[0, 1] = math.nan
-    assert_raises(ValueError, impl.tis_grpo_loss, logprobs, old, advantages, mask, bad,
-                  what="tis_grpo_loss of weights holding a NaN", why="a NaN weight makes the loss NaN")
+    with each_refusal():
+        assert_raises(ValueError, impl.tis_grpo_loss, logprobs, old, advantages, mask, weights, -0.2,
+                      what="tis_grpo_loss(epsilon=-0.2)", why="the clip range needs epsilon >= 0")
+        bad = weights.clone()
+        bad[0, 1] = math.nan
+        assert_raises(ValueError, impl.tis_grpo_loss, logprobs, old, advantages, mask, bad,
+                      what="tis_grpo_loss of weights holding a NaN", why="a NaN weight makes the loss NaN")
 
 
 # --- provided: TRL 1.16's sequence mask, and the sweep's summary -------------------------------------------------
@@ -434,12 +438,13 @@ def test_expected_grpo_objective_leaves_inputs_alone_and_refuses_bad_values(impl
     for old_lp in (old, None):
         assert_inputs_unchanged(impl.expected_grpo_objective, probs, logprobs, old_lp, advantages, weights, 0.2, 0.28,
                                 what=f"expected_grpo_objective({'on' if old_lp is None else 'off'}-policy)")
-    assert_raises(ValueError, impl.expected_grpo_objective, probs, logprobs, old, advantages, weights, -0.2,
-                  what="expected_grpo_objective(epsilon=-0.2)", why="the clip range needs epsilon >= 0")
-    bad = probs.clone()
-    bad[2] = math.nan
-    assert_raises(ValueError, impl.expected_grpo_objective, bad, logprobs, old, advantages, weights,
-                  what="expected_grpo_objective of probs holding a NaN", why="a NaN probability makes the sum NaN")
+    with each_refusal():
+        assert_raises(ValueError, impl.expected_grpo_objective, probs, logprobs, old, advantages, weights, -0.2,
+                      what="expected_grpo_objective(epsilon=-0.2)", why="the clip range needs epsilon >= 0")
+        bad = probs.clone()
+        bad[2] = math.nan
+        assert_raises(ValueError, impl.expected_grpo_objective, bad, logprobs, old, advantages, weights,
+                      what="expected_grpo_objective of probs holding a NaN", why="a NaN probability makes the sum NaN")
 
 
 # --- the exact comparison: expectations against samples, and the theory --------------------------------------------

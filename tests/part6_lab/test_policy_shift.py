@@ -8,7 +8,7 @@ from torch import Tensor
 from solutions import part6_lab as ref
 from solutions.part2_lora import LoRAModel, make_adapters
 from tests.support import (aside, assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged,
-                           assert_raises, calling, exercise, expect, lora_model_with_random_B)
+                           assert_raises, each_refusal, calling, exercise, expect, lora_model_with_random_B)
 from utils.sampling import Samples, completion_mask_from_ids, tokenize_prompts
 
 
@@ -140,11 +140,13 @@ def test_lora_on_blocks_leaves_the_lora_model_alone(impl, tiny_model):
 @exercise("lora_on_blocks")
 def test_lora_on_blocks_refuses_a_block_the_model_lacks(impl, tiny_model):
     lora_model = lora_model_with_random_B(tiny_model, 6, targets=EVERY_TARGET)
-    for blocks in ([4], [-1], [0, 7]):
-        assert_raises(ValueError, impl.lora_on_blocks, lora_model, blocks, what=f"lora_on_blocks(lora_model, {blocks})",
-                      why="the tiny model has blocks 0 to 3: another number would silently select nothing")
-    assert_raises(ValueError, impl.lora_on_blocks, lora_model, [True], what="lora_on_blocks(lora_model, [True])",
-                  why="True is 1 to Python (a bool is an int), but a flag is no block's number")
+    with each_refusal():
+        for blocks in ([4], [-1], [0, 7]):
+            assert_raises(ValueError, impl.lora_on_blocks, lora_model, blocks,
+                          what=f"lora_on_blocks(lora_model, {blocks})",
+                          why="the tiny model has blocks 0 to 3: another number would silently select nothing")
+        assert_raises(ValueError, impl.lora_on_blocks, lora_model, [True], what="lora_on_blocks(lora_model, [True])",
+                      why="True is 1 to Python (a bool is an int), but a flag is no block's number")
 
 
 # --- answer_attention --------------------------------------------------------------------------------------------

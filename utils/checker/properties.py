@@ -8,6 +8,9 @@
     assert_reproducible      a seeded function gives the same result from the same `generator` seed, and draws
                              nothing from the global random state
     assert_raises            a documented refusal happens, with the exception the docstring names
+    each_refusal             every refusal of a block checked, also after one fails, so that the failure says which
+                             ones the code keeps (and a version that leaves out one is told apart from one that
+                             leaves out all)
     assert_defaults_match    every default of the signature is the documented one (the tests may always pass it)
     assert_outputs_match     outputs (tensors, numbers, tuples, lists, dicts) equal the reference's, item by item
     assert_empty_masks       a mask with nothing on (in every row, or in one row) gives the reference's result
@@ -21,16 +24,17 @@ same way is recognised as the learner's mistake.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from utils.checker.compare import (GRADIENT_OF, CheckFailure, aside, assert_close, assert_equal, describe_difference,
-                                   expect, refusal_left_out, show)
+from utils.checker.compare import (GRADIENT_OF, CheckFailure, add_finding, aside, assert_close, assert_equal,
+                                   describe_difference, expect, refusal_left_out, show)
 from utils.checker.departure import raised_at
 from utils.checker.observe import freeze, observe, same
 
@@ -438,11 +442,51 @@ def assert_reproducible(fn: Callable, *args, what: str, generator_arg: str = "ge
 
 # --- refusals -----------------------------------------------------------------------------------------------
 
+_refusals: list | None = None  # inside each_refusal(): [refusals checked, (failure, what, outcome) of each failed]
+
+
+@contextlib.contextmanager
+def each_refusal() -> Iterator[None]:
+    """Check every assert_raises of the block, also after one fails: a failure is kept, and the first is raised when
+    the block ends, saying how the code answered the block's other inputs to refuse. What each one did is observed,
+    so a version that leaves out the first refusal is not taken for one that leaves out every refusal. Inside the
+    block, assert_raises returns None when its check fails."""
+    global _refusals
+    outer, _refusals = _refusals, [0, []]
+    try:
+        yield
+        checked, failed = _refusals
+    finally:
+        _refusals = outer
+    if not failed:
+        return
+    failure, others = failed[0][0], failed[1:]
+    held = checked - len(failed)
+    notes = [f"Also not refused as the reference refuses it: "
+             f"{'; '.join(f'{what} ({outcome})' for _, what, outcome in others)}."] if others else []
+    if held:
+        notes.append(f"Your code refuses the test's other {held} bad input{'s' if held > 1 else ''} as the reference "
+                     "does.")
+    raised = CheckFailure(add_finding(str(failure), " ".join(notes)) if notes else str(failure))
+    raised.refusal_left_out = all(f.refusal_left_out for f, _, _ in failed)
+    raise raised from None
+
+
+def _refused_wrongly(failure: CheckFailure, what: str, outcome: str):
+    """Raise `failure`, or keep it for the end of an each_refusal() block (then None is returned)."""
+    if _refusals is None:
+        raise failure from None
+    _refusals[1].append((failure, what, outcome))
+    return None
+
+
 def assert_raises(exception: type[BaseException] | tuple[type[BaseException], ...], fn: Callable, *args, what: str,
                   why: str, **kwargs):
     """fn(*args, **kwargs) must raise `exception` (or one of a tuple of them; documented: `why`); returns the
     exception raised."""
     name = " or ".join(e.__name__ for e in exception) if isinstance(exception, tuple) else exception.__name__
+    if _refusals is not None:
+        _refusals[0] += 1
     try:
         result = fn(*args, **kwargs)
     except exception as raised:
@@ -453,11 +497,14 @@ def assert_raises(exception: type[BaseException] | tuple[type[BaseException], ..
     except Exception as other:  # noqa: BLE001
         observe(what, type(other).__name__)
         if isinstance(other, CheckFailure):  # a check of the checker's own (a contract) refused it first
-            raise CheckFailure(f"{what}: expected a {name} ({why}); instead, {str(other)[:300]}") from None
-        raise CheckFailure(f"{what}: expected a {name} ({why}), but it raised {type(other).__name__}: "
-                           f"{str(other)[:300]}{raised_at(fn, other)}") from None
+            return _refused_wrongly(CheckFailure(f"{what}: expected a {name} ({why}); instead, {str(other)[:300]}"),
+                                    what, "a contract of the signature refused it first")
+        return _refused_wrongly(CheckFailure(f"{what}: expected a {name} ({why}), but it raised "
+                                             f"{type(other).__name__}: {str(other)[:300]}{raised_at(fn, other)}"),
+                                what, f"it raised {type(other).__name__}")
     observe(what, ("returned", result))  # what it returned is part of the failure: another slip returns another value
-    raise refusal_left_out(f"{what}: should raise a {name} ({why}), but it returned {show(result)} instead")
+    return _refused_wrongly(refusal_left_out(f"{what}: should raise a {name} ({why}), but it returned {show(result)} "
+                                             "instead"), what, "it returns")
 
 
 # --- defaults -----------------------------------------------------------------------------------------------
