@@ -59,6 +59,44 @@ def test_a_log_of_an_underflowed_probability_is_caught_where_logits_are_far_apar
     assert "underflow to 0 in float32" in message and ("NaN at" in message or "got NaN" in message), message
 
 
+def test_a_sampler_that_draws_where_the_reference_is_greedy_is_said_with_its_values():
+    """With top_k=1 the reference is greedy; a version whose top-k filter keeps the other tokens draws among them from
+    torch's global random state. Each call is seeded alike, so the failing input fails again when replayed and the
+    message gives the values (it had been hypothesis's "FlakyFailure" wrapper around them)."""
+    relations, tensors, rules = part0_warmup.sample_next_token.contract_whole
+
+    @contract(*relations, **tensors, **rules)
+    def sample_next_token(logits, temperature=1.0, top_k=None):
+        if temperature == 0:
+            return logits.argmax(dim=-1)
+        logits = logits / temperature
+        if top_k is not None:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, 0.0)  # 0 is no exclusion
+        return torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(-1)
+
+    message = failure("part0_warmup", sample_next_token)
+    assert "top_k=1" in message and "got 1, expected 0" in message and "Flaky" not in message, message
+
+
+def test_a_version_whose_result_changes_from_call_to_call_is_said_so():
+    """A failure that does not come back when the same input is run again is said as such, after what differed, and
+    not as hypothesis's exception group."""
+    calls = []
+
+    @contract(**part1_ppo.normalize_rewards.contract)
+    def normalize_rewards(rewards, eps=1e-5):
+        calls.append(1)
+        wrong = eps * 1000 if len(calls) <= 2 else 0.0  # its first calls are off, none after
+        return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps) + wrong
+
+    with pytest.raises(CheckFailure) as raised:
+        on_generated_inputs(types.SimpleNamespace(normalize_rewards=normalize_rewards), "part1_ppo",
+                            "normalize_rewards")
+    message = str(raised.value)
+    assert "Run again on the same input, your code passed" in message and "Flaky" not in message, message
+
+
 def test_a_float32_result_for_float64_inputs_is_caught():
     @contract(**part1_ppo.normalize_rewards.contract)
     def normalize_rewards(rewards, eps=1e-5):

@@ -139,9 +139,10 @@ def compare_steps(got, expected, what, tiny_model=None, cfg=None):
 @exercise("grpo_step")
 def test_grpo_step_does_what_the_reference_does_in_order(impl, tiny_model):
     """The trace of one step with a KL term and two updates (forward passes, zero_grad, backward, the clip's
-    coverage, optimizer steps, what grpo_loss is given) against the reference's, from the same random state."""
+    coverage, optimizer steps, what grpo_loss is given) against the reference's, from the same random state. Some
+    completions are cut off and masked out (mask_truncated_completions), so that the mask grpo_loss is given is seen."""
     cfg = step_config(beta=0.5, num_iterations=2, epsilon=0.1, epsilon_high=0.15, loss_type="grpo",
-                      scale_rewards="batch")
+                      scale_rewards="batch", mask_truncated_completions=True)
     what = "what grpo_step(beta=0.5, num_iterations=2, ...) does, step by step"
     got = calling(run_step, impl.grpo_step, tiny_model, cfg, traced=True, what=what, explain=async_reward_cause)
     want = reference_trace("grpo_step", lambda: run_step(ref.grpo_step, tiny_model, cfg, traced=True),

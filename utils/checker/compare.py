@@ -113,6 +113,8 @@ def show(value: object, limit: int = 12) -> str:
     """A short, readable rendering of a value for a failure message."""
     if not isinstance(value, Tensor):
         text = " ".join(repr(value).split())  # a module's or a dataclass's repr spans lines: one line in a message
+        if len(text) > 200 and isinstance(value, torch.nn.Module):  # a model's architecture: its class says which
+            return f"a {type(value).__name__}"
         return text if len(text) <= 200 else text[:197] + "..."
     t = value.detach().cpu()
     if t.dim() == 0:
