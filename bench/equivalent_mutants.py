@@ -215,6 +215,24 @@ TRIAGED: list[Equivalent] = [
                'tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = B.cpu().clone(memory_format=torch.contiguous_format)',
                'tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = B.cpu().clone(memory_format=None)',
                "B is a parameter or a slice of rows of one (contiguous either way): clone keeps its layout"),
+    # the course's own operators (bench/mutation.py: operand_dropped, no_grad_dropped)
+    Equivalent("generate_no_cache", "@torch.no_grad()", "",
+               "token ids come back (integers): no graph reaches the result, and the one built in each step is freed "
+               "with its logits; only the time and memory of the forward passes change"),
+    Equivalent("learn", "with torch.no_grad():", "with torch.enable_grad():",
+               "the block makes diagnostics that become Python numbers (.item()): no graph outlives it, and the "
+               "update is made before it"),
+    Equivalent("load_adapter", "if own_rank != rank or not math.isclose(adapter.scale * own_rank, alpha):",
+               "if not math.isclose(adapter.scale * own_rank, alpha):",
+               "a file of another rank is still refused with a ValueError that names the rank and the file, by the "
+               "check of the tensors' shapes below it (A is [rank, d_in])"),
+    Equivalent("reward_exact_answer", "if not (sep and a.isdigit() and b.isdigit()):",
+               "if not (a.isdigit() and b.isdigit()):",
+               "without the separator str.partition leaves the second part empty, and ''.isdigit() is False: the "
+               "condition is the same"),
+    Equivalent("answer_attention", "@torch.no_grad()", "",
+               "the hooks keep the patterns detached and the result is computed from them: no graph reaches the "
+               "result; only the memory of the forward pass changes"),
 ]
 
 

@@ -26,6 +26,12 @@ through the checker's own runner (utils.checker.runner.run_exercise_tests, the p
                says why no input of the contract tells it apart (a rule on the syntax tree, or an entry triaged by
                hand), with the reason in --json's "equivalents"
 
+Two operators of the course's own join mutmut's, for the two kinds of slip fresh mistakes showed its set misses:
+`operand_dropped` drops one operand of an `and`/`or` (a refusal that checks one of its two conditions), and
+`no_grad_dropped` drops a `@torch.no_grad()` decorator or turns `with torch.no_grad():` into `torch.enable_grad()` (a
+merge or a sync that builds a graph through the weights it writes). `--operators NAME ...` runs only the mutants of
+those operators.
+
 Mutants that are identical to an earlier mutant of the same exercise (two operators that make the same change) are
 run once and counted once. The reference is run first: an exercise whose reference fails its own tests here is
 reported and skipped.
@@ -163,6 +169,40 @@ def _visitor_class():
     return Visitor
 
 
+def _is_no_grad(expression) -> bool:
+    import libcst as cst
+
+    return isinstance(expression, cst.Call) and isinstance(expression.func, cst.Attribute) \
+        and expression.func.attr.value == "no_grad"
+
+
+def operator_operand_dropped(node):
+    """`a or b` -> `a`, and -> `b` (the same for `and`): a condition that checks one of its two operands."""
+    yield node.left
+    yield node.right
+
+
+def operator_no_grad_dropped(node):
+    """A def without its @torch.no_grad() decorator; `with torch.no_grad():` made `with torch.enable_grad():`."""
+    import libcst as cst
+
+    if isinstance(node, cst.FunctionDef):
+        kept = [d for d in node.decorators if not _is_no_grad(d.decorator)]
+        if len(kept) != len(node.decorators):
+            yield node.with_changes(decorators=kept)
+    elif isinstance(node, cst.WithItem) and _is_no_grad(node.item):
+        yield node.with_changes(item=cst.parse_expression("torch.enable_grad()"))
+
+
+def _operators() -> list:
+    """mutmut's operators, then the course's two."""
+    import libcst as cst
+    from mutmut.mutation.mutators import mutation_operators
+
+    return [*mutation_operators, (cst.BooleanOperation, operator_operand_dropped),
+            (cst.FunctionDef, operator_no_grad_dropped), (cst.WithItem, operator_no_grad_dropped)]
+
+
 def _one_line(lines: list[str]) -> str:
     return " ⏎ ".join(line.strip() for line in lines if line.strip())
 
@@ -179,7 +219,6 @@ def mutants_of(target: Target) -> list[Mutant]:
     """Every distinct mutant of the exercise's own definition, in the order of the source."""
     import libcst as cst
     from libcst.metadata import MetadataWrapper, PositionProvider
-    from mutmut.mutation.mutators import mutation_operators
     from mutmut.mutation.pragma_handling import IgnoredCode, PragmaVisitor
 
     source = target.path.read_text(encoding="utf-8")
@@ -197,7 +236,7 @@ def mutants_of(target: Target) -> list[Mutant]:
     ignored = IgnoredCode(no_mutate_lines=pragmas.no_mutate_lines, ignore_node_lines=pragmas.ignore_node_lines,
                           ignore_pattern_lines=set())
     others = {id(s) for s in module.body if s is not statement}
-    visitor = _visitor_class()(mutation_operators, ignored, others, _docstring_statements(statement))
+    visitor = _visitor_class()(_operators(), ignored, others, _docstring_statements(statement))
     wrapper.visit(visitor)
 
     def code_of(stmt) -> str:
@@ -276,7 +315,7 @@ class ExerciseResult:
 
 def run_exercise(part: str, name: str, limit: int | None = None, factor: float = DEFAULT_TIMEOUT_FACTOR,
                  min_timeout: float = DEFAULT_MIN_TIMEOUT, progress=None, first_failure: bool = True,
-                 messages_every: int = 0) -> ExerciseResult:
+                 messages_every: int = 0, operators: list[str] | None = None) -> ExerciseResult:
     import torch
 
     from bench.equivalent_mutants import equivalent_reason
@@ -299,6 +338,8 @@ def run_exercise(part: str, name: str, limit: int | None = None, factor: float =
     except LookupError as error:
         result.skipped = str(error)
         return result
+    if operators is not None:
+        mutants = [m for m in mutants if m.operator in operators]
     if limit is not None:
         mutants = mutants[:limit]
     # the reference rebuilt from its source the way each mutant is built must pass too, or every verdict is void
@@ -430,6 +471,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("parts", nargs="*", metavar="PART", help="e.g. part0_warmup (default: every part)")
     parser.add_argument("--exercise", nargs="+", default=None, metavar="NAME", help="only these exercises")
     parser.add_argument("--limit", type=int, default=None, metavar="N", help="at most N mutants per exercise")
+    parser.add_argument("--operators", nargs="+", default=None, metavar="NAME",
+                        help="only the mutants of these operators (e.g. operand_dropped no_grad_dropped)")
     parser.add_argument("--json", metavar="FILE", help="write the figures and every survivor (with its diff) there")
     parser.add_argument("--timeout-factor", type=float, default=DEFAULT_TIMEOUT_FACTOR,
                         help="a mutant's time limit, in runs of the reference (default %(default)s)")
@@ -470,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name in names:
             result = run_exercise(part, name, args.limit, args.timeout_factor, args.min_timeout,
                                   progress=None if args.no_progress else tqdm, first_failure=not args.all_tests,
-                                  messages_every=args.messages)
+                                  messages_every=args.messages, operators=args.operators)
             results[part].append(result)
             if result.skipped:
                 line = f"{part}.{name}: skipped: {result.skipped}"
@@ -508,8 +551,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "faults": [f for r in every for f in r.message_faults]},
         "survivors": [s for r in every for s in r.survivors],
         "equivalents": [s for r in every for s in r.equivalents],
-        "options": {"limit": args.limit, "all_tests": args.all_tests, "timeout_factor": args.timeout_factor,
-                    "min_timeout": args.min_timeout, "messages": args.messages},
+        "options": {"limit": args.limit, "operators": args.operators, "all_tests": args.all_tests,
+                    "timeout_factor": args.timeout_factor, "min_timeout": args.min_timeout, "messages": args.messages},
         "digest": digest,  # of the code measured: solutions/ and tests/ as they were at the start of the run
         "changed_during_run": _digest() != digest,
     }

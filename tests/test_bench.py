@@ -71,3 +71,16 @@ def test_a_survivor_is_equivalent_only_for_a_reason_the_rules_or_the_triage_give
     entry = TRIAGED[0]
     assert equivalent_reason(entry.exercise, "", "", entry.original, entry.mutated) == entry.why
     assert equivalent_reason("another", "", "", entry.original, entry.mutated) is None
+
+
+def test_the_course_operators_drop_one_operand_of_a_condition_and_no_grad():
+    """bench/mutation.py's two operators of the course's own, on the references they were written for: a refusal
+    that checks one of its two conditions (bradley_terry_loss), a merge that records a graph (merge_lora)."""
+    pytest.importorskip("mutmut")  # requirements-bench.txt
+    from bench.mutation import find_target, mutants_of
+
+    dropped = {m.mutated for m in mutants_of(find_target("part6_lab", "bradley_terry_loss"))
+               if m.operator == "operand_dropped"}
+    assert dropped == {"if chosen_scores.shape != rejected_scores.shape:", "if chosen_scores.dim() != 1:"}, dropped
+    (no_grad,) = [m for m in mutants_of(find_target("part2_lora", "merge_lora")) if m.operator == "no_grad_dropped"]
+    assert no_grad.original == "@torch.no_grad()" and "@torch.no_grad()" not in no_grad.code

@@ -422,6 +422,15 @@ def _adv_scale_unchecked(rewards, group_size, scale="group", eps=1e-4):
     return ref.group_advantages(rewards, group_size, scale if scale in ("group", "batch") else "none", eps)
 
 
+@mistake("error")
+def _adv_rows_accepted(rewards, group_size, scale="group", eps=1e-4):
+    """Checked that len(rewards) is a multiple of group_size but not that the rewards are one 1-D tensor: a [4, 4]
+    tensor passes (len counts its rows) and its 16 values are read as groups. Refuse rewards.dim() != 1 too."""
+    if len(rewards) % group_size != 0:
+        raise ValueError(f"rewards must be [n_prompts * group_size]; got shape {tuple(rewards.shape)}")
+    return ref.group_advantages(rewards.reshape(-1), group_size, scale, eps)
+
+
 # --- reference_logprobs --------------------------------------------------------------------------------------------
 
 @mistake("lora")
@@ -876,7 +885,8 @@ REGISTRY = Registry("part3_grpo", {
     "group_advantages": Exercise(
         wrong=[_adv_batch_std, _adv_population_std, _adv_no_eps, _adv_ignores_eps, _adv_unscorable_as_zero,
                _adv_std_counts_unscored, _adv_rounding_left_in_flat_groups, _adv_batch_mean, _adv_groups_transposed,
-               _adv_batch_std_of_advantages, _adv_nan_zeroed_in_place, _adv_no_checks, _adv_scale_unchecked],
+               _adv_batch_std_of_advantages, _adv_nan_zeroed_in_place, _adv_no_checks, _adv_scale_unchecked,
+               _adv_rows_accepted],
     ),
     "reference_logprobs": Exercise(
         wrong=[_reference_with_hooks, _reference_always_runs, _reference_scaled_by_beta, _reference_unmasked,

@@ -10,7 +10,7 @@ from torch import Tensor
 from solutions import part3_grpo as ref
 from tests.part3_grpo.common import NAN
 from tests.support import (assert_close, assert_inputs_unchanged, assert_raises, describe_difference, each_refusal,
-                           exercise)
+                           exercise, function_checks_only)
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.5, 3.0, 1.0])  # 3 groups of 4 (one flat)
 
@@ -146,6 +146,11 @@ def test_group_advantages_refuse_bad_input(impl):
                           why="an infinite reward is a reward function's bug: refuse it")
         assert_raises(ValueError, impl.group_advantages, torch.ones(8), 4, "std", what="group_advantages(scale='std')",
                       why="scale must be 'group', 'batch' or 'none'")
+        with function_checks_only():  # the function's own refusal, not the shape annotation's
+            assert_raises(ValueError, impl.group_advantages, torch.ones(4, 4), 4,
+                          what="group_advantages of a [4, 4] tensor of rewards, group_size=4",
+                          why="the rewards must be one 1-D tensor: len() of a [4, 4] one counts 4 rows, a multiple "
+                              "of 4, but its 16 values are not 4 rewards")
 
 
 def test_group_advantages_all_equal_rewards_and_bad_input():

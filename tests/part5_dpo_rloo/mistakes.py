@@ -644,6 +644,16 @@ def _loo_no_checks(rewards, group_size, normalize=False):
     return torch.zeros_like(rewards).view(-1)
 
 
+@mistake("error")
+def _loo_rows_accepted(rewards, group_size, normalize=False):
+    """Checked group_size and that len(rewards) is a multiple of it, but not that the rewards are one 1-D tensor: a
+    [4, 4] tensor passes (len counts its rows) and its 16 values are read as groups. Refuse rewards.dim() != 1
+    too."""
+    if group_size < 2 or len(rewards) % group_size != 0:
+        raise ValueError(f"rewards must be [n_prompts * group_size] with group_size >= 2; got {tuple(rewards.shape)}")
+    return ref.rloo_advantages(rewards.reshape(-1), group_size, normalize)
+
+
 # kl_penalized_rewards
 
 def _kl_sign(rewards, logprobs, ref_logprobs, mask, beta):
@@ -810,7 +820,7 @@ EXERCISES = {
     "rloo_advantages": Exercise(
         wrong=[_loo_includes_self, _loo_divides_by_g, _loo_population_std, _loo_ignores_normalize,
                _loo_unscorable_as_zero, _loo_strided_groups, _loo_normalized_per_group, _loo_nan_kept,
-               _loo_normalizes_the_zeros_too, _loo_nan_to_num_in_place, _loo_no_checks],
+               _loo_normalizes_the_zeros_too, _loo_nan_to_num_in_place, _loo_no_checks, _loo_rows_accepted],
     ),
     "kl_penalized_rewards": Exercise(
         wrong=[_kl_sign, _kl_k3, _kl_token_mean, _kl_unmasked, _kl_mask_on_policy_only, _kl_not_detached,

@@ -119,3 +119,6 @@ def test_rloo_advantages_refusals(impl):
         with function_checks_only():
             assert_raises(ValueError, impl.rloo_advantages, torch.ones(3, 4), 4, what="rloo_advantages of a [3, 4] "
                           "tensor of rewards", why=why)
+            assert_raises(ValueError, impl.rloo_advantages, torch.ones(4, 4), 4, what="rloo_advantages of a [4, 4] "
+                          "tensor of rewards", why=why + "; len() of a [4, 4] tensor counts 4 rows, a multiple of 4, "
+                          "but its 16 values are not 4 rewards")

@@ -63,6 +63,16 @@ def _bt_no_shape_check(chosen_scores, rejected_scores):
     return -F.logsigmoid(chosen_scores - rejected_scores).mean()
 
 
+@mistake("error")
+def _bt_shapes_only(chosen_scores, rejected_scores):
+    """Refused scores of different shapes but not scores of one shape that are not [pairs]: two [pairs, 1] columns
+    (or [pairs, k] tensors) are averaged as if every element were a pair. Raise a ValueError unless they are 1-D
+    too (chosen_scores.dim() == 1)."""
+    if chosen_scores.shape != rejected_scores.shape:
+        raise ValueError("bradley_terry_loss takes two tensors of one shape")
+    return -F.logsigmoid(chosen_scores - rejected_scores).mean()
+
+
 @mistake("gradient")
 def _bt_rejected_detached(chosen_scores, rejected_scores):
     """Detached the rejected scores, as if they were constants: both come from the reward model being trained, and
@@ -273,7 +283,7 @@ def _rm_overwrites_padding(model, head, ids, attention_mask):
 EXERCISES = {
     "bradley_terry_loss": Exercise(
         wrong=[_bt_swapped, _bt_log_of_sigmoid, _bt_without_log, _bt_summed, _bt_hinge, _bt_means_first,
-               _bt_no_shape_check, _bt_rejected_detached, _bt_in_place],
+               _bt_no_shape_check, _bt_shapes_only, _bt_rejected_detached, _bt_in_place],
     ),
     "last_token_scores": Exercise(
         wrong=[_last_column, _last_by_count, _last_first_real, _last_first_column, _last_mean_over_real,

@@ -180,6 +180,16 @@ def _blocks_no_check(lora_model, blocks):
     return _blocks_kept(lora_model, lambda layer: layer in blocks)
 
 
+@mistake("error")
+def _blocks_fraction_accepted(lora_model, blocks):
+    """Checked that each block is from 0 to n_layers - 1 but not that it is a whole number: 1.5 passes and selects
+    nothing, silently. Refuse a block that is not an int (isinstance(b, int), a bool excluded)."""
+    n_layers = lora_model.cfg.n_layers
+    if any(isinstance(b, bool) or not 0 <= b < n_layers for b in blocks):
+        raise ValueError(f"blocks must be from 0 to {n_layers - 1}, got {list(blocks)}")
+    return _blocks_kept(lora_model, lambda layer: layer in blocks)
+
+
 # --- answer_attention --------------------------------------------------------------------------------------------
 
 def _attention(model, samples, *, rows=None, transpose=False, layer_of=None, mask_rows=True, attention=True):
@@ -323,7 +333,8 @@ EXERCISES = {
     ),
     "lora_on_blocks": Exercise(
         wrong=[_blocks_all, _blocks_complement, _blocks_off_by_one, _blocks_deep_copy,
-               _blocks_deletes_from_the_policy, _blocks_zeroes_B, _blocks_no_check, _blocks_by_prefix],
+               _blocks_deletes_from_the_policy, _blocks_zeroes_B, _blocks_no_check, _blocks_by_prefix,
+               _blocks_fraction_accepted],
     ),
     "answer_attention": Exercise(
         wrong=[_attention_transposed, _attention_unshifted, _attention_one_layer, _attention_padding_rows_kept,

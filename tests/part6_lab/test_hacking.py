@@ -8,7 +8,8 @@ import torch
 
 from solutions import part6_lab as ref
 from tests.support import (assert_close, assert_equal, assert_gradients_match, assert_hooks_clean,
-                           assert_inputs_unchanged, assert_raises, exercise, expect, function_checks_only)
+                           assert_inputs_unchanged, assert_raises, each_refusal, exercise, expect,
+                           function_checks_only)
 
 
 # --- bradley_terry_loss ------------------------------------------------------------------------------------------
@@ -55,10 +56,14 @@ def test_bradley_terry_loss_gradients(impl):
 def test_bradley_terry_loss_leaves_inputs_and_refuses_shapes(impl):
     chosen, rejected = _inputs(3)
     assert_inputs_unchanged(impl.bradley_terry_loss, chosen.clone(), rejected.clone(), what="bradley_terry_loss")
-    with function_checks_only():
+    with function_checks_only(), each_refusal():
         assert_raises(ValueError, impl.bradley_terry_loss, chosen, rejected[:, None], what="bradley_terry_loss",
                       why="a [pairs, 1] tensor against [pairs] would broadcast into every chosen against every "
                           "rejected")
+        assert_raises(ValueError, impl.bradley_terry_loss, chosen[:, None], rejected[:, None],
+                      what="bradley_terry_loss of two [pairs, 1] tensors",
+                      why="the scores are [pairs] tensors: of two columns (or [pairs, k] tensors) every element "
+                          "would be averaged as if it were a pair")
 
 
 # --- last_token_scores -------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from torch import Tensor
 from solutions import part6_lab as ref
 from solutions.part2_lora import LoRAModel, make_adapters
 from tests.support import (aside, assert_close, assert_equal, assert_hooks_clean, assert_inputs_unchanged,
-                           assert_raises, each_refusal, calling, exercise, expect, lora_model_with_random_B)
+                           assert_raises, calling, each_refusal, exercise, expect, function_checks_only,
+                           lora_model_with_random_B)
 from utils.sampling import Samples, completion_mask_from_ids, tokenize_prompts
 
 
@@ -145,6 +146,10 @@ def test_lora_on_blocks_refuses_a_block_the_model_lacks(impl, tiny_model):
             assert_raises(ValueError, impl.lora_on_blocks, lora_model, blocks,
                           what=f"lora_on_blocks(lora_model, {blocks})",
                           why="the tiny model has blocks 0 to 3: another number would silently select nothing")
+        with function_checks_only():  # the function's own refusal, not the annotation's (list[int])
+            assert_raises(ValueError, impl.lora_on_blocks, lora_model, [1.5],
+                          what="lora_on_blocks(lora_model, [1.5])",
+                          why="a block's number is a whole number: 1.5 would silently select nothing")
         assert_raises(ValueError, impl.lora_on_blocks, lora_model, [True], what="lora_on_blocks(lora_model, [True])",
                       why="True is 1 to Python (a bool is an int), but a flag is no block's number")
 
