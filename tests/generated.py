@@ -21,6 +21,10 @@ Each exercise's test draws a fixed, bounded set of examples (derandomized: the s
 example database written anywhere), and on a difference hypothesis shrinks it to the smallest input that shows it,
 which the message describes in words ("with batch = 1; float64 inputs: ..."). Only the shrunk example's
 observations are kept for the mistake's fingerprint (observe.py).
+
+Then, for an exercise that runs the model (drawn 10 times, not 100), every class of every setting for certain: the
+first example's draws (hypothesis's simplest: the defaults and the smallest sizes) are replayed once for each other
+value that each setting's draw offered, that value in place of the drawn one (`_edges`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis.control import current_build_context
 from hypothesis import strategies as st
-from hypothesis.errors import FlakyFailure, Unsatisfiable
+from hypothesis.errors import FlakyFailure, Unsatisfiable, UnsatisfiedAssumption
 from torch import Tensor
 
 from tests.battery import VALUES, _reference_of, _shape, _tensor_type
@@ -608,6 +612,45 @@ def _strings(data, pname: str, sizes: dict[str, int], case: Case) -> list[str]:
     return values
 
 
+# --- every value of every setting, once -----------------------------------------------------------------------
+
+class _Recorded:
+    """hypothesis's `data`, keeping each draw: (its label, its value, the values a sampled_from offered)."""
+
+    def __init__(self, data):
+        self.data, self.draws = data, []
+
+    def draw(self, strategy, label=None):
+        value = self.data.draw(strategy, label=label)
+        self.draws.append((label, value, tuple(getattr(strategy, "elements", ()))))
+        return value
+
+
+class _Unreplayable(Exception):
+    """The changed value leads the case along another path of draws than the recorded one's."""
+
+
+class _Replayed:
+    """The draws of a recorded case again, in order, with the draw labelled `label` given `value` instead."""
+
+    def __init__(self, draws: list, label: str, value: object):
+        self.draws, self.label, self.value = list(draws), label, value
+
+    def draw(self, strategy, label=None):
+        if not self.draws or self.draws[0][0] != label:
+            raise _Unreplayable
+        _, recorded, _ = self.draws.pop(0)
+        return self.value if label == self.label else recorded
+
+
+def _edges(draws: list, spec) -> list[tuple[str, object]]:
+    """(setting, value) for each value a setting's draw offered other than the one drawn: the classes of its contract
+    that the drawn examples may have missed."""
+    settings_ = {p.name for p in spec.params}
+    return [(label, option) for label, value, offered in draws if label in settings_
+            for option in offered if not (option is value or option == value and type(option) is type(value))]
+
+
 # --- the comparison ---------------------------------------------------------------------------------------------
 
 def _copies(arguments: dict[str, object]) -> dict[str, object]:
@@ -802,7 +845,7 @@ def on_generated_inputs(impl, part: str, name: str, examples: int | None = None)
         raise RuntimeError(f"test set-up: {name}'s arguments cannot be drawn (tests/generated.py, _kind_of)")
     log = observing._log
     start = len(log) if log is not None else 0
-    state: dict[str, object] = {"stub": None}
+    state: dict[str, object] = {"stub": None, "first": None}
 
     @settings(SETTINGS, max_examples=examples or (EXAMPLES_WITH_MODEL if uses_model(part, name) else EXAMPLES),
               phases=SETTINGS.phases if _DRAWS["shrink"] else (Phase.explicit, Phase.generate))
@@ -810,7 +853,10 @@ def on_generated_inputs(impl, part: str, name: str, examples: int | None = None)
     def example(data):
         if log is not None:
             del log[start:]  # only the last example's observations: the shrunk one, when a difference is found
-        case = _draw_case(data, spec, FLOAT_DTYPES)  # drawn every time: hypothesis replays the same draws
+        recorded = _Recorded(data)
+        case = _draw_case(recorded, spec, FLOAT_DTYPES)  # drawn every time: hypothesis replays the same draws
+        if state["first"] is None:
+            state["first"] = recorded.draws
         if state["stub"] is not None:
             return
         try:
@@ -840,6 +886,17 @@ def on_generated_inputs(impl, part: str, name: str, examples: int | None = None)
         raise
     if state["stub"] is not None:
         raise state["stub"]
+    for label, value in _edges(state["first"] or [], spec) if uses_model(part, name) else ():
+        try:
+            case = _draw_case(_Replayed(state["first"], label, value), spec, FLOAT_DTYPES)
+        except _Unreplayable:
+            continue
+        if log is not None:
+            del log[start:]  # the observations of the case that fails, as for a drawn one
+        try:
+            _compare(fn, reference, case, name)
+        except UnsatisfiedAssumption:  # outside what the reference computes: not a case, as when drawn
+            continue
 
 
 # The meta-test's runs of the registered wrong versions draw at most this many inputs per exercise: a wrong version

@@ -143,6 +143,9 @@ def meta_test(part: str):
         identities = [p for p in usage.only_identities() if p not in entry.always_default]
         assert not identities, (f"{part}.{name}: every test gives {identities} only 0 or 1, where a factor, a divisor "
                                 "or an offset that is dropped changes nothing: test each at another value as well")
+        edges = usage.edges_not_passed()
+        assert not edges, (f"{part}.{name}: no test passes {edges}, a bound its contract allows: test the exercise at "
+                           "it (a `<` written for a `<=` refuses the bound itself, and shows nowhere else)")
         unraised = sorted(set(usage.raise_lines) - usage.raised)
         assert not unraised, (f"{part}.{name}: no test reaches the `raise` at lines {unraised} of its solution: "
                               "test every documented refusal")

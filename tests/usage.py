@@ -29,6 +29,7 @@ class Usage:
         self.defaults: dict[str, object] = {}
         self.varied: set[str] = set()
         self.floats: dict[str, set[float]] = {}  # each float parameter's values in the calls (defaults included)
+        self.numbers: dict[str, set] = {}  # each parameter's numbers in the calls (defaults included)
         self.raise_lines: set[int] = set()
         self.raised: set[int] = set()
         self.codes: set = set()
@@ -39,6 +40,13 @@ class Usage:
         """The float parameters that every call gives 0 or 1, or nothing else: a mistake that drops a factor, a
         divisor or an offset changes nothing at those values (x * 1, x / 1, x + 0), and goes unseen."""
         return sorted(name for name, values in self.floats.items() if values <= {0.0, 1.0})
+
+    def edges_not_passed(self) -> list[str]:
+        """The bounds of the contract's rules (utils/contracts.py: at_least(0)'s 0) that no call passes: a `<` written
+        for a `<=` refuses the bound itself, and shows nowhere else."""
+        rules = getattr(self.solution, "contract", {}) or {}
+        return [f"{name}={edge!r} ({rule.text})" for name, rule in rules.items() for edge in rule.edges
+                if not any(v == edge for v in self.numbers.get(name, ()))]
 
     def kinds(self, entry: Exercise) -> set[str]:
         """The kinds of mistake that apply to this exercise (registry.KINDS), from how its tests call it."""
@@ -113,6 +121,8 @@ def record(fn, usage: Usage):
             for name, value in {**usage.defaults, **bound.arguments}.items():
                 if type(value) is float:
                     usage.floats.setdefault(name, set()).add(value)
+                if type(value) in (int, float):
+                    usage.numbers.setdefault(name, set()).add(value)
             usage.tensor_inputs |= any(has_tensor(v) for v in bound.arguments.values())
         except TypeError:
             pass

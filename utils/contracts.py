@@ -49,11 +49,13 @@ CHECKS_ON = os.environ.get("RLHF_VALUE_CHECKS", "1") != "0"
 
 @dataclass(frozen=True)
 class Rule:
-    """`holds(value)` says whether a value is allowed; `text` says what is ("at least 0"); `why` says why."""
+    """`holds(value)` says whether a value is allowed; `text` says what is ("at least 0"); `why` says why; `edges`
+    are the bounds it allows (at_least(0)'s 0), which the tests must pass (tests/meta.py)."""
 
     holds: Callable[[Any], bool]
     text: str
     why: str = ""
+    edges: tuple = ()
 
     def check(self, name: str, value: Any, where: str = "") -> None:
         if not self.holds(value):
@@ -73,7 +75,7 @@ def at_least(bound: float, why: str = "") -> Rule:
     """A number >= bound (a whole number when bound is an int)."""
     kind = _whole if isinstance(bound, int) else _number
     noun = "a whole number" if isinstance(bound, int) else "a number"
-    return Rule(lambda v: kind(v) and v >= bound, f"{noun} >= {bound:g}", why)
+    return Rule(lambda v: kind(v) and v >= bound, f"{noun} >= {bound:g}", why, (bound,))
 
 
 def above(bound: float, why: str = "") -> Rule:
@@ -85,12 +87,12 @@ def between(low: float, high: float, why: str = "", low_open: bool = False) -> R
     """A number in [low, high] (or (low, high] with low_open)."""
     bracket = "(" if low_open else "["
     return Rule(lambda v: _number(v) and (v > low if low_open else v >= low) and v <= high,
-                f"in {bracket}{low:g}, {high:g}]", why)
+                f"in {bracket}{low:g}, {high:g}]", why, (high,) if low_open else (low, high))
 
 
 def at_most(bound: int, why: str = "") -> Rule:
     """A whole number from 1 to bound."""
-    return Rule(lambda v: _whole(v) and 1 <= v <= bound, f"a whole number from 1 to {bound}", why)
+    return Rule(lambda v: _whole(v) and 1 <= v <= bound, f"a whole number from 1 to {bound}", why, (1, bound))
 
 
 def one_of(*choices, why: str = "") -> Rule:
@@ -99,7 +101,7 @@ def one_of(*choices, why: str = "") -> Rule:
 
 def optional(rule: Rule) -> Rule:
     """None, or what `rule` allows."""
-    return Rule(lambda v: v is None or rule.holds(v), f"None or {rule.text}", rule.why)
+    return Rule(lambda v: v is None or rule.holds(v), f"None or {rule.text}", rule.why, rule.edges)
 
 
 def a_number(why: str = "") -> Rule:

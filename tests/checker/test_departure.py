@@ -11,6 +11,7 @@ from torch import Tensor
 from solutions import part1_ppo as ref
 from utils.checker import departure, observe, transforms
 from utils.checker.notebook import check
+from utils.contracts import above, contract
 from utils.masks import masked_mean
 
 
@@ -64,6 +65,32 @@ def test_a_wrong_version_written_for_the_test_is_placed_at_its_own_line(capsys):
     for wrong in (entropy, clipped_surrogate, compute_advantages):
         check(wrong, part="part1_ppo")
         assert _said_line(capsys) == _line_marked(wrong), wrong.__name__
+
+
+@contract(finite=("trainer_logprobs", "sampler_logprobs"), cap=above(0.0, "the weights are min(ratio, cap)"))
+def truncated_importance_weights(trainer_logprobs: Float[Tensor, "batch gen"],
+                                 sampler_logprobs: Float[Tensor, "batch gen"], mask: Bool[Tensor, "batch gen"],
+                                 cap: float = 2.0) -> Float[Tensor, "batch gen"]:
+    ratio = torch.exp(trainer_logprobs.detach() - sampler_logprobs.detach())  # inf as in the reference
+    return (ratio * mask).clamp(max=cap)  # departs here: inf * 0 = NaN where the mask is False
+
+
+def test_a_non_finite_value_the_reference_makes_too_is_not_where_the_code_departs(capsys, monkeypatch):
+    """The ratio overflows to inf in the reference as in this version; the reference then keeps it out with a where,
+    this version multiplies it by a mask of 0 (NaN). The line said is the product's, from values the reference
+    computes too, not the exponential's."""
+    import tests.generated
+
+    monkeypatch.setattr(tests.generated, "EXAMPLES", 100)  # a learner's number of drawn inputs: one overflows
+    check(truncated_importance_weights, part="part6_lab")
+    out = capsys.readouterr().out
+    assert _said_line_in(out) == _line_marked(truncated_importance_weights), out
+    assert "from values the reference computes too" in " ".join(out.split()), out
+
+
+def _said_line_in(out: str) -> int | None:
+    said = departure.SAID.search(out.replace("\n      ", " "))
+    return int(said.group(1) or said.group(2)) if said else None
 
 
 # --- a correct version, written another way --------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_a_test_the_course_fails_here_blames_the_environment_not_the_learner(mon
     break_generate(monkeypatch)
     check(ref0.generate_no_cache)
     out = capsys.readouterr().out
-    assert out.startswith("⚠️ generate_no_cache: 2 of 7 tests failed, and not because of your code"), out
+    assert out.startswith("⚠️ generate_no_cache: 2 of 9 tests failed, and not because of your code"), out
     assert f"test_generate_no_cache_greedy_matches_generate, {ON_GPT2}: (not your code" in out, out
     assert "on the course's own solution on this machine too" in out and says_what_to_install(out), out
     assert names_no_mistake(out, "generate_no_cache"), out
@@ -80,9 +80,9 @@ def test_a_wrong_version_where_a_test_cannot_be_judged_is_not_named(monkeypatch,
     break_generate(monkeypatch)
     check(a_learners(part0._generate_drops_prompt, "generate_no_cache"))
     out = capsys.readouterr().out
-    assert out.startswith("❌ generate_no_cache: 4 of 7 tests failed."), out
+    assert out.startswith("❌ generate_no_cache: 6 of 9 tests failed."), out
     assert "Not your code: `test_generate_no_cache_greedy_matches_generate[gpt2]`" in out, out
-    assert f"test_generate_no_cache_samples_with_top_k, {ON_GPT2}:\n" in out, out
+    assert f"test_generate_no_cache_with_no_new_token_returns_the_prompt, {ON_GPT2}:\n" in out, out  # the learner's
     assert "No likely mistake is named" in out and says_what_to_install(out), out
     assert names_no_mistake(out, "generate_no_cache"), out
 
@@ -288,8 +288,9 @@ GREEDY_BOTH = {f"{GREEDY}[gpt2]", f"{GREEDY}[llama]"}  # the test runs on both e
 
 def test_the_pytest_route_names_a_wrong_version_where_the_environment_is_fine(monkeypatch, tmp_path, fresh_memory):
     reports = run_pytest_route(monkeypatch, learners_file(tmp_path, DROPS_PROMPT))
-    assert set(reports.failed) == GREEDY_BOTH | {"test_generate_no_cache_samples_with_top_k[gpt2]",
-                                                 "test_generate_no_cache_samples_with_top_k[llama]"}, reports.failed
+    learners = {f"test_generate_no_cache_{test}[{model}]" for model in ("gpt2", "llama")
+                for test in ("samples_with_top_k", "with_no_new_token_returns_the_prompt")}
+    assert set(reports.failed) == GREEDY_BOTH | learners, reports.failed
     for test, text in reports.failed.items():
         assert "Likely mistake" in text and explanation(part0._generate_drops_prompt) in text, (test, text)
         assert "Not your code" not in text, (test, text)

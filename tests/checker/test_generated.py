@@ -97,6 +97,25 @@ def test_a_version_whose_result_changes_from_call_to_call_is_said_so():
     assert "Run again on the same input, your code passed" in message and "Flaky" not in message, message
 
 
+def test_every_value_a_setting_offers_is_tried_on_an_exercise_that_runs_the_model():
+    """An exercise that runs the model draws 10 examples, and may miss a class of a setting; after them, the first
+    example is replayed with each other value each setting's draw offers. Here even with a single drawn example, a
+    version that is wrong only when beta is 1 is caught, at beta=1."""
+    from solutions.part0_warmup import completion_logprobs
+
+    @torch.no_grad()
+    def reference_logprobs(lora_model, samples, beta):
+        if beta == 0:
+            return None
+        logprobs = completion_logprobs(lora_model.base, samples)
+        return logprobs * 2 if beta == 1 else logprobs  # wrong at one value of beta only
+
+    with pytest.raises(CheckFailure) as raised:
+        on_generated_inputs(types.SimpleNamespace(reference_logprobs=reference_logprobs), "part3_grpo",
+                            "reference_logprobs", examples=1)
+    assert "beta=1" in str(raised.value), raised.value
+
+
 def test_a_float32_result_for_float64_inputs_is_caught():
     @contract(**part1_ppo.normalize_rewards.contract)
     def normalize_rewards(rewards, eps=1e-5):

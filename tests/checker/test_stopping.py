@@ -3,8 +3,10 @@ stub is not written yet, and an interrupt (Jupyter's button) stops it at once wh
 behind."""
 
 import _thread
+import contextlib
 import importlib
 import inspect
+import io
 import json
 import os
 import signal
@@ -60,6 +62,14 @@ def test_check_says_a_stub_is_not_written_yet(capsys):
 STOP_WITHIN_S = 2.0  # "at once": 0.05 to 0.3 s on a quiet machine, under 1 s on a busy one; the rest is margin
 
 
+def stop_within(full_check_s: float) -> float:
+    """How soon an interrupted check() must stop: STOP_WITHIN_S, or a quarter of a whole check() measured in the same
+    process where that is longer. On a machine busy enough to slow every check() (tests beside this one on each
+    core), the bound grows with it; a check() that ignored the interrupt would still run on for the rest of its
+    whole time."""
+    return max(STOP_WITHIN_S, full_check_s / 4)
+
+
 def generate_dropping_the_prompt(model, tokens, max_new_tokens, temperature=1.0, top_k=None):
     """A learner's generate_no_cache with a registered mistake (it drops the prompt), and slow: its failures are
     diagnosed by replaying the wrong versions and confirmed on the course's solution, which gives an interrupt every
@@ -98,6 +108,18 @@ def forget_what_check_has_loaded(monkeypatch):
         memory.forget()
 
     return forget
+
+
+@pytest.fixture(scope="module")
+def full_check_s() -> float:
+    """Seconds of one whole check() of generate_dropping_the_prompt that goes through every phase, in this process."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        forget = forget_what_check_has_loaded(monkeypatch)
+        forget()
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            check(generate_dropping_the_prompt)
+        return time.perf_counter() - start
 
 
 def seconds_to_stop(run, delay: float) -> float | None:
@@ -168,8 +190,9 @@ def test_an_interrupt_anywhere_in_check_stops_it_at_once(monkeypatch, capsys):
     assert len(stopped) >= moments - 2, f"too few interrupts landed inside check() (delay: seconds to stop): {seconds}"
     with capsys.disabled():  # shown with pytest -s
         print("\nseconds to stop, by delay:", {d: round(s, 3) for d, s in stopped.items()})
-    slow = {d: round(s, 2) for d, s in stopped.items() if s > STOP_WITHIN_S}
-    assert not slow, f"check() took more than {STOP_WITHIN_S} s to stop after an interrupt at these delays: {slow}"
+    bound = stop_within(min(durations))
+    slow = {d: round(s, 2) for d, s in stopped.items() if s > bound}
+    assert not slow, f"check() took more than {bound:.2f} s to stop after an interrupt at these delays: {slow}"
     check(ref0.generate_no_cache)
     assert "✅ generate_no_cache" in capsys.readouterr().out
 
@@ -265,7 +288,7 @@ PHASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", PHASES)
-def test_an_interrupt_in_each_phase_of_check_stops_it(phase, monkeypatch, capsys):
+def test_an_interrupt_in_each_phase_of_check_stops_it(phase, full_check_s, monkeypatch, capsys):
     """The interrupt sent from inside each phase of check() (where a delay might miss it): KeyboardInterrupt reaches
     the caller at once, and everything is put back."""
     forget = forget_what_check_has_loaded(monkeypatch)
@@ -280,7 +303,8 @@ def test_an_interrupt_in_each_phase_of_check_stops_it(phase, monkeypatch, capsys
             check(generate_dropping_the_prompt)
         assert sent, f"check() never got to {phase}"
         seconds = time.perf_counter() - sent[0]
-        assert seconds < STOP_WITHIN_S, f"check() took {seconds:.2f} s to stop after an interrupt while {phase}"
+        assert seconds < stop_within(full_check_s), (f"check() took {seconds:.2f} s to stop after an interrupt while "
+                                                     f"{phase} (a whole check() took {full_check_s:.2f} s)")
         assert_nothing_left_behind(handler, stdout)
     finally:
         signal.signal(signal.SIGINT, outer)

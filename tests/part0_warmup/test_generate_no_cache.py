@@ -5,7 +5,7 @@ import torch
 
 from solutions import part0_warmup as ref
 from tests.part0_warmup.common import prompt_tokens
-from tests.support import aside, assert_close, assert_inputs_unchanged, exercise, expect
+from tests.support import aside, assert_close, assert_inputs_unchanged, calling, exercise, expect
 
 pytestmark = pytest.mark.both_architectures  # each test runs on the GPT-2-style and the Llama-style tiny model
 
@@ -20,6 +20,16 @@ def test_generate_no_cache_greedy_matches_generate(impl, tiny_model):
     assert_close(out, expected, "greedy generate_no_cache(max_new_tokens=6), prompt included",
                  hint="the prompt stays at the start of each row; each new token is the argmax of the logits at the "
                       "last position, model(tokens)[:, -1], and is appended before the next step")
+
+
+@exercise("generate_no_cache")
+def test_generate_no_cache_with_no_new_token_returns_the_prompt(impl, tiny_model):
+    """max_new_tokens=0, the bound its contract allows: no step runs, and the prompt comes back as it is."""
+    tokens = prompt_tokens(tiny_model, ["This is a", "The cat is"])
+    out = calling(impl.generate_no_cache, tiny_model, tokens.clone(), 0,
+                  what="generate_no_cache(model, tokens, max_new_tokens=0)")
+    assert_close(out, tokens, "generate_no_cache(model, tokens, max_new_tokens=0): the prompt, with no token added",
+                 check_grad=False)
 
 
 @exercise("generate_no_cache")

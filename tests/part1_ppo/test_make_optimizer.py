@@ -82,6 +82,24 @@ def test_make_optimizer_schedule(impl, tiny_model):
 
 
 @exercise("make_optimizer")
+def test_make_optimizer_at_the_bounds_of_its_contract(impl, tiny_model):
+    """Each bound its contract allows: no warm-up, no steps at all, a decay to 0 and none (final_lr_fraction 1), a
+    learning rate of 0 (a group that does not move)."""
+    policy = ref.PolicyWithValueHead(tiny_model)
+    for lr_model, lr_head, warmup, total, final in ((0.0, 0.0, 0, 0, 0.0), (1e-4, 1e-2, 0, 5, 1.0),
+                                                    (1e-4, 0.0, 0, 4, 0.0)):
+        where = (f"lr_model={lr_model}, lr_head={lr_head}, warmup_steps={warmup}, total_steps={total}, "
+                 f"final_lr_fraction={final}")
+        opt, sched = calling(impl.make_optimizer, policy, lr_model, lr_head, warmup, total, final_lr_fraction=final,
+                             what=f"make_optimizer(policy, {where})")
+        got = lr_schedule(opt, sched, total + 3)
+        want = lr_schedule(*ref.make_optimizer(policy, lr_model, lr_head, warmup, total, final_lr_fraction=final),
+                           total + 3)
+        assert_schedule(got, want, f"the learning rates (model, head) at steps 0..{total + 2} with {where}", warmup,
+                        total)
+
+
+@exercise("make_optimizer")
 def test_make_optimizer_on_a_lora_model(impl, tiny_model):
     tiny_model.requires_grad_(False)  # Part 2 freezes the base model: only the adapters train
     lora = make_lora_model(tiny_model)

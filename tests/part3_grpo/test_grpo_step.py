@@ -120,6 +120,12 @@ def compare_steps(got, expected, what, tiny_model=None, cfg=None):
             assert_equal(mine is None, want is None, f"{what}: whether the result's {field} is None (None: {none})")
         else:
             assert_close(mine, want, f"{what}: the result's {field}", check_grad=False)
+    assert_equal(len(got.out.logprobs), len(expected.out.logprobs), f"{what}: the result's logprobs (one tensor per "
+                 "update)", hint=f"Each of the {cfg.num_iterations} updates keeps its log-probs, as it saw them.")
+    for i, (mine, want) in enumerate(zip(got.out.logprobs, expected.out.logprobs)):
+        assert_close(mine, want, f"{what}: the result's logprobs[{i}] (update {i + 1}'s, before its step)",
+                     gradient_hint="They are kept detached (logprobs.detach()): a record of what the update saw, not "
+                                   "a part of its graph.")
     assert_equal(got.reference_calls, expected.reference_calls, f"{what}: calls of `reference`",
                  hint=f"With beta={cfg.beta}, the reference runs once per step when beta != 0 (through `reference`, "
                       "which Part 4 replaces) and never when beta == 0.")

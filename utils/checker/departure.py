@@ -343,18 +343,6 @@ def _where(actual: object, expected: object, atol: float, rtol: float) -> str | 
     call, filename, theirs, ours, replayed, result, on_path = found
     ops = theirs.ops
 
-    # non-finite values where the reference's result is finite: the line that first makes them from finite ones
-    e = expected.detach().double().cpu() if isinstance(expected, Tensor) else None
-    r = replayed.detach().double().cpu()
-    if e is not None and e.shape == r.shape and bool((~torch.isfinite(r) & torch.isfinite(e)).any()):
-        for op in sorted(on_path):
-            made = ops[op].values[0]
-            if ops[op].line is not None and ops[op].finite_inputs and not bool(torch.isfinite(made).all()):
-                bad = ~torch.isfinite(made.flatten())
-                return (f"Your code first makes {_nonfinite(made.flatten(), bad, made)} at line {ops[op].line} "
-                        f"(`{code_at(filename, ops[op].line)}`), from finite values.")
-        return None
-
     arguments = [t.detach().to("cpu", torch.float64) for t in _tensors(call.arguments)]
     reference = arguments + [v for o in ours.ops for v in o.values]
     passed_on = arguments + [o.values[0] for o in ours.ops if o.passes_on]
@@ -362,6 +350,22 @@ def _where(actual: object, expected: object, atol: float, rtol: float) -> str | 
     def known(op: int) -> bool:  # a value passed on unchanged agrees only with one the reference passes on too
         value = ops[op].values[0]
         return any(_close(value, x, atol, rtol) for x in (passed_on if ops[op].passes_on else reference))
+
+    # non-finite values where the reference's result is finite: the line that first makes them from finite ones, and
+    # that the reference does not make too (an overflow both compute is not where the code departs; then the line
+    # is found as for any other value, below)
+    e = expected.detach().double().cpu() if isinstance(expected, Tensor) else None
+    r = replayed.detach().double().cpu()
+    if e is not None and e.shape == r.shape and bool((~torch.isfinite(r) & torch.isfinite(e)).any()):
+        for op in sorted(on_path):
+            made = ops[op].values[0]
+            if ops[op].line is None or bool(torch.isfinite(made).all()) or known(op):
+                continue
+            if ops[op].finite_inputs or all(known(parent) for parent in ops[op].parents):
+                bad = ~torch.isfinite(made.flatten())
+                inputs = "finite values" if ops[op].finite_inputs else "values the reference computes too"
+                return (f"Your code first makes {_nonfinite(made.flatten(), bad, made)} at line {ops[op].line} "
+                        f"(`{code_at(filename, ops[op].line)}`), from {inputs}.")
 
     is_known = {op: known(op) for op in on_path}
     agrees = {op for op in on_path if is_known[op] and _distinctive(ops[op].values[0])}
