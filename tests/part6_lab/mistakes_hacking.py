@@ -16,8 +16,9 @@ def _bt_refuse(chosen_scores, rejected_scores):
 
 
 def _bt_swapped(chosen_scores, rejected_scores):
-    """Chosen and rejected are swapped (-log sigmoid(rejected - chosen)): the loss then prefers the rejected answer.
-    The margin is chosen minus rejected."""
+    """Computes -log sigmoid(rejected - chosen), the margin the wrong way round (the two scores swapped, or
+    F.softplus(chosen - rejected), which is the same): the loss then prefers the rejected answer. Minimise
+    -log sigmoid(chosen - rejected) = F.softplus(rejected - chosen)."""
     _bt_refuse(chosen_scores, rejected_scores)
     return -F.logsigmoid(rejected_scores - chosen_scores).mean()
 
