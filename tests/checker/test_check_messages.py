@@ -485,3 +485,21 @@ def test_an_error_no_test_put_into_words_is_not_shown_before_one_a_test_did():
                               "RuntimeError: ... in the hook at blocks.0.attn.q.hook_out")
     shown = failures([raw, phrased], [], verbose=False, name="lora_hooks")
     assert shown[0] == "  test_zero_B:" and "Also failing: 1 more test" in shown[-1], shown
+
+
+# --- a symptom downstream is not shown first --------------------------------------------------------------------------
+
+def test_where_values_differ_a_difference_of_gradients_is_not_the_failure_shown_first(capsys):
+    """completion_logprobs with its mask inverted (the real tokens zeroed): the values differ, and so, following from
+    them, do the gradients that reach the weights. At equal specificity the failure shown first is one of values."""
+    from solutions.part0_warmup import get_logprobs
+
+    def completion_logprobs(model, samples):
+        logits = model(samples.ids, attention_mask=samples.attention_mask)
+        logprobs = get_logprobs(logits, samples.ids, prefix_len=samples.prompt_len)
+        return logprobs.masked_fill(samples.completion_mask, 0.0)  # the real tokens, where the padding was meant
+
+    check(completion_logprobs)
+    out = capsys.readouterr().out
+    assert "gradient" not in out.split("\n  test_", 1)[1].split("\n  Also failing")[0], out
+    assert "where gradients differ" in out, out  # the gradients' failure is among the others

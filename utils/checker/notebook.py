@@ -178,6 +178,9 @@ def label(test: str) -> str:
     return f"{m['test']}{f'[{rest}]' if rest else ''}, on {ARCHITECTURE_WORDS[models[0]]}"
 
 
+_GRADIENTS = re.compile(rf"^{GRADIENT_OF}.*? with respect to ")  # a finding on a comparison of gradients
+
+
 # What a failure found, in a few words (for the tests listed after the first): each read off a phrase that only the
 # checker's findings use (never a test's label, which may name shapes, NaN rewards or gradients), in this order; a
 # failure that none of them fits is counted as "with another finding". A difference found in what a comparison of
@@ -199,7 +202,7 @@ _GISTS = (
                 r"\ba gradient reaches it, but it is exactly 0\b|\bsends a gradient into it and the reference "
                 r"does not\b"),
      "where the gradient is missing or extra"),
-    (re.compile(rf"^{GRADIENT_OF}.*? with respect to "), "where gradients differ"),
+    (_GRADIENTS, "where gradients differ"),
     (re.compile(r"\bshape \([\d, ]*\), expected \("), "where shapes differ"),
     (re.compile(r"\b(?:NaN|inf) at \d+ of \d+ positions\b|where the expected value is finite|\bexpected NaN\b"),
      "with a NaN or inf"),
@@ -258,7 +261,9 @@ def failures(failed: list[tuple[str, str]], not_judged: list[str], verbose: bool
         return lines
     judged = [g for g in ordered if g[0][0] not in not_judged] or ordered
     judged = [g for g in judged if g[0][0] not in after] or judged
-    first = max(judged, key=lambda g: _specificity(g[0][1]))  # max keeps the earliest of equals: notebook order
+    # max keeps the earliest of equals (notebook order); at equal specificity a difference of gradients comes after
+    # one of values, which it follows from when the values differ too (a downstream symptom is not shown first)
+    first = max(judged, key=lambda g: (_specificity(g[0][1]), not _GRADIENTS.match(split_message(g[0][1])[0])))
     tests = [t for t, _ in first]
     main = plain(split_message(first[0][1])[0]).splitlines()
     where = " (not your code: see below)" if tests[0] in not_judged else ""
