@@ -846,16 +846,17 @@ def on_generated_inputs(impl, part: str, name: str, examples: int | None = None)
     log = observing._log
     start = len(log) if log is not None else 0
     state: dict[str, object] = {"stub": None, "first": None}
+    with_model = uses_model(part, name)
 
-    @settings(SETTINGS, max_examples=examples or (EXAMPLES_WITH_MODEL if uses_model(part, name) else EXAMPLES),
+    @settings(SETTINGS, max_examples=examples or (EXAMPLES_WITH_MODEL if with_model else EXAMPLES),
               phases=SETTINGS.phases if _DRAWS["shrink"] else (Phase.explicit, Phase.generate))
     @given(st.data())
     def example(data):
         if log is not None:
             del log[start:]  # only the last example's observations: the shrunk one, when a difference is found
-        recorded = _Recorded(data)
-        case = _draw_case(recorded, spec, FLOAT_DTYPES)  # drawn every time: hypothesis replays the same draws
-        if state["first"] is None:
+        recorded = _Recorded(data) if with_model and state["first"] is None else None  # the first example's draws
+        case = _draw_case(recorded or data, spec, FLOAT_DTYPES)  # drawn every time: hypothesis replays the same draws
+        if recorded is not None:
             state["first"] = recorded.draws
         if state["stub"] is not None:
             return
@@ -886,7 +887,7 @@ def on_generated_inputs(impl, part: str, name: str, examples: int | None = None)
         raise
     if state["stub"] is not None:
         raise state["stub"]
-    for label, value in _edges(state["first"] or [], spec) if uses_model(part, name) else ():
+    for label, value in _edges(state["first"] or [], spec):  # recorded only for an exercise that runs the model
         try:
             case = _draw_case(_Replayed(state["first"], label, value), spec, FLOAT_DTYPES)
         except _Unreplayable:
